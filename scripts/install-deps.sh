@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Install what the local test cluster and the test suite need, on a fresh Debian 12
+# (run as root). Idempotent: every step is skipped when its result is already there,
+# so running it again on a prepared box costs ~5 s (the editable pip install).
+set -euo pipefail
+
+# Daemons live in /usr/sbin, which a non-login root shell may lack on its PATH.
+export PATH="$PATH:/usr/sbin:/sbin"
+# pip: no "running as root" warning and no version nag; real errors still show.
+export PIP_ROOT_USER_ACTION=ignore PIP_DISABLE_PIP_VERSION_CHECK=1
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+
+if [ "$(id -u)" -ne 0 ]; then
+    echo "install-deps.sh: must run as root (it uses apt-get)" >&2
+    exit 1
+fi
+
+# System packages. Open MPI goes in together with Slurm on purpose: if it is added
+# after the Slurm daemons started, `srun --mpi=pmix` hangs (see SLURM_LOCAL.md).
+missing=0
+for cmd in slurmctld slurmd srun munged mpirun; do
+    command -v "$cmd" >/dev/null 2>&1 || missing=1
+done
+if [ "$missing" -eq 1 ]; then
+    echo "install-deps.sh: installing Slurm, munge and Open MPI (apt)"
+    apt-get update -qq >/dev/null
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+        slurmctld slurmd slurm-client munge openmpi-bin libopenmpi-dev iproute2 procps \
+        >/dev/null
+fi
+
+# torch is pinned: 2.13.0 is a CPU wheel already on disk; any other version (or an
+# unpinned install pulled in by our own requirements) downloads GBs of CUDA build.
+if ! python3 -c 'import torch' >/dev/null 2>&1; then
+    echo "install-deps.sh: installing torch==2.13.0"
+    python3 -m pip install -q torch==2.13.0
+fi
+
+# The project itself, editable, with the test extras, into the system python3
+# (no venv: the Slurm tasks run this same interpreter on every emulated node).
+python3 -m pip install -q -e "$REPO[test]"
+echo "install-deps.sh: done"
