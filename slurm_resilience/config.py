@@ -1,0 +1,298 @@
+"""Per-component configuration: frozen keyword-only dataclasses, YAML in one place.
+
+Each section of the YAML file maps to one dataclass::
+
+    job:       {nodes: 4, spares: 1}
+    detect:    {heartbeat_period_s: 0.25}
+    recovery:  {...}
+    reconnect: {...}
+    snapshot:  {...}
+
+Unknown sections/keys and wrong types are ``ConfigError``s whose one-line
+message names the key and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import yaml
+
+from slurm_resilience.errors import ConfigError
+
+__all__ = [
+    "JobConfig",
+    "DetectConfig",
+    "RecoveryConfig",
+    "ReconnectConfig",
+    "SnapshotConfig",
+    "ResilienceConfig",
+    "load_config",
+    "config_to_dict",
+]
+
+_TIME_LIMIT = re.compile(r"(\d+-)?\d{1,2}:\d{2}:\d{2}|\d+")
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobConfig:
+    """The Slurm allocation.
+
+    Fields:
+        nodes: worker nodes, one rank each (>= 1).
+        spares: extra nodes held idle to replace lost ones (>= 0).
+        tasks_per_node: ranks per node; only 1 is supported for now.
+        job_dir: where the job writes rank tables and events; ``{job_id}`` is filled in.
+        time_limit: Slurm ``--time``: ``[D-]HH:MM:SS`` or minutes.
+        partition: Slurm partition, or None for the default.
+        supervisor_node: an extra node in the allocation runs the supervisor alone.
+    """
+
+    nodes: int = 4
+    spares: int = 1
+    tasks_per_node: int = 1
+    job_dir: str = "sr-jobs/{job_id}"
+    time_limit: str = "00:30:00"
+    partition: str | None = None
+    supervisor_node: bool = True
+
+    def __post_init__(self) -> None:
+        if self.nodes < 1:
+            raise ConfigError(f"job.nodes={self.nodes} must be >= 1: give at least one worker node")
+        if self.spares < 0:
+            raise ConfigError(f"job.spares={self.spares} must be >= 0: use 0 for no spare nodes")
+        if self.tasks_per_node != 1:
+            raise ConfigError(f"tasks_per_node={self.tasks_per_node} is not supported yet: use 1")
+        if not _TIME_LIMIT.fullmatch(self.time_limit):
+            raise ConfigError(
+                f"job.time_limit={self.time_limit!r} is not a Slurm time: use [D-]HH:MM:SS or minutes"
+            )
+        if not self.job_dir:
+            raise ConfigError("job.job_dir is empty: give a directory such as 'sr-jobs/{job_id}'")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DetectConfig:
+    """Fault detection.
+
+    Fields:
+        heartbeat_period_s: how often each worker beats (0 < p <= 0.5).
+        heartbeat_timeout_s: a rank is stale after this silence (> 2 * period).
+        node_poll_s: how often Slurm node states are polled (> 0).
+        probe_timeout_s: timeout of one slurmd reachability probe (> 0).
+    """
+
+    heartbeat_period_s: float = 0.25
+    heartbeat_timeout_s: float = 2.0
+    node_poll_s: float = 2.0
+    probe_timeout_s: float = 0.3
+
+    def __post_init__(self) -> None:
+        if not 0 < self.heartbeat_period_s <= 0.5:
+            raise ConfigError(
+                f"detect.heartbeat_period_s={self.heartbeat_period_s} must be > 0 and <= 0.5"
+            )
+        if self.heartbeat_timeout_s <= 2 * self.heartbeat_period_s:
+            raise ConfigError(
+                f"detect.heartbeat_timeout_s={self.heartbeat_timeout_s} must be > 2 * heartbeat_period_s"
+                f" ({2 * self.heartbeat_period_s:g}): raise the timeout or lower the period"
+            )
+        for name in ("node_poll_s", "probe_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"detect.{name}={getattr(self, name)} must be > 0")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RecoveryConfig:
+    """Recovery policy.
+
+    Fields:
+        online_timeout_s: how long a replacement rank may take to come online (> 0).
+        fault_retry_times: budget of process restarts for faults on healthy nodes (>= 0).
+        isolate_state: Slurm state given to a bad node: DOWN or DRAIN.
+        fallback_relaunch: when in-job recovery fails, relaunch the job from a checkpoint.
+    """
+
+    online_timeout_s: float = 30.0
+    fault_retry_times: int = 3
+    isolate_state: str = "DOWN"
+    fallback_relaunch: bool = True
+
+    def __post_init__(self) -> None:
+        if self.online_timeout_s <= 0:
+            raise ConfigError(f"recovery.online_timeout_s={self.online_timeout_s} must be > 0")
+        if self.fault_retry_times < 0:
+            raise ConfigError(
+                f"recovery.fault_retry_times={self.fault_retry_times} must be >= 0: use 0 to never restart in place"
+            )
+        if self.isolate_state not in ("DOWN", "DRAIN"):
+            raise ConfigError(f"recovery.isolate_state={self.isolate_state!r} must be 'DOWN' or 'DRAIN'")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReconnectConfig:
+    """Rebuilding process groups after a rank table change.
+
+    Fields:
+        backend: auto (nccl with GPUs, else gloo), gloo or nccl.
+        pg_timeout_s: process-group timeout (> 0).
+        poll_interval_ms: store polling interval while waiting for peers (> 0).
+        gloo_ifname: network interface for gloo (GLOO_SOCKET_IFNAME), or None.
+    """
+
+    backend: str = "auto"
+    pg_timeout_s: float = 30.0
+    poll_interval_ms: float = 20.0
+    gloo_ifname: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.backend not in ("auto", "gloo", "nccl"):
+            raise ConfigError(f"reconnect.backend={self.backend!r} must be one of auto, gloo, nccl")
+        if self.pg_timeout_s <= 0:
+            raise ConfigError(f"reconnect.pg_timeout_s={self.pg_timeout_s} must be > 0")
+        if self.poll_interval_ms <= 0:
+            raise ConfigError(f"reconnect.poll_interval_ms={self.poll_interval_ms} must be > 0")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SnapshotConfig:
+    """In-memory/local snapshots used for fast restore.
+
+    Fields:
+        every_steps: snapshot every N steps (>= 1).
+        local_dir: node-local directory; ``{job_id}`` and ``{node}`` are filled in.
+        keep: snapshots kept per rank (>= 1).
+    """
+
+    every_steps: int = 10
+    local_dir: str = "/tmp/slurm_resilience/{job_id}/{node}"
+    keep: int = 2
+
+    def __post_init__(self) -> None:
+        if self.every_steps < 1:
+            raise ConfigError(f"snapshot.every_steps={self.every_steps} must be >= 1")
+        if self.keep < 1:
+            raise ConfigError(f"snapshot.keep={self.keep} must be >= 1: keep at least one snapshot")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ResilienceConfig:
+    """All sections together; each component takes only its own section."""
+
+    job: JobConfig = field(default_factory=JobConfig)
+    detect: DetectConfig = field(default_factory=DetectConfig)
+    recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
+    reconnect: ReconnectConfig = field(default_factory=ReconnectConfig)
+    snapshot: SnapshotConfig = field(default_factory=SnapshotConfig)
+
+
+_SECTIONS: dict[str, type] = {
+    "job": JobConfig,
+    "detect": DetectConfig,
+    "recovery": RecoveryConfig,
+    "reconnect": ReconnectConfig,
+    "snapshot": SnapshotConfig,
+}
+
+
+def _check_type(where: str, value: Any, annotation: Any) -> Any:
+    """Return ``value`` (ints widened to float) or raise ConfigError."""
+    args = typing.get_args(annotation)
+    optional = type(None) in args
+    base = next((a for a in args if a is not type(None)), annotation) if args else annotation
+    if value is None:
+        if optional:
+            return None
+        raise ConfigError(f"{where} must be {_type_word(base)}, got null")
+    if base is bool:
+        if isinstance(value, bool):
+            return value
+    elif base is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif base is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif base is str:
+        if isinstance(value, str):
+            return value
+    raise ConfigError(f"{where} must be {_type_word(base)}, got {value!r}")
+
+
+def _type_word(tp: Any) -> str:
+    return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(tp, str(tp))
+
+
+def _build_section(name: str, raw: Any, origin: str) -> Any:
+    cls = _SECTIONS[name]
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"section '{name}' in {origin} must be a mapping, got {raw!r}")
+    hints = typing.get_type_hints(cls)
+    valid = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in raw.items():
+        if key not in valid:
+            raise ConfigError(f"unknown key '{name}.{key}' in {origin}; valid keys: {', '.join(valid)}")
+        kwargs[key] = _check_type(f"{name}.{key}", value, hints[key])
+    return cls(**kwargs)
+
+
+def _read_source(source: str | os.PathLike | Mapping | None) -> tuple[Mapping, str]:
+    if source is None:
+        return {}, "defaults"
+    if isinstance(source, Mapping):
+        return source, "config"
+    path = os.fspath(source)
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {path}") from None
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
+    try:
+        doc = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or type(exc).__name__
+        raise ConfigError(f"invalid YAML in {path}{where}: {problem}") from None
+    if doc is None:
+        doc = {}
+    if not isinstance(doc, Mapping):
+        raise ConfigError(f"{path} must hold a mapping of sections ({', '.join(_SECTIONS)}), got {type(doc).__name__}")
+    return doc, os.path.basename(path)
+
+
+def load_config(
+    source: str | os.PathLike | Mapping | None = None,
+    overrides: Mapping[str, Mapping] | None = None,
+) -> ResilienceConfig:
+    """Load a YAML file (or a mapping) and apply ``overrides`` per section.
+
+    Raises:
+        ConfigError: missing file, bad YAML, unknown section/key, wrong type,
+            or a value that fails a component's checks.
+    """
+    doc, origin = _read_source(source)
+    merged: dict[str, dict] = {}
+    for layer, where in ((doc, origin), (overrides or {}, "overrides")):
+        for name, section in layer.items():
+            if name not in _SECTIONS:
+                raise ConfigError(f"unknown section '{name}' in {where}; valid sections: {', '.join(_SECTIONS)}")
+            if section is not None and not isinstance(section, Mapping):
+                raise ConfigError(f"section '{name}' in {where} must be a mapping, got {section!r}")
+            merged.setdefault(name, {}).update(section or {})
+    return ResilienceConfig(**{name: _build_section(name, merged.get(name), origin) for name in _SECTIONS})
+
+
+def config_to_dict(cfg: ResilienceConfig) -> dict[str, dict[str, Any]]:
+    """Plain nested dict; ``load_config(config_to_dict(cfg)) == cfg``."""
+    return {name: dataclasses.asdict(getattr(cfg, name)) for name in _SECTIONS}

@@ -1,0 +1,81 @@
+"""Typed errors: one ``ResilienceError`` base with narrow subclasses.
+
+Callers catch the narrowest class they can handle; anything else propagates.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+__all__ = [
+    "ResilienceError",
+    "ConfigError",
+    "SlurmCommandError",
+    "NoSpareError",
+    "RecoveryError",
+    "RankTableError",
+    "StepAborted",
+    "CheckpointError",
+    "ProtocolError",
+]
+
+
+class ResilienceError(Exception):
+    """Base class of every error raised by slurm_resilience."""
+
+
+class ConfigError(ResilienceError):
+    """A configuration value or file is invalid; the message says how to fix it."""
+
+
+class SlurmCommandError(ResilienceError):
+    """A Slurm command failed, timed out or is not installed.
+
+    Attributes:
+        argv: the command line that was run.
+        returncode: its exit status, or None when it timed out or never started.
+        stderr: its standard error (or a short explanation when it never ran).
+    """
+
+    def __init__(self, argv: Sequence[str], returncode: int | None, stderr: str) -> None:
+        self.argv = list(argv)
+        self.returncode = returncode
+        self.stderr = stderr
+        super().__init__(self._one_line())
+
+    def _one_line(self) -> str:
+        cmd = " ".join(self.argv)
+        status = "no exit status" if self.returncode is None else f"exit {self.returncode}"
+        first = next((ln.strip() for ln in self.stderr.splitlines() if ln.strip()), "")
+        return f"`{cmd}` failed ({status}): {first}" if first else f"`{cmd}` failed ({status})"
+
+    def __str__(self) -> str:
+        return self._one_line()
+
+
+class NoSpareError(ResilienceError):
+    """A node must be replaced but no usable spare node is left in the job."""
+
+
+class RecoveryError(ResilienceError):
+    """Recovery cannot proceed (illegal lifecycle transition, budget exhausted, ...)."""
+
+
+class RankTableError(ResilienceError):
+    """A rank table is malformed or a regeneration request is inconsistent."""
+
+
+class StepAborted(ResilienceError):
+    """A collective was interrupted by a fault inside a worker.
+
+    Raised inside a worker when a collective is interrupted by a fault; caught by
+    the step context, never by users.
+    """
+
+
+class CheckpointError(ResilienceError):
+    """A checkpoint could not be written, found, or validated."""
+
+
+class ProtocolError(ResilienceError):
+    """A supervisor/worker message is malformed or carries the wrong token."""

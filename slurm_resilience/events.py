@@ -1,0 +1,115 @@
+"""The JSONL event log: one writer (the supervisor), any number of readers.
+
+Each line is ``{"t": unix_time, "kind": ..., **fields}``. Volume is low, so
+every line is flushed and fsynced: the log survives the writer's crash.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any, Callable
+
+__all__ = ["EventLog", "read_events", "format_timeline"]
+
+
+class EventLog:
+    """Append-only JSONL log; use as a context manager or call ``close()``."""
+
+    def __init__(self, path: str, *, clock: Callable[[], float] = time.time) -> None:
+        self.path = path
+        self._clock = clock
+        parent = os.path.dirname(path)
+        if parent:
+            os.makedirs(parent, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        self._file = os.fdopen(fd, "a", encoding="utf-8")
+
+    def emit(self, kind: str, **fields: Any) -> dict[str, Any]:
+        """Append one event and return it. Raises OSError, TypeError (not JSON-able)."""
+        event = {"t": self._clock(), "kind": kind, **fields}
+        line = json.dumps(event, default=_jsonable)  # insertion order: t, kind, fields
+        self._file.write(line + "\n")
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        return event
+
+    def close(self) -> None:
+        self._file.close()
+
+    def __enter__(self) -> "EventLog":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _jsonable(obj: Any) -> Any:
+    if hasattr(obj, "to_dict"):
+        return obj.to_dict()
+    if hasattr(obj, "value"):  # enums
+        return obj.value
+    raise TypeError(f"event field of type {type(obj).__name__} is not JSON serializable")
+
+
+def read_events(path: str) -> list[dict[str, Any]]:
+    """All events in order; a truncated (unparsable) last line is ignored.
+
+    Raises:
+        ValueError: a line other than the last is not valid JSON.
+        OSError: the file cannot be read.
+    """
+    with open(path, encoding="utf-8") as f:
+        lines = f.read().split("\n")
+    events = []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            events.append(json.loads(line))
+        except json.JSONDecodeError:
+            if i == len(lines) - 1 or all(not rest.strip() for rest in lines[i + 1:]):
+                break  # the writer died mid-line
+            raise ValueError(f"{path}: line {i + 1} is not valid JSON") from None
+    return events
+
+
+_SKIP = ("t", "kind")
+
+
+def format_timeline(events: list[dict[str, Any]]) -> str:
+    """Readable timeline: one line per event, then a phase table per recovery.
+
+    Times are relative to the first event. Phases come from ``phase`` events
+    (fields ``recovery``, ``phase``, ``start``, ``end``); a recovery is listed
+    when it has a ``recovery_start`` or any phase.
+    """
+    if not events:
+        return "(no events)\n"
+    t0 = events[0]["t"]
+    lines = []
+    for ev in events:
+        rest = " ".join(f"{k}={_fmt(v)}" for k, v in ev.items() if k not in _SKIP)
+        lines.append(f"+{ev['t'] - t0:.3f}s  {ev['kind']}  {rest}".rstrip())
+    recoveries: dict[Any, list[dict[str, Any]]] = {}
+    for ev in events:
+        if ev.get("kind") in ("recovery_start", "recovery_done", "phase") and "recovery" in ev:
+            recoveries.setdefault(ev["recovery"], [])
+            if ev["kind"] == "phase":
+                recoveries[ev["recovery"]].append(ev)
+    for rec, phases in recoveries.items():
+        start = next((e["t"] for e in events if e.get("kind") == "recovery_start" and e.get("recovery") == rec), None)
+        done = next((e["t"] for e in events if e.get("kind") == "recovery_done" and e.get("recovery") == rec), None)
+        total = f"{(done - start) * 1000:.1f} ms" if start is not None and done is not None else "unfinished"
+        lines.append("")
+        lines.append(f"recovery {rec}: {total}")
+        width = max([len("phase")] + [len(str(p["phase"])) for p in phases])
+        lines.append(f"  {'phase'.ljust(width)}  duration_ms")
+        for p in phases:
+            lines.append(f"  {str(p['phase']).ljust(width)}  {(p['end'] - p['start']) * 1000:11.1f}")
+    return "\n".join(lines) + "\n"
+
+
+def _fmt(v: Any) -> str:
+    return v if isinstance(v, str) and " " not in v else json.dumps(v, sort_keys=True)

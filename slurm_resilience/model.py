@@ -1,0 +1,172 @@
+"""Value types shared by the supervisor and the worker session.
+
+All types are frozen dataclasses: they are facts, never mutated. A new rank
+table is a new object with a higher generation.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from slurm_resilience.errors import RankTableError
+
+__all__ = ["FaultKind", "Fault", "RankSlot", "RankTable", "RANK_TABLE_VERSION"]
+
+RANK_TABLE_VERSION = 1
+
+
+class FaultKind(enum.Enum):
+    """What went wrong, as far as the supervisor can tell."""
+
+    NODE_LOST = "node_lost"
+    """The node cannot be reached at all (slurmd unreachable): its ranks are gone."""
+
+    PROCESS_DIED = "process_died"
+    """The rank's process exited (connection closed, step ended) on a reachable node."""
+
+    PROCESS_HUNG = "process_hung"
+    """The rank's heartbeat is stale but its process has not exited and the node is up."""
+
+    NODE_UNHEALTHY = "node_unhealthy"
+    """Slurm marks the node down, drained, failing or not responding."""
+
+
+@dataclass(frozen=True)
+class Fault:
+    """One detected fault: which rank (if known) on which node, when and why."""
+
+    kind: FaultKind
+    rank: int | None
+    node: str
+    time: float
+    detail: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-friendly dict (``kind`` as its string value)."""
+        return {
+            "kind": self.kind.value,
+            "rank": self.rank,
+            "node": self.node,
+            "time": self.time,
+            "detail": self.detail,
+        }
+
+
+@dataclass(frozen=True)
+class RankSlot:
+    """Where one rank runs: node, worker process id, device and address."""
+
+    rank: int
+    node: str
+    worker_id: str
+    local_rank: int = 0
+    device: str = "cpu"
+    address: str = "127.0.0.1"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "rank": self.rank,
+            "node": self.node,
+            "worker_id": self.worker_id,
+            "local_rank": self.local_rank,
+            "device": self.device,
+            "address": self.address,
+        }
+
+
+_SLOT_FIELDS = {"rank": int, "node": str, "worker_id": str, "local_rank": int, "device": str, "address": str}
+_SLOT_REQUIRED = ("rank", "node", "worker_id")
+
+
+@dataclass(frozen=True)
+class RankTable:
+    """Rank → slot assignment for one generation; slot i has rank i.
+
+    Invariants (checked on construction, ``RankTableError`` otherwise):
+    generation >= 0, ranks are 0..n-1 in order, no node appears twice.
+    """
+
+    generation: int
+    slots: tuple[RankSlot, ...]
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.generation, int) or isinstance(self.generation, bool) or self.generation < 0:
+            raise RankTableError(f"rank table generation must be an int >= 0, got {self.generation!r}")
+        if not isinstance(self.slots, tuple):
+            object.__setattr__(self, "slots", tuple(self.slots))
+        seen: dict[str, int] = {}
+        for i, slot in enumerate(self.slots):
+            if not isinstance(slot, RankSlot):
+                raise RankTableError(f"rank table slot {i} is not a RankSlot: {slot!r}")
+            if slot.rank != i:
+                raise RankTableError(f"rank table slot {i} has rank {slot.rank}: ranks must be 0..n-1 in order")
+            if slot.node in seen:
+                raise RankTableError(f"node {slot.node!r} is used by ranks {seen[slot.node]} and {i}")
+            seen[slot.node] = i
+
+    @property
+    def world_size(self) -> int:
+        return len(self.slots)
+
+    @property
+    def nodes(self) -> tuple[str, ...]:
+        """Nodes in rank order."""
+        return tuple(s.node for s in self.slots)
+
+    def slot_for_node(self, node: str) -> RankSlot | None:
+        """The slot running on ``node``, or None if the node holds no rank."""
+        for slot in self.slots:
+            if slot.node == node:
+                return slot
+        return None
+
+    def to_json(self) -> str:
+        """Stable JSON text (sorted keys) with ``version``, ``generation``, ``world_size``, ``ranks``."""
+        doc = {
+            "version": RANK_TABLE_VERSION,
+            "generation": self.generation,
+            "world_size": self.world_size,
+            "ranks": [s.to_dict() for s in self.slots],
+        }
+        return json.dumps(doc, sort_keys=True, indent=2) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str) -> "RankTable":
+        """Parse ``to_json`` output. Raises RankTableError with a one-line message."""
+        try:
+            doc = json.loads(text)
+        except (json.JSONDecodeError, TypeError) as exc:
+            raise RankTableError(f"rank table is not valid JSON: {exc}") from None
+        if not isinstance(doc, dict):
+            raise RankTableError("rank table JSON must be an object")
+        if doc.get("version") != RANK_TABLE_VERSION:
+            raise RankTableError(f"unsupported rank table version {doc.get('version')!r}, expected {RANK_TABLE_VERSION}")
+        ranks = doc.get("ranks")
+        if not isinstance(ranks, list):
+            raise RankTableError("rank table JSON needs a 'ranks' list")
+        gen = doc.get("generation")
+        if not isinstance(gen, int) or isinstance(gen, bool):
+            raise RankTableError(f"rank table 'generation' must be an int, got {gen!r}")
+        slots = tuple(_slot_from_dict(i, r) for i, r in enumerate(ranks))
+        table = cls(generation=gen, slots=slots)
+        if doc.get("world_size") != table.world_size:
+            raise RankTableError(f"rank table 'world_size' is {doc.get('world_size')!r} but it lists {table.world_size} ranks")
+        return table
+
+
+def _slot_from_dict(i: int, raw: Any) -> RankSlot:
+    if not isinstance(raw, dict):
+        raise RankTableError(f"rank table entry {i} must be an object")
+    unknown = set(raw) - set(_SLOT_FIELDS)
+    if unknown:
+        raise RankTableError(f"rank table entry {i} has unknown keys: {', '.join(sorted(unknown))}")
+    for key in _SLOT_REQUIRED:
+        if key not in raw:
+            raise RankTableError(f"rank table entry {i} is missing '{key}'")
+    for key, typ in _SLOT_FIELDS.items():
+        if key in raw and (not isinstance(raw[key], typ) or isinstance(raw[key], bool)):
+            raise RankTableError(f"rank table entry {i}: '{key}' must be {typ.__name__}, got {raw[key]!r}")
+    return RankSlot(**raw)

@@ -1,0 +1,1 @@
+"""Slurm adapters: commands (argv + timeout) and pure parsing."""

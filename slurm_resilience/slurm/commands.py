@@ -1,0 +1,141 @@
+"""The only place that runs Slurm commands: argv lists, a timeout, typed errors.
+
+Never a shell; node names are validated before they reach argv.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from typing import Mapping, Sequence
+
+from slurm_resilience.errors import SlurmCommandError
+from slurm_resilience.slurm.parse import (
+    expand_hostlist,
+    parse_sbatch_job_id,
+    parse_scontrol_nodes,
+    validate_node_name,
+)
+
+__all__ = [
+    "run",
+    "show_nodes",
+    "set_node_state",
+    "cancel_step",
+    "hostnames",
+    "sbatch",
+    "job_state",
+    "node_address",
+]
+
+_NODE_STATES = frozenset({"DOWN", "DRAIN", "RESUME", "UNDRAIN", "IDLE", "FAIL", "POWER_DOWN", "POWER_UP"})
+
+
+def run(
+    argv: Sequence[str],
+    *,
+    timeout: float = 10.0,
+    env: Mapping[str, str] | None = None,
+    check: bool = True,
+) -> subprocess.CompletedProcess[str]:
+    """Run ``argv`` (no shell) and capture text output.
+
+    Raises:
+        SlurmCommandError: non-zero exit (when ``check``), timeout
+            (``returncode`` None) or missing binary.
+    """
+    argv = list(argv)
+    try:
+        proc = subprocess.run(
+            argv,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env=dict(env) if env is not None else None,
+        )
+    except FileNotFoundError:
+        raise SlurmCommandError(
+            argv, None, f"`{argv[0]}` not found: install Slurm (scripts/install-deps.sh)"
+        ) from None
+    except subprocess.TimeoutExpired:
+        raise SlurmCommandError(argv, None, f"timed out after {timeout:g}s") from None
+    if check and proc.returncode != 0:
+        raise SlurmCommandError(argv, proc.returncode, proc.stderr or "")
+    return proc
+
+
+def show_nodes(names: Sequence[str] | None = None) -> dict[str, dict[str, str]]:
+    """``scontrol -o show node [names]`` parsed into ``{node: {key: value}}``.
+
+    Raises:
+        SlurmCommandError, ValueError (invalid node name).
+    """
+    argv = ["scontrol", "-o", "show", "node"]
+    if names:
+        argv.append(",".join(validate_node_name(n) for n in names))
+    return parse_scontrol_nodes(run(argv).stdout)
+
+
+def set_node_state(node: str, state: str, reason: str) -> None:
+    """``scontrol update nodename=NODE state=STATE reason=REASON``.
+
+    Raises:
+        SlurmCommandError, ValueError (invalid node name or state).
+    """
+    validate_node_name(node)
+    if state.upper() not in _NODE_STATES:
+        raise ValueError(f"invalid node state {state!r}: expected one of {', '.join(sorted(_NODE_STATES))}")
+    run(["scontrol", "update", f"nodename={node}", f"state={state.upper()}", f"reason={reason}"])
+
+
+def cancel_step(job_id: str, step_id: str, signal: str | None = None) -> None:
+    """``scancel [--signal=SIG] JOB.STEP``.
+
+    Raises:
+        SlurmCommandError, ValueError (non-numeric ids or odd signal name).
+    """
+    if not str(job_id).isdigit() or not str(step_id).isdigit():
+        raise ValueError(f"invalid step {job_id!r}.{step_id!r}: ids must be numeric")
+    argv = ["scancel"]
+    if signal is not None:
+        if not signal.isalnum():
+            raise ValueError(f"invalid signal {signal!r}")
+        argv.append(f"--signal={signal}")
+    argv.append(f"{job_id}.{step_id}")
+    run(argv)
+
+
+def hostnames(hostlist: str) -> list[str]:
+    """Expand a Slurm hostlist (pure; no command is run)."""
+    return expand_hostlist(hostlist)
+
+
+def sbatch(script_path: str, args: Sequence[str] = ()) -> str:
+    """Submit with ``sbatch --parsable [args] script``; returns the job id.
+
+    Raises:
+        SlurmCommandError, ValueError (unparsable output).
+    """
+    proc = run(["sbatch", "--parsable", *args, script_path], timeout=30.0)
+    return parse_sbatch_job_id(proc.stdout)
+
+
+def job_state(job_id: str) -> str | None:
+    """``squeue -h -j ID -o %T``: state such as RUNNING, or None once not queued.
+
+    Raises:
+        SlurmCommandError: squeue failed for another reason than an unknown job.
+    """
+    proc = run(["squeue", "-h", "-j", str(job_id), "-o", "%T"], check=False)
+    if proc.returncode != 0:
+        if "invalid job id" in (proc.stderr or "").lower():
+            return None
+        raise SlurmCommandError(["squeue", "-h", "-j", str(job_id), "-o", "%T"], proc.returncode, proc.stderr)
+    lines = [ln.strip() for ln in proc.stdout.splitlines() if ln.strip()]
+    return lines[0] if lines else None
+
+
+def node_address(info: Mapping[str, str]) -> tuple[str, int | None]:
+    """``(NodeAddr, Port)`` from one ``show_nodes`` entry; Port None if absent."""
+    addr = info.get("NodeAddr") or info.get("NodeHostName") or info["NodeName"]
+    port = info.get("Port")
+    return addr, int(port) if port and port.isdigit() else None

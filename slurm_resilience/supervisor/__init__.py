@@ -1,0 +1,1 @@
+"""The supervisor: one per job; watches, decides, acts."""

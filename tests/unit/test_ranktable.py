@@ -1,0 +1,121 @@
+import json
+import os
+import stat
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from slurm_resilience.errors import RankTableError
+from slurm_resilience.supervisor.ranktable import Replacement, initial_table, regenerate, write_table
+
+ADDR = {f"n{i}": f"10.0.0.{i}" for i in range(40)}
+
+
+def _t(n=4):
+    return initial_table([f"n{i}" for i in range(n)], [f"w{i}" for i in range(n)], ADDR, device="cuda")
+
+
+def test_initial_table():
+    t = _t(3)
+    assert t.generation == 0 and t.nodes == ("n0", "n1", "n2")
+    assert [s.worker_id for s in t.slots] == ["w0", "w1", "w2"]
+    assert t.slots[2].address == "10.0.0.2" and t.slots[0].device == "cuda"
+
+
+def test_initial_table_errors():
+    with pytest.raises(RankTableError):
+        initial_table(["n0"], ["a", "b"], ADDR)
+    with pytest.raises(RankTableError):
+        initial_table(["zz"], ["a"], ADDR)
+    with pytest.raises(RankTableError):
+        initial_table(["n0", "n0"], ["a", "b"], ADDR)
+
+
+def test_regenerate_replaces_and_restarts_in_place():
+    t = _t(4)
+    new = regenerate(t, [Replacement(rank=1, old_node="n1", new_node="n9", new_worker_id="x"),
+                         Replacement(rank=3, old_node="n3", new_node="n3", new_worker_id="y")], ADDR)
+    assert new.generation == 1
+    assert new.nodes == ("n0", "n9", "n2", "n3")
+    assert new.slots[1].address == "10.0.0.9" and new.slots[1].worker_id == "x"
+    assert new.slots[3].worker_id == "y"
+    assert new.slots[0] == t.slots[0] and new.slots[2] == t.slots[2]
+    assert new.slots[1].device == "cuda"
+
+
+@pytest.mark.parametrize(
+    "reps",
+    [
+        [Replacement(rank=1, old_node="n2", new_node="n9", new_worker_id="x")],  # wrong old node
+        [Replacement(rank=1, old_node="n1", new_node="n2", new_worker_id="x")],  # new node in table
+        [Replacement(rank=7, old_node="n1", new_node="n9", new_worker_id="x")],  # out of range
+        [Replacement(rank=1, old_node="n1", new_node="n9", new_worker_id="x"),
+         Replacement(rank=1, old_node="n1", new_node="n8", new_worker_id="y")],  # same rank
+        [Replacement(rank=1, old_node="n1", new_node="n9", new_worker_id="x"),
+         Replacement(rank=2, old_node="n2", new_node="n9", new_worker_id="y")],  # same new node
+        [Replacement(rank=1, old_node="n1", new_node="n2", new_worker_id="x"),
+         Replacement(rank=2, old_node="n2", new_node="n1", new_worker_id="y")],  # swap
+        [Replacement(rank=1, old_node="n1", new_node="n1", new_worker_id="w1")],  # restart, same id
+        [Replacement(rank=1, old_node="n1", new_node="unknown", new_worker_id="x")],  # no address
+    ],
+)
+def test_regenerate_errors(reps):
+    with pytest.raises(RankTableError):
+        regenerate(_t(4), reps, {**ADDR})
+
+
+@st.composite
+def scenario(draw):
+    n = draw(st.integers(1, 8))
+    table = _t(n)
+    steps = []
+    free = [f"n{i}" for i in range(n, 40)]
+    for g in range(draw(st.integers(1, 5))):
+        ranks = draw(st.lists(st.integers(0, n - 1), unique=True, max_size=n))
+        reps = []
+        for r in ranks:
+            in_place = draw(st.booleans())
+            reps.append((r, in_place))
+        steps.append(reps)
+    return table, steps, free
+
+
+@settings(max_examples=150, deadline=None)
+@given(scenario())
+def test_regenerate_invariants(sc):
+    table, steps, free = sc
+    counter = 0
+    for reps in steps:
+        replacements = []
+        for r, in_place in reps:
+            counter += 1
+            old = table.slots[r].node
+            new = old if in_place else free.pop(0)
+            replacements.append(Replacement(rank=r, old_node=old, new_node=new, new_worker_id=f"g{counter}"))
+        new_table = regenerate(table, replacements, ADDR)
+        replaced = {rep.rank for rep in replacements}
+        assert new_table.generation == table.generation + 1
+        assert new_table.world_size == table.world_size
+        assert [s.rank for s in new_table.slots] == list(range(table.world_size))
+        assert len(set(new_table.nodes)) == new_table.world_size
+        for old_s, new_s in zip(table.slots, new_table.slots):
+            if old_s.rank in replaced:
+                assert new_s.worker_id != old_s.worker_id
+                assert new_s.address == ADDR[new_s.node]
+            else:
+                assert new_s == old_s
+        table = new_table
+
+
+def test_write_table(tmp_path):
+    t = _t(2)
+    d = str(tmp_path / "rt")
+    p0 = write_table(t, d)
+    t1 = regenerate(t, [Replacement(rank=0, old_node="n0", new_node="n5", new_worker_id="z")], ADDR)
+    p1 = write_table(t1, d)
+    assert os.path.basename(p0) == "ranktable-gen0000.json" and os.path.basename(p1) == "ranktable-gen0001.json"
+    assert json.loads(open(p0).read())["generation"] == 0
+    latest = os.path.join(d, "ranktable.json")
+    assert open(latest).read() == t1.to_json()
+    assert stat.S_IMODE(os.stat(p1).st_mode) == 0o600
+    assert sorted(os.listdir(d)) == ["ranktable-gen0000.json", "ranktable-gen0001.json", "ranktable.json"]
