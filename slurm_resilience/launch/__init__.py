@@ -1,0 +1,1 @@
+"""Ways to start a job: sbatch templates, submitit, and plain local processes."""

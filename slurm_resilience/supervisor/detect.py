@@ -1,0 +1,175 @@
+"""Detect: turn signs of life (or their absence) into observations.
+
+Three sources, fastest first:
+* the liveness socket — a worker's TCP connection closes the moment its process
+  dies (the kernel closes it), so a killed rank is seen within milliseconds;
+* the job step — ``srun`` returns when the step's task ends;
+* heartbeats in the store — stale after ``heartbeat_timeout_s``: hung processes and
+  nodes that vanish without closing anything.
+Slurm's own node state is polled off the critical path (see :class:`NodeWatcher`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hmac
+import json
+import logging
+import queue
+import selectors
+import socket
+import threading
+import time
+from typing import Callable, Iterable, Mapping, Sequence
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class Observation:
+    """Something the supervisor saw about one worker."""
+
+    kind: str  # "connected" | "closed" | "node_state"
+    worker_id: str | None
+    node: str
+    time: float
+    pid: int | None = None
+    detail: str = ""
+
+
+class LivenessServer:
+    """Accepts one token-checked connection per worker and reports when it closes."""
+
+    def __init__(self, host: str, token: str, out: "queue.Queue[Observation]") -> None:
+        self._token = token.encode()
+        self._out = out
+        self._sel = selectors.DefaultSelector()
+        self._listener = socket.create_server((host, 0), backlog=256)
+        self._listener.setblocking(False)
+        self.port = self._listener.getsockname()[1]
+        self._sel.register(self._listener, selectors.EVENT_READ, None)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="sr-liveness", daemon=True)
+        self.rejected = 0
+
+    def start(self) -> "LivenessServer":
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2)
+        self._listener.close()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            for key, _ in self._sel.select(timeout=0.05):
+                if key.data is None:
+                    self._accept()
+                else:
+                    self._read(key)
+
+    def _accept(self) -> None:
+        try:
+            conn, _ = self._listener.accept()
+        except BlockingIOError:
+            return
+        conn.setblocking(False)
+        self._sel.register(conn, selectors.EVENT_READ, {"buf": b"", "who": None})
+
+    def _read(self, key: selectors.SelectorKey) -> None:
+        conn, state = key.fileobj, key.data
+        try:
+            data = conn.recv(4096)
+        except (ConnectionResetError, BlockingIOError):
+            data = b"" if not isinstance(conn, socket.socket) else b""
+        if not data:
+            self._sel.unregister(conn)
+            conn.close()
+            if state["who"] is not None:
+                wid, node, pid = state["who"]
+                self._out.put(Observation("closed", wid, node, time.time(), pid))
+            return
+        if state["who"] is not None:
+            return  # nothing is expected after the hello
+        state["buf"] += data
+        if b"\n" not in state["buf"]:
+            if len(state["buf"]) > 4096:
+                self._reject(conn, "oversized hello")
+            return
+        line = state["buf"].split(b"\n", 1)[0]
+        try:
+            hello = json.loads(line)
+            ok = hmac.compare_digest(str(hello["token"]).encode(), self._token)
+        except (ValueError, KeyError, TypeError):
+            ok = False
+        if not ok:
+            self._reject(conn, "bad token")
+            return
+        state["who"] = (str(hello["worker_id"]), str(hello["node"]), int(hello["pid"]))
+        self._out.put(Observation("connected", state["who"][0], state["who"][1],
+                                  time.time(), state["who"][2]))
+
+    def _reject(self, conn: socket.socket, why: str) -> None:
+        self.rejected += 1
+        log.warning("liveness: rejected a connection (%s)", why)
+        self._sel.unregister(conn)
+        conn.close()
+
+
+def stale_workers(beats: Mapping[str, float | None], now: float, timeout_s: float,
+                  started: Mapping[str, float]) -> list[str]:
+    """Pure: workers whose last heartbeat (or start, if none yet) is older than ``timeout_s``.
+
+    A worker that has not beaten yet is given ``started + timeout_s`` plus start-up
+    grace by the caller (``started`` holds the time from which to count).
+    """
+    out = []
+    for wid, t in beats.items():
+        last = t if t is not None else started.get(wid, now)
+        if now - last > timeout_s:
+            out.append(wid)
+    return out
+
+
+def read_heartbeats(store, keys: Mapping[str, str]) -> dict[str, float | None]:
+    """Last heartbeat time per worker (None when it never beat). One store round trip."""
+    wids = list(keys)
+    present = [w for w in wids if store.check([keys[w]])]
+    values = store.multi_get([keys[w] for w in present]) if present else []
+    out: dict[str, float | None] = {w: None for w in wids}
+    for w, raw in zip(present, values):
+        out[w] = float(json.loads(bytes(raw))["t"])
+    return out
+
+
+class NodeWatcher:
+    """Polls the resource manager's node states in a thread; reports unhealthy ones."""
+
+    def __init__(self, states: Callable[[Sequence[str]], dict[str, str]],
+                 nodes: Callable[[], Iterable[str]], period_s: float,
+                 out: "queue.Queue[Observation]", unhealthy: Callable[[str], bool]) -> None:
+        self._states, self._nodes, self._period = states, nodes, period_s
+        self._out, self._unhealthy = out, unhealthy
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="sr-nodewatch", daemon=True)
+
+    def start(self) -> "NodeWatcher":
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._period):
+            nodes = list(self._nodes())
+            try:
+                states = self._states(nodes)
+            except Exception as exc:  # a slow or failing scontrol must not kill detection
+                log.warning("node state poll failed: %s", exc)
+                continue
+            for node, state in states.items():
+                if self._unhealthy(state):
+                    self._out.put(Observation("node_state", None, node, time.time(), detail=state))

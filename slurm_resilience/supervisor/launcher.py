@@ -1,0 +1,44 @@
+"""What the supervisor needs from whatever starts processes on nodes.
+
+Two adapters implement it: :class:`~slurm_resilience.slurm.steps.SrunLauncher`
+(one ``srun --no-kill`` job step per worker inside the allocation) and
+:class:`~slurm_resilience.launch.localhost.LocalLauncher` (plain subprocesses on
+this host, for tests of the recovery logic without Slurm).
+"""
+
+from __future__ import annotations
+
+import subprocess
+from typing import Mapping, Protocol, Sequence
+
+
+class StepHandle(Protocol):
+    """One launched worker process (or the job step that hosts it)."""
+
+    name: str
+    node: str
+    process: subprocess.Popen
+
+    def exit_code(self) -> int | None:
+        """None while running."""
+
+
+class Launcher(Protocol):
+    def launch(self, *, name: str, node: str, argv: Sequence[str],
+               env: Mapping[str, str], log_path: str) -> StepHandle:
+        """Start ``argv`` on ``node`` with ``env`` added; output to ``log_path``."""
+
+    def kill(self, handle: StepHandle) -> None:
+        """End the worker process(es) of ``handle`` now (SIGKILL)."""
+
+    def node_reachable(self, node: str, timeout_s: float) -> bool:
+        """Is the node's agent (slurmd) answering? False means the node is lost."""
+
+    def node_states(self, nodes: Sequence[str]) -> dict[str, str]:
+        """Resource manager's state per node (e.g. ``IDLE``, ``DOWN*``)."""
+
+    def isolate(self, node: str, state: str, reason: str) -> None:
+        """Take the node out of service with a reason (may be slow: run off the critical path)."""
+
+    def address(self, node: str) -> str:
+        """Address other nodes use to reach ``node``."""

@@ -1,0 +1,482 @@
+"""The supervisor's only loop: watch → decide → act.
+
+    observations (liveness socket, step exits, heartbeats, node states)
+        → classify (pure)        → Fault
+        → choose spare / restart (pure) → Replacement
+        → regenerate rank table (pure)  → Plan for generation g+1
+        → publish plan (stop)  → ranks re-form, restore, roll back, continue
+    a recovery not finished by ``online_timeout_s`` falls back to relaunching every
+    rank on healthy nodes from node-local snapshots.
+
+The supervisor hosts the store and runs on a node of its own (the batch host):
+under ``--no-kill`` a job whose batch host dies is left headless, so that node is
+never a worker or a spare.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import queue
+import secrets
+import sys
+import threading
+import time
+from datetime import timedelta
+from typing import Sequence
+
+import yaml
+
+from ..config import ResilienceConfig, config_to_dict
+from ..errors import ConfigError
+from ..events import EventLog
+from ..lifecycle import JobPhase, Lifecycle
+from ..model import Fault, RankTable
+from ..protocol import (
+    EVENT_COUNTER, Plan, PlanAction, Role, WorkerEnv, done_key, event_key,
+    heartbeat_key, write_token,
+)
+from .classify import UNHEALTHY_FLAGS, classify_fault, is_node_fault
+from .detect import LivenessServer, NodeWatcher, Observation, read_heartbeats, stale_workers
+from .launcher import Launcher, StepHandle
+from .ranktable import Replacement, initial_table, regenerate
+from .replace import choose_spare
+from .stop import publish_plan, shut_down_standbys
+from ..slurm.parse import node_state_flags
+
+log = logging.getLogger(__name__)
+
+EXIT_OK, EXIT_FAILED = 0, 3
+
+
+@dataclasses.dataclass
+class Worker:
+    """A worker process the supervisor started (a rank or a warm standby)."""
+
+    worker_id: str
+    node: str
+    handle: StepHandle
+    connected_at: float | None = None
+    pid: int | None = None
+    dead: bool = False
+    step: int = 0
+
+
+@dataclasses.dataclass
+class Recovery:
+    """One recovery in flight: its marks (unix times) become the timeline's phases."""
+
+    number: int
+    generation: int
+    level: str
+    faults: list[Fault]
+    marks: dict[str, float]
+    deadline: float
+    worker_marks: dict[str, dict[int, float]] = dataclasses.field(default_factory=dict)
+
+
+class Supervisor:
+    def __init__(self, *, config: ResilienceConfig, command: Sequence[str], job_dir: str,
+                 nodes: Sequence[str], launcher: Launcher, store_host: str,
+                 job_id: str = "local", out=sys.stdout) -> None:
+        self.cfg = config
+        self.command = list(command)
+        self.job_dir = job_dir
+        self.launcher = launcher
+        self.store_host = store_host
+        self.job_id = job_id
+        self.out = out
+        need = config.job.nodes + config.job.spares
+        if len(nodes) < need:
+            raise ConfigError(
+                f"the allocation has {len(nodes)} node(s) for workers and spares but "
+                f"nodes={config.job.nodes} + spares={config.job.spares} need {need}: "
+                "allocate more nodes or lower the counts")
+        self.worker_nodes = list(nodes[: config.job.nodes])
+        self.spare_nodes = list(nodes[config.job.nodes: need])
+        self.lifecycle = Lifecycle()
+        self.workers: dict[str, Worker] = {}
+        self.standbys: dict[str, str] = {}  # node -> worker_id of its warm standby
+        self.excluded: set[str] = set()
+        self.restarts: dict[int, int] = {}
+        self.recovery: Recovery | None = None
+        self.recoveries = 0
+        self._obs: "queue.Queue[Observation]" = queue.Queue()
+        self._ids = 0
+        self._ev_seen = 0
+        self._t0 = time.time()
+
+    # -- set-up --------------------------------------------------------------
+    def _setup(self) -> None:
+        import torch.distributed as dist  # the store; imported here so the CLI stays light
+
+        os.makedirs(self.job_dir, mode=0o700, exist_ok=True)
+        os.makedirs(os.path.join(self.job_dir, "logs"), mode=0o700, exist_ok=True)
+        self.token = secrets.token_hex(16)
+        write_token(self.job_dir, self.token)
+        self.config_path = os.path.join(self.job_dir, "config.yaml")
+        fd = os.open(self.config_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            yaml.safe_dump(config_to_dict(self.cfg), f)
+        self.events = EventLog(os.path.join(self.job_dir, "events.jsonl"))
+        self._raw_store = dist.TCPStore(self.store_host, 0, None, True, timedelta(seconds=30),
+                                        wait_for_workers=False)
+        self.store = dist.PrefixStore(self.token + "/", self._raw_store)
+        self.liveness = LivenessServer(self.store_host, self.token, self._obs).start()
+        self.addresses = {n: self.launcher.address(n) for n in self.worker_nodes + self.spare_nodes}
+
+    def _worker_env(self, worker_id: str, node: str, role: Role, generation: int) -> WorkerEnv:
+        return WorkerEnv(
+            store_addr=self.store_host, store_port=self._raw_store.port,
+            liveness_port=self.liveness.port, token=self.token, job_dir=self.job_dir,
+            worker_id=worker_id, node=node, role=role, generation=generation,
+            config_path=self.config_path)
+
+    def _new_id(self, node: str) -> str:
+        self._ids += 1
+        return f"{node}.{self._ids}"
+
+    def _launch(self, node: str, role: Role, generation: int, worker_id: str | None = None) -> Worker:
+        wid = worker_id or self._new_id(node)
+        env = self._worker_env(wid, node, role, generation).to_environ()
+        log_path = os.path.join(self.job_dir, "logs", f"{wid}.log")
+        handle = self.launcher.launch(name=f"sr-{wid}", node=node, argv=self.command,
+                                      env=env, log_path=log_path)
+        w = Worker(worker_id=wid, node=node, handle=handle)
+        self.workers[wid] = w
+        return w
+
+    # -- public ----------------------------------------------------------------
+    def run(self) -> int:
+        """Run the job to its end. Returns the exit code (0 done, 3 failed)."""
+        self._setup()
+        ids = [self._new_id(n) for n in self.worker_nodes]
+        self.table: RankTable = initial_table(self.worker_nodes, ids, self.addresses)
+        self._publish(Plan(generation=0, action=PlanAction.RUN, table=self.table,
+                           joining=tuple(range(self.table.world_size)), reason="start"))
+        for slot in self.table.slots:
+            self._launch(slot.node, Role.RANK, 0, slot.worker_id)
+        for node in self.spare_nodes:
+            self.standbys[node] = self._launch(node, Role.STANDBY, 0).worker_id
+        self._say(f"job started: {self.table.world_size} ranks on {','.join(self.worker_nodes)}; "
+                  f"spares {','.join(self.spare_nodes) or 'none'}")
+        self.events.emit("job_start", ranks=list(self.worker_nodes), spares=self.spare_nodes)
+        self.lifecycle.transition(JobPhase.RUNNING, "all ranks launched")
+        self.watcher = NodeWatcher(self.launcher.node_states, self._watched_nodes,
+                                   self.cfg.detect.node_poll_s, self._obs, _unhealthy).start()
+        try:
+            return self._watch()
+        finally:
+            self.watcher.close()
+            self.liveness.close()
+            self._write_status()
+            self.events.close()
+
+    # -- the loop --------------------------------------------------------------
+    def _watch(self) -> int:
+        last_hb = last_status = 0.0
+        while True:
+            faults = self._drain_observations(0.02)
+            faults.update(self._poll_steps())
+            now = time.time()
+            if now - last_hb >= self.cfg.detect.heartbeat_period_s:
+                last_hb = now
+                faults.update(self._check_heartbeats(now))
+            if faults:
+                code = self._recover(faults)
+                if code is not None:
+                    return code
+            self._poll_worker_events()
+            if self._all_done():
+                return self._finish()
+            if self.recovery is not None and time.time() > self.recovery.deadline:
+                code = self._fallback()
+                if code is not None:
+                    return code
+            if now - last_status >= 0.5:
+                last_status = now
+                self._write_status()
+
+    def _drain_observations(self, timeout: float) -> dict[str, dict]:
+        """Liveness and node-state observations → {worker_id: observation flags}."""
+        faults: dict[str, dict] = {}
+        try:
+            obs = self._obs.get(timeout=timeout)
+        except queue.Empty:
+            return faults
+        while True:
+            if obs.kind == "connected" and obs.worker_id in self.workers:
+                w = self.workers[obs.worker_id]
+                w.connected_at, w.pid = obs.time, obs.pid
+            elif obs.kind == "closed" and self._watched(obs.worker_id):
+                faults.setdefault(obs.worker_id, {"t": obs.time})["process_exited"] = True
+            elif obs.kind == "node_state" and obs.node not in self.excluded:
+                for w in self.workers.values():
+                    if w.node == obs.node and self._watched(w.worker_id):
+                        faults.setdefault(w.worker_id, {"t": obs.time})["state"] = obs.detail
+            try:
+                obs = self._obs.get_nowait()
+            except queue.Empty:
+                return faults
+
+    def _poll_steps(self) -> dict[str, dict]:
+        faults = {}
+        for w in self.workers.values():
+            if self._watched(w.worker_id) and w.handle.exit_code() is not None:
+                faults[w.worker_id] = {"t": time.time(), "process_exited": True}
+        return faults
+
+    def _check_heartbeats(self, now: float) -> dict[str, dict]:
+        live = {wid: w for wid, w in self.workers.items() if self._watched(wid) and w.connected_at}
+        if not live:
+            return {}
+        beats = read_heartbeats(self.store, {wid: heartbeat_key(wid) for wid in live})
+        for wid, beat in beats.items():
+            if beat is not None:
+                live[wid].step = int(beat.get("step", 0))
+        times = {wid: (b["t"] if b else None) for wid, b in beats.items()}
+        started = {wid: w.connected_at for wid, w in live.items()}
+        stale = stale_workers(times, now, self.cfg.detect.heartbeat_timeout_s, started)
+        return {wid: {"t": now, "heartbeat_stale": True} for wid in stale}
+
+    def _watched(self, worker_id: str | None) -> bool:
+        """A live rank of the current table, or a standby still in the pool."""
+        w = self.workers.get(worker_id) if worker_id else None
+        if w is None or w.dead:
+            return False
+        in_table = any(s.worker_id == worker_id for s in self.table.slots)
+        return in_table or self.standbys.get(w.node) == worker_id
+
+    def _watched_nodes(self) -> list[str]:
+        return [n for n in set(self.table.nodes) | set(self.standbys) if n not in self.excluded]
+
+    # -- recovery ----------------------------------------------------------------
+    def _recover(self, observed: dict[str, dict]) -> int | None:
+        detected = min(o["t"] for o in observed.values())
+        replacements: list[Replacement] = []
+        restarts: list[Replacement] = []
+        faults: list[Fault] = []
+        for wid, o in observed.items():
+            w = self.workers[wid]
+            w.dead = True
+            reachable = self.launcher.node_reachable(w.node, self.cfg.detect.probe_timeout_s)
+            slot = next((s for s in self.table.slots if s.worker_id == wid), None)
+            fault = classify_fault(
+                rank=slot.rank if slot else None, node=w.node,
+                process_exited=o.get("process_exited", False), slurmd_reachable=reachable,
+                heartbeat_stale=o.get("heartbeat_stale", False),
+                slurm_node_state=o.get("state"), now=time.time())
+            self.events.emit("fault_detected", fault=fault.to_dict(), observed_at=o["t"],
+                             worker_id=wid)
+            self._say(f"fault: {'rank ' + str(fault.rank) if slot else 'spare'} on {w.node}: "
+                      f"{fault.kind.name} ({fault.detail})")
+            if fault.kind.name == "PROCESS_HUNG" or (reachable and w.handle.exit_code() is None):
+                self.launcher.kill(w.handle)
+            if is_node_fault(fault.kind):
+                self._isolate(w.node, fault)
+            if slot is None:
+                self.standbys.pop(w.node, None)
+                continue
+            faults.append(fault)
+            if is_node_fault(fault.kind):
+                choice = choose_spare(list(self.standbys), self.excluded, w.node)
+                if choice.node is None:
+                    return self._abort(f"rank {slot.rank} lost with node {w.node} and {choice.reason}; "
+                                       "add spares (--spares) or resubmit to resume from the snapshot")
+                spare_wid = self.standbys.pop(choice.node)
+                replacements.append(Replacement(slot.rank, w.node, choice.node, spare_wid))
+            else:
+                n = self.restarts[slot.rank] = self.restarts.get(slot.rank, 0) + 1
+                if n > self.cfg.recovery.fault_retry_times:
+                    return self._abort(f"rank {slot.rank} failed {n} times on {w.node} "
+                                       f"(fault_retry_times={self.cfg.recovery.fault_retry_times}); "
+                                       f"see {self.job_dir}/logs/{wid}.log")
+                restarts.append(Replacement(slot.rank, w.node, w.node, self._new_id(w.node)))
+        if not faults:
+            return None
+        classified = time.time()
+        if self.recovery is None:
+            self.lifecycle.transition(JobPhase.RECOVERING, faults[0].detail)
+        level = "node-replacement" if replacements else "process-restart"
+        new_table = regenerate(self.table, replacements + restarts, self.addresses_for(replacements))
+        replaced = time.time()
+        gen = new_table.generation
+        self._publish(Plan(generation=gen, action=PlanAction.RUN, table=new_table,
+                           joining=tuple(r.rank for r in replacements + restarts),
+                           reason="; ".join(f.detail for f in faults)))
+        published = time.time()
+        for r in restarts:
+            self._launch(r.new_node, Role.RANK, gen, r.new_worker_id)
+        self.recoveries += 1
+        self.recovery = Recovery(
+            number=self.recoveries, generation=gen, level=level, faults=faults,
+            marks={"detected": detected, "classified": classified, "replaced": replaced,
+                   "published": published},
+            deadline=published + self.cfg.recovery.online_timeout_s)
+        self._say(f"recovery {self.recoveries}: {level}, generation {gen} published "
+                  f"{(published - detected) * 1000:.1f} ms after detection")
+        return None
+
+    def addresses_for(self, replacements: Sequence[Replacement]) -> dict[str, str]:
+        return self.addresses
+
+    def _isolate(self, node: str, fault: Fault) -> None:
+        """Take the node out of service in the background: Slurm bookkeeping is off the critical path."""
+        self.excluded.add(node)
+        state = self.cfg.recovery.isolate_state
+        reason = f"slurm_resilience job {self.job_id}: {fault.kind.name.lower()}"
+
+        def work() -> None:
+            t0 = time.time()
+            try:
+                self.launcher.isolate(node, state, reason)
+                self.events.emit("isolated", node=node, state=state, start=t0, end=time.time())
+            except Exception as exc:  # reported, never fatal: the node is excluded regardless
+                self.events.emit("isolate_failed", node=node, error=str(exc))
+
+        threading.Thread(target=work, name=f"sr-isolate-{node}", daemon=True).start()
+
+    def _fallback(self) -> int | None:
+        """Online recovery timed out: relaunch every rank on its (healthy) node from snapshots."""
+        rec = self.recovery
+        if rec.level == "fallback-relaunch" or not self.cfg.recovery.fallback_relaunch:
+            return self._abort(f"recovery of generation {rec.generation} did not finish within "
+                               f"{self.cfg.recovery.online_timeout_s:g}s")
+        self._say(f"online recovery timed out after {self.cfg.recovery.online_timeout_s:g}s: "
+                  "relaunching all ranks from node-local snapshots")
+        self.events.emit("fallback", generation=rec.generation)
+        for slot in self.table.slots:
+            w = self.workers[slot.worker_id]
+            w.dead = True
+            self.launcher.kill(w.handle)
+        moves = [Replacement(s.rank, s.node, s.node, self._new_id(s.node)) for s in self.table.slots]
+        new_table = regenerate(self.table, moves, self.addresses)
+        self._publish(Plan(generation=new_table.generation, action=PlanAction.RUN, table=new_table,
+                           joining=tuple(range(new_table.world_size)), reason="fallback relaunch"))
+        for m in moves:
+            self._launch(m.new_node, Role.RANK, new_table.generation, m.new_worker_id)
+        self.lifecycle.transition(JobPhase.FALLBACK_RELAUNCH, "online recovery timed out")
+        rec.level, rec.generation = "fallback-relaunch", new_table.generation
+        rec.worker_marks.clear()
+        rec.marks["published"] = time.time()
+        rec.deadline = time.time() + 4 * self.cfg.recovery.online_timeout_s
+        return None
+
+    def _publish(self, plan: Plan) -> None:
+        publish_plan(self.store, plan, self.job_dir)
+        self.table = plan.table
+        self.events.emit("plan", generation=plan.generation, action=plan.action.value,
+                         table=json.loads(plan.table.to_json()), joining=list(plan.joining),
+                         reason=plan.reason)
+
+    # -- worker events -------------------------------------------------------------
+    def _poll_worker_events(self) -> None:
+        n = self.store.add(EVENT_COUNTER, 0)
+        while self._ev_seen < n:
+            key = event_key(self._ev_seen + 1)
+            if not self.store.check([key]):
+                return  # counted but not yet written: next tick
+            ev = json.loads(self.store.get(key))
+            self.store.delete_key(key)
+            self._ev_seen += 1
+            kind = ev.pop("kind")
+            self.events.emit(f"rank_{kind}", **ev)
+            self._track_recovery(kind, ev)
+
+    def _track_recovery(self, kind: str, ev: dict) -> None:
+        rec = self.recovery
+        if rec is None or ev.get("generation") != rec.generation or ev.get("rank") is None:
+            return
+        if kind in ("reconnected", "restored", "first_step", "done"):
+            key = "first_step" if kind == "done" else kind
+            rec.worker_marks.setdefault(key, {}).setdefault(ev["rank"], ev["t"])
+        if len(rec.worker_marks.get("first_step", {})) == self.table.world_size:
+            self._recovery_done(rec)
+
+    def _recovery_done(self, rec: Recovery) -> None:
+        last = {k: max(v.values()) for k, v in rec.worker_marks.items()}
+        m = rec.marks
+        order = [("classify", m["detected"], m["classified"]),
+                 ("replace", m["classified"], m["replaced"]),
+                 ("ranktable", m["replaced"], m["published"]),
+                 ("reconnect", m["published"], last.get("reconnected", m["published"])),
+                 ("restore", last.get("reconnected", m["published"]), last.get("restored", m["published"])),
+                 ("first_step", last.get("restored", m["published"]), last["first_step"])]
+        for phase, start, end in order:
+            self.events.emit("phase", recovery=rec.number, phase=phase, start=start, end=end,
+                             duration_ms=round((end - start) * 1000, 3))
+        total = last["first_step"] - m["detected"]
+        self.events.emit("recovery_done", recovery=rec.number, level=rec.level,
+                         generation=rec.generation, detected=m["detected"],
+                         first_step=last["first_step"], detect_to_step_s=total)
+        self._say(f"recovery {rec.number} done: generation {rec.generation} trained a step "
+                  f"{total * 1000:.0f} ms after detection")
+        self.recovery = None
+        self.lifecycle.transition(JobPhase.RUNNING, f"recovery {rec.number} done")
+
+    # -- endings -------------------------------------------------------------------
+    def _all_done(self) -> bool:
+        keys = [done_key(s.rank) for s in self.table.slots]
+        return self.store.check(keys) and self.recovery is None or (
+            self.recovery is not None and self.store.check(keys) and self._done_this_gen())
+
+    def _done_this_gen(self) -> bool:
+        self._poll_worker_events()
+        return self.recovery is None
+
+    def _finish(self) -> int:
+        self.lifecycle.transition(JobPhase.FINISHING, "every rank finished")
+        shut_down_standbys(self.store)
+        self._reap()
+        self.lifecycle.transition(JobPhase.SUCCEEDED)
+        self.events.emit("job_done", recoveries=self.recoveries, generation=self.table.generation)
+        self._say(f"job finished after {self.recoveries} recover{'y' if self.recoveries == 1 else 'ies'}")
+        return EXIT_OK
+
+    def _abort(self, reason: str) -> int:
+        gen = self.table.generation + 1
+        self._publish(Plan(generation=gen, action=PlanAction.ABORT, table=self.table, reason=reason))
+        shut_down_standbys(self.store)
+        self._reap()
+        self._poll_worker_events()
+        if self.lifecycle.phase is not JobPhase.FAILED:
+            self.lifecycle.transition(JobPhase.FAILED, reason)
+        self.events.emit("job_failed", reason=reason)
+        print(f"slurm-resilience: error: {reason}", file=sys.stderr, flush=True)
+        return EXIT_FAILED
+
+    def _reap(self, grace_s: float = 30.0) -> None:
+        deadline = time.time() + grace_s
+        for w in self.workers.values():
+            while w.handle.exit_code() is None and time.time() < deadline:
+                time.sleep(0.05)
+            if w.handle.exit_code() is None and not w.dead:
+                self.launcher.kill(w.handle)
+
+    # -- reporting -----------------------------------------------------------------
+    def _say(self, text: str) -> None:
+        print(f"[sr +{time.time() - self._t0:8.3f}s] {text}", file=self.out, flush=True)
+
+    def _write_status(self) -> None:
+        status = {
+            "phase": self.lifecycle.phase.name, "generation": self.table.generation,
+            "recoveries": self.recoveries, "excluded": sorted(self.excluded),
+            "ranks": [{"rank": s.rank, "node": s.node, "worker_id": s.worker_id,
+                       "pid": self.workers[s.worker_id].pid, "step": self.workers[s.worker_id].step}
+                      for s in self.table.slots],
+            "spares": [{"node": n, "worker_id": wid, "pid": self.workers[wid].pid}
+                       for n, wid in self.standbys.items()],
+            "t": time.time(),
+        }
+        path = os.path.join(self.job_dir, "status.json")
+        tmp = path + ".tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump(status, f)
+        os.replace(tmp, path)
+
+
+def _unhealthy(state: str) -> bool:
+    return bool(node_state_flags(state) & UNHEALTHY_FLAGS)

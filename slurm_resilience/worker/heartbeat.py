@@ -1,0 +1,76 @@
+"""The rank's signs of life: a liveness socket and store heartbeats.
+
+The liveness socket is a TCP connection to the supervisor opened with the job's
+token; when the process dies the kernel closes it, so a killed rank is seen in
+milliseconds. Heartbeats (every ``period`` seconds, to the store, from a thread
+with its own store client) catch what a socket cannot: a hung process or a node
+that vanished without closing anything.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from ..protocol import WorkerEnv, heartbeat_key
+
+
+def open_store(env: WorkerEnv, timeout_s: float = 60.0) -> dist.Store:
+    """A client of the supervisor's store, scoped to the job's secret prefix."""
+    base = dist.TCPStore(
+        env.store_addr, env.store_port, None, False, timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+    )
+    return dist.PrefixStore(env.token + "/", base)
+
+
+def connect_liveness(env: WorkerEnv) -> socket.socket:
+    sock = socket.create_connection((env.store_addr, env.liveness_port), timeout=30)
+    hello = {"token": env.token, "worker_id": env.worker_id, "node": env.node, "pid": os.getpid()}
+    sock.sendall((json.dumps(hello) + "\n").encode())
+    sock.settimeout(None)
+    return sock
+
+
+class Heartbeat:
+    """Background heartbeats; ``update`` sets what the next beat reports."""
+
+    def __init__(self, env: WorkerEnv, period_s: float) -> None:
+        self._env = env
+        self._period = period_s
+        self._store = open_store(env)
+        self._info = {"pid": os.getpid(), "generation": env.generation, "rank": None, "step": 0}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="sr-heartbeat", daemon=True)
+
+    def start(self) -> "Heartbeat":
+        self._beat()
+        self._thread.start()
+        return self
+
+    def update(self, **info) -> None:
+        with self._lock:
+            self._info.update(info)
+
+    def _beat(self) -> None:
+        with self._lock:
+            payload = dict(self._info, t=time.time())
+        self._store.set(heartbeat_key(self._env.worker_id), json.dumps(payload))
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._period):
+            try:
+                self._beat()
+            except (RuntimeError, OSError):
+                return  # the supervisor is gone; the liveness socket tells the rest
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2)

@@ -1,0 +1,140 @@
+"""Process groups per generation, and collectives that a fault can interrupt.
+
+Gloo cannot interrupt a blocked collective (abort/shutdown return while the call
+waits out its timeout), so every collective here is a *bounded wait*: the work is
+polled in short slices and, between slices, the store is checked for the next
+generation's plan. A broken group is parked (its last reference kept) instead of
+destroyed, because dropping it blocks until its own timeout expires.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from datetime import timedelta
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from ..errors import StepAborted
+from ..model import RankTable
+from ..protocol import pg_prefix
+
+log = logging.getLogger(__name__)
+
+_BOUNDED_TIMEOUT = "Operation timed out"
+
+
+def choose_backend(requested: str) -> str:
+    """``auto`` → NCCL when CUDA is usable, gloo otherwise."""
+    if requested == "auto":
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    return requested
+
+
+class Generation:
+    """The process group of one generation, and bounded-wait collectives on it.
+
+    ``interrupted`` is polled between wait slices; when it returns True the
+    collective is abandoned and :class:`StepAborted` raised.
+    """
+
+    def __init__(
+        self,
+        store: dist.Store,
+        table: RankTable,
+        rank: int,
+        *,
+        backend: str,
+        timeout_s: float,
+        poll_ms: float,
+        interrupted: Callable[[], bool],
+    ) -> None:
+        self.table = table
+        self.generation = table.generation
+        self.rank = rank
+        self.world_size = table.world_size
+        self.backend = choose_backend(backend)
+        self._poll = timedelta(milliseconds=poll_ms)
+        self._interrupted = interrupted
+        self._parked: list[object] = []
+        prefixed = dist.PrefixStore(pg_prefix(self.generation), store)
+        timeout = timedelta(seconds=timeout_s)
+        if self.backend == "nccl":
+            self.device = torch.device("cuda", table.slots[rank].local_rank)
+            torch.cuda.set_device(self.device)
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = timeout
+            self.pg = dist.ProcessGroupNCCL(prefixed, rank, self.world_size, opts)
+        else:
+            self.device = torch.device("cpu")
+            self.pg = dist.ProcessGroupGloo(prefixed, rank, self.world_size, timeout)
+
+    # -- collectives ---------------------------------------------------------
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Collective: in-place SUM over the generation. Raises StepAborted on a fault."""
+        return self._run(lambda: self.pg.allreduce([tensor]), "allreduce", tensor)
+
+    def broadcast(self, tensor: torch.Tensor, root: int) -> torch.Tensor:
+        """Collective: in-place broadcast from ``root``. Raises StepAborted on a fault."""
+        return self._run(lambda: self.pg.broadcast([tensor], root), "broadcast", tensor)
+
+    def all_gather_ints(self, value: int) -> list[int]:
+        """Collective: every rank's integer, in rank order."""
+        buf = torch.zeros(self.world_size, dtype=torch.int64, device=self.device)
+        buf[self.rank] = value
+        self.all_reduce_sum(buf)
+        return [int(v) for v in buf.cpu().tolist()]
+
+    def barrier(self) -> None:
+        """Collective: returns when every rank of the generation has arrived."""
+        self.all_gather_ints(1)
+
+    def _run(self, start: Callable[[], object], what: str, tensor: torch.Tensor) -> torch.Tensor:
+        try:
+            work = start()
+        except RuntimeError as exc:
+            raise StepAborted(f"{what} could not start: {_short(exc)}") from exc
+        while True:
+            try:
+                work.wait(self._poll)
+                if tensor.is_cuda:
+                    torch.cuda.current_stream().synchronize()
+                return tensor
+            except RuntimeError as exc:
+                if _BOUNDED_TIMEOUT in str(exc):
+                    if self._interrupted():
+                        self._parked.append(work)
+                        raise StepAborted(f"{what} abandoned: a new generation was published")
+                    continue
+                self._parked.append(work)
+                raise StepAborted(f"{what} failed: {_short(exc)}") from exc
+
+    def close(self) -> "Parked":
+        """Detach: the group and its abandoned work are parked, not destroyed."""
+        if self.backend == "nccl":
+            try:
+                self.pg.abort()  # NCCL can abort a hung communicator, gloo cannot
+            except RuntimeError as exc:
+                log.warning("NCCL abort failed: %s", _short(exc))
+        return Parked(self.pg, self._parked, time.monotonic())
+
+
+class Parked:
+    """A dead generation's group kept alive until its own timeout has passed."""
+
+    def __init__(self, pg: object, works: list[object], since: float) -> None:
+        self.pg, self.works, self.since = pg, works, since
+
+
+def _short(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return text[:200]
+
+
+def set_gloo_interface(ifname: str | None) -> None:
+    """Pin gloo to an interface (``lo`` on a one-host cluster) before any group exists."""
+    if ifname:
+        os.environ["GLOO_SOCKET_IFNAME"] = ifname

@@ -1,0 +1,303 @@
+"""What a training loop calls: register state, iterate steps, all-reduce gradients.
+
+    with Session() as session:                      # a warm standby blocks here
+        session.register(model=model, optimizer=opt)
+        for step in session.steps(total_steps):
+            with step:                              # a fault aborts the step; it is redone
+                x, y = data[step.samples(sampler)]
+                opt.zero_grad(); loss_fn(model(x), y).backward()
+                session.all_reduce_gradients(model)  # collectives first …
+                opt.step()                           # … the update last
+
+A step whose collective is interrupted raises StepAborted inside ``with step:``;
+the context swallows it, the session waits for the supervisor's next plan, joins
+the new generation, takes the newest state from a surviving peer, rolls the data
+position back to that step and yields it again.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import sys
+import time
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ..config import ResilienceConfig, load_config
+from ..errors import ResilienceError, StepAborted
+from ..protocol import (
+    EVENT_COUNTER, SHUTDOWN_KEY, Plan, PlanAction, Role, WorkerEnv,
+    done_key, event_key, plan_key,
+)
+from . import snapshot
+from .heartbeat import Heartbeat, connect_liveness, open_store
+from .reconnect import Generation, set_gloo_interface
+from .restore import broadcast_state, choose_source
+from .rollback import ResumableSampler
+
+log = logging.getLogger(__name__)
+
+EXIT_FENCED = 0  # left out of a newer generation: not an error of this job
+EXIT_ABORTED = 3  # recovery impossible; state persisted in the job directory
+
+
+class Step:
+    """One training step; use as ``with step:`` so an interrupted step is redone."""
+
+    def __init__(self, session: "Session", index: int) -> None:
+        self.index = index
+        self.rank = session.rank
+        self.world_size = session.world_size
+        self.aborted: StepAborted | None = None
+        self.entered = False
+
+    def samples(self, sampler: ResumableSampler) -> list[int]:
+        """This rank's sample indices for this step."""
+        return sampler.indices(self.index, self.rank, self.world_size)
+
+    def __enter__(self) -> "Step":
+        self.entered = True
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if exc_type is not None and issubclass(exc_type, StepAborted):
+            self.aborted = exc
+            return True
+        return False
+
+
+class Session:
+    """A rank's side of the job. Not thread-safe; one per process."""
+
+    def __init__(self, environ: dict[str, str] | None = None) -> None:
+        self._env = WorkerEnv.from_environ(os.environ if environ is None else environ)
+        self.config: ResilienceConfig = load_config(self._env.config_path)
+        self._objects: dict[str, Any] = {}
+        self.step = 0
+        self._live_state = self._env.role is Role.RANK and self._env.generation == 0
+        self._plan: Plan | None = None
+        self._gen: Generation | None = None
+        self._parked: list[object] = []
+        self._first_step_pending = False
+        job_id = os.environ.get("SLURM_JOB_ID", "local")
+        self._snap_dir = snapshot.snapshot_dir(
+            self.config.snapshot.local_dir, job_id=job_id, node=self._env.node
+        )
+
+    # -- lifecycle -------------------------------------------------------------
+    def __enter__(self) -> "Session":
+        set_gloo_interface(self.config.reconnect.gloo_ifname)
+        self._store = open_store(self._env)
+        self._liveness = connect_liveness(self._env)
+        self._hb = Heartbeat(self._env, self.config.detect.heartbeat_period_s).start()
+        self._enter_generation(self._env.generation)
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self._hb.stop()
+        self._liveness.close()
+
+    @property
+    def rank(self) -> int:
+        return self._gen.rank
+
+    @property
+    def world_size(self) -> int:
+        return self._gen.world_size
+
+    @property
+    def generation(self) -> int:
+        return self._plan.generation
+
+    def register(self, **objects: Any) -> None:
+        """Register state to restore on recovery: anything with state_dict/load_state_dict."""
+        for name, obj in objects.items():
+            if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
+                raise ResilienceError(f"cannot register {name!r}: it has no state_dict()/load_state_dict()")
+            self._objects[name] = obj
+
+    # -- the loop --------------------------------------------------------------
+    def steps(self, total_steps: int) -> Iterator[Step]:
+        """Yield steps ``self.step .. total_steps-1``, redoing any step a fault aborts."""
+        while True:
+            try:
+                if self._gen is None or self._needs_sync:
+                    self._sync_state()
+                if self.step >= total_steps:
+                    self._gen.barrier()
+                    break
+            except StepAborted as exc:
+                self._recover(exc)
+                continue
+            step = Step(self, self.step)
+            yield step
+            if not step.entered:
+                raise ResilienceError("wrap the body of each step in `with step:` so a fault can abort it")
+            if step.aborted is not None:
+                self._recover(step.aborted)
+                continue
+            self._complete_step()
+        self._finish()
+
+    def all_reduce_gradients(self, *modules: torch.nn.Module) -> None:
+        """Collective: average gradients over ranks (one flat SUM, deterministic order)."""
+        grads = [p.grad for m in modules for p in m.parameters() if p.grad is not None]
+        if not grads:
+            return
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        self._gen.all_reduce_sum(flat)
+        flat.div_(self.world_size)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Collective: in-place SUM over the current generation."""
+        return self._gen.all_reduce_sum(tensor)
+
+    # -- steps and safe points -------------------------------------------------
+    def _complete_step(self) -> None:
+        self.step += 1
+        self._hb.update(step=self.step)
+        if self._first_step_pending:
+            self._first_step_pending = False
+            self._emit("first_step", step=self.step)
+        every = self.config.snapshot.every_steps
+        if self.step % every == 0:
+            snapshot.write_snapshot(self._snap_dir, self.step, self._state_dict(), self.config.snapshot.keep)
+        # Safe point: a newer plan means stop here and re-form (fencing included).
+        if self._store.check([plan_key(self.generation + 1)]):
+            self._recover(StepAborted("stopped at a safe point for a new generation"))
+
+    def _recover(self, why: StepAborted) -> None:
+        log.warning("rank %s: %s", self._gen.rank if self._gen else "?", why)
+        if self._gen is not None:
+            self._parked.append(self._gen.close())
+            self._gen = None
+        self._enter_generation(self._plan.generation + 1)
+
+    def _enter_generation(self, first: int) -> None:
+        """Wait for the first plan at or after ``first`` that concerns this worker, join it."""
+        g = first
+        while True:
+            plan = self._await_plan(g)
+            if plan.action is PlanAction.ABORT:
+                self._abort(plan)
+            if self._my_slot(plan) is None:
+                if self._env.role is Role.RANK or self._plan is not None:
+                    self._emit("fenced", generation=plan.generation)
+                    print(f"slurm_resilience: worker {self._env.worker_id} left out of generation "
+                          f"{plan.generation}; exiting", file=sys.stderr)
+                    raise SystemExit(EXIT_FENCED)
+                g += 1  # a standby not chosen this time keeps waiting
+                continue
+            try:
+                self._join(plan)
+                return
+            except (RuntimeError, StepAborted) as exc:  # another fault while joining
+                log.warning("joining generation %d failed: %s", plan.generation, exc)
+                g = plan.generation + 1
+
+    def _await_plan(self, g: int) -> Plan:
+        key = plan_key(g)
+        poll = self.config.reconnect.poll_interval_ms / 1000.0
+        while not self._store.check([key]):
+            if self._store.check([SHUTDOWN_KEY]):
+                raise SystemExit(0)
+            time.sleep(poll)
+        return Plan.from_json(self._store.get(key))
+
+    def _my_slot(self, plan: Plan):
+        return next((s for s in plan.table.slots if s.worker_id == self._env.worker_id), None)
+
+    def _join(self, plan: Plan) -> None:
+        slot = self._my_slot(plan)
+        t0 = time.time()
+        cfg = self.config.reconnect
+        nxt = plan_key(plan.generation + 1)
+        self._plan = plan
+        self._gen = Generation(
+            self._store, plan.table, slot.rank, backend=cfg.backend,
+            timeout_s=cfg.pg_timeout_s, poll_ms=cfg.poll_interval_ms,
+            interrupted=lambda: self._store.check([nxt]),
+        )
+        self._needs_sync = True
+        self._hb.update(generation=plan.generation, rank=slot.rank)
+        self._emit("reconnected", start=t0, joining=slot.rank in plan.joining)
+
+    # -- restore and rollback --------------------------------------------------
+    def _sync_state(self) -> None:
+        """Collective: adopt the newest state any rank holds; roll data back to its step."""
+        t0 = time.time()
+        snaps = snapshot.list_snapshots(self._snap_dir)
+        offer = self.step if self._live_state else (snaps[-1] if snaps else -1)
+        offers = self._gen.all_gather_ints(offer)
+        choice = choose_source(offers)
+        state = None
+        if self._gen.rank == choice.source_rank:
+            if self._live_state and self.step == choice.step:
+                state = self._state_dict()
+            else:
+                state = snapshot.load_snapshot(self._snap_dir, choice.step)
+        state = broadcast_state(self._gen, state, choice.source_rank)
+        if not (self._live_state and self.step == choice.step and self._gen.rank == choice.source_rank):
+            self._load_state_dict(state)
+        self.step = choice.step
+        self._live_state = True
+        self._needs_sync = False
+        self._first_step_pending = self._plan.generation > 0
+        self._hb.update(step=self.step)
+        self._emit("restored", start=t0, step=self.step, source=choice.source_rank,
+                   offers=offers)
+
+    def _state_dict(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "objects": {n: o.state_dict() for n, o in self._objects.items()},
+            "rng": {"torch": torch.get_rng_state(), "python": random.getstate(),
+                    "numpy": np.random.get_state()},
+        }
+
+    def _load_state_dict(self, state: dict[str, Any]) -> None:
+        for name, obj in self._objects.items():
+            obj.load_state_dict(state["objects"][name])
+        torch.set_rng_state(state["rng"]["torch"])
+        random.setstate(state["rng"]["python"])
+        np.random.set_state(state["rng"]["numpy"])
+        self.step = int(state["step"])
+
+    # -- endings -----------------------------------------------------------------
+    def _finish(self) -> None:
+        if self.rank == 0:
+            path = os.path.join(self._env.job_dir, "final.pt")
+            snapshot.atomic_save(self._state_dict(), path)
+        self._store.set(done_key(self.rank), str(self.step))
+        self._emit("done", step=self.step)
+
+    def _abort(self, plan: Plan) -> None:
+        """Persist this rank's state durably in the job directory, then exit non-zero."""
+        where = None
+        if self._live_state and self._objects:
+            rank = self._gen.rank if self._gen else (self._plan.table.slot_for_node(self._env.node).rank)
+            where = os.path.join(self._env.job_dir, "snapshots", f"rank{rank}-step{self.step:08d}.pt")
+            snapshot.atomic_save(self._state_dict(), where)
+        self._emit("aborted", step=self.step, path=where)
+        print(f"slurm_resilience: job aborted: {plan.reason}; state at step {self.step} kept in {where}",
+              file=sys.stderr)
+        raise SystemExit(EXIT_ABORTED)
+
+    def _emit(self, kind: str, **fields: Any) -> None:
+        """Send an event to the supervisor, which is the event log's only writer."""
+        rec = dict(fields, kind=kind, t=time.time(), worker_id=self._env.worker_id,
+                   node=self._env.node, generation=self._plan.generation if self._plan else None,
+                   rank=self._gen.rank if self._gen else None)
+        n = self._store.add(EVENT_COUNTER, 1)
+        self._store.set(event_key(n), json.dumps(rec))
+
