@@ -40,7 +40,7 @@ Guarantees
 
 __version__ = "0.1.0"
 
-__all__ = ["Session", "Step", "load_config", "ResilienceError"]
+__all__ = ["Session", "Step", "ResumableSampler", "load_config", "ResilienceError"]
 
 
 def __getattr__(name):  # lazy: the supervisor CLI must not pay for torch on import
@@ -48,6 +48,10 @@ def __getattr__(name):  # lazy: the supervisor CLI must not pay for torch on imp
         from .worker import session
 
         return getattr(session, name)
+    if name == "ResumableSampler":
+        from .worker.rollback import ResumableSampler
+
+        return ResumableSampler
     if name == "load_config":
         from .config import load_config
 

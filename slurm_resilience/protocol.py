@@ -104,6 +104,7 @@ _ENV_VARS = {
     "role": "SR_ROLE",
     "generation": "SR_GENERATION",
     "config_path": "SR_CONFIG",
+    "job_id": "SR_JOB_ID",
 }
 
 
@@ -121,9 +122,10 @@ class WorkerEnv:
     role: Role
     generation: int
     config_path: str
+    job_id: str
 
     def to_environ(self) -> dict[str, str]:
-        env = {var: str(getattr(self, f)) for f, var in self._ENV_VARS.items()}
+        env = {var: str(getattr(self, f)) for f, var in _ENV_VARS.items()}
         env["SR_ROLE"] = self.role.value  # the token travels in a 0600 file, not here
         return env
 
@@ -150,6 +152,7 @@ class WorkerEnv:
             role=Role(env["SR_ROLE"]),
             generation=int(env["SR_GENERATION"]),
             config_path=env["SR_CONFIG"],
+            job_id=env["SR_JOB_ID"],
         )
 
 

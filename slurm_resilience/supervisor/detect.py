@@ -132,14 +132,14 @@ def stale_workers(beats: Mapping[str, float | None], now: float, timeout_s: floa
     return out
 
 
-def read_heartbeats(store, keys: Mapping[str, str]) -> dict[str, float | None]:
-    """Last heartbeat time per worker (None when it never beat). One store round trip."""
+def read_heartbeats(store, keys: Mapping[str, str]) -> dict[str, dict | None]:
+    """Last heartbeat per worker (``{"t", "step", "pid", ...}``; None when it never beat)."""
     wids = list(keys)
     present = [w for w in wids if store.check([keys[w]])]
     values = store.multi_get([keys[w] for w in present]) if present else []
-    out: dict[str, float | None] = {w: None for w in wids}
+    out: dict[str, dict | None] = {w: None for w in wids}
     for w, raw in zip(present, values):
-        out[w] = float(json.loads(bytes(raw))["t"])
+        out[w] = json.loads(bytes(raw))
     return out
 
 

@@ -132,7 +132,7 @@ class Supervisor:
             store_addr=self.store_host, store_port=self._raw_store.port,
             liveness_port=self.liveness.port, token=self.token, job_dir=self.job_dir,
             worker_id=worker_id, node=node, role=role, generation=generation,
-            config_path=self.config_path)
+            config_path=self.config_path, job_id=self.job_id)
 
     def _new_id(self, node: str) -> str:
         self._ids += 1
@@ -184,6 +184,7 @@ class Supervisor:
             if now - last_hb >= self.cfg.detect.heartbeat_period_s:
                 last_hb = now
                 faults.update(self._check_heartbeats(now))
+            faults = {wid: o for wid, o in faults.items() if not self._finished(wid)}
             if faults:
                 code = self._recover(faults)
                 if code is not None:
@@ -249,6 +250,14 @@ class Supervisor:
         in_table = any(s.worker_id == worker_id for s in self.table.slots)
         return in_table or self.standbys.get(w.node) == worker_id
 
+    def _finished(self, worker_id: str) -> bool:
+        """A rank that reported done may exit: that is not a fault."""
+        slot = next((s for s in self.table.slots if s.worker_id == worker_id), None)
+        if slot is not None and self.store.check([done_key(slot.rank)]):
+            self.workers[worker_id].dead = True
+            return True
+        return False
+
     def _watched_nodes(self) -> list[str]:
         return [n for n in set(self.table.nodes) | set(self.standbys) if n not in self.excluded]
 
@@ -310,6 +319,8 @@ class Supervisor:
         for r in restarts:
             self._launch(r.new_node, Role.RANK, gen, r.new_worker_id)
         self.recoveries += 1
+        self.events.emit("recovery_start", recovery=self.recoveries, t=detected, level=level,
+                         generation=gen)
         self.recovery = Recovery(
             number=self.recoveries, generation=gen, level=level, faults=faults,
             marks={"detected": detected, "classified": classified, "replaced": replaced,
@@ -368,7 +379,7 @@ class Supervisor:
         publish_plan(self.store, plan, self.job_dir)
         self.table = plan.table
         self.events.emit("plan", generation=plan.generation, action=plan.action.value,
-                         table=json.loads(plan.table.to_json()), joining=list(plan.joining),
+                         nodes=list(plan.table.nodes), joining=list(plan.joining),
                          reason=plan.reason)
 
     # -- worker events -------------------------------------------------------------
@@ -408,7 +419,7 @@ class Supervisor:
             self.events.emit("phase", recovery=rec.number, phase=phase, start=start, end=end,
                              duration_ms=round((end - start) * 1000, 3))
         total = last["first_step"] - m["detected"]
-        self.events.emit("recovery_done", recovery=rec.number, level=rec.level,
+        self.events.emit("recovery_done", t=last["first_step"], recovery=rec.number, level=rec.level,
                          generation=rec.generation, detected=m["detected"],
                          first_step=last["first_step"], detect_to_step_s=total)
         self._say(f"recovery {rec.number} done: generation {rec.generation} trained a step "

@@ -79,7 +79,7 @@ class Generation:
 
     def broadcast(self, tensor: torch.Tensor, root: int) -> torch.Tensor:
         """Collective: in-place broadcast from ``root``. Raises StepAborted on a fault."""
-        return self._run(lambda: self.pg.broadcast([tensor], root), "broadcast", tensor)
+        return self._run(lambda: self.pg.broadcast(tensor, root), "broadcast", tensor)
 
     def all_gather_ints(self, value: int) -> list[int]:
         """Collective: every rank's integer, in rank order."""

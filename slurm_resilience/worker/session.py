@@ -85,9 +85,8 @@ class Session:
         self._gen: Generation | None = None
         self._parked: list[object] = []
         self._first_step_pending = False
-        job_id = os.environ.get("SLURM_JOB_ID", "local")
         self._snap_dir = snapshot.snapshot_dir(
-            self.config.snapshot.local_dir, job_id=job_id, node=self._env.node
+            self.config.snapshot.local_dir, job_id=self._env.job_id, node=self._env.node
         )
 
     # -- lifecycle -------------------------------------------------------------

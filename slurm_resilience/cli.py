@@ -1,0 +1,172 @@
+"""`slurm-resilience …`: submit, supervise (inside the allocation), local, timeline, status.
+
+User mistakes end with one line on stderr and exit code 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Sequence
+
+from .errors import ResilienceError
+
+EXIT_USAGE = 2
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="YAML config (sections job, detect, recovery, reconnect, snapshot)")
+    p.add_argument("--nodes", type=int, help="worker nodes (overrides job.nodes)")
+    p.add_argument("--spares", type=int, help="spare nodes (overrides job.spares)")
+    p.add_argument("--job-dir", help="job directory (events, logs, rank tables, final state)")
+    p.add_argument("command", nargs=argparse.REMAINDER, help="-- python train.py ...")
+
+
+def _load(args):
+    from .config import load_config
+
+    job = {k: v for k, v in (("nodes", args.nodes), ("spares", args.spares)) if v is not None}
+    cfg = load_config(args.config, {"job": job} if job else None)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    return cfg, command
+
+
+def _job_dir(args, cfg, job_id: str) -> str:
+    return os.path.abspath(args.job_dir or cfg.job.job_dir.format(job_id=job_id))
+
+
+def cmd_supervise(args) -> int:
+    """Inside the allocation: the batch host becomes the supervisor."""
+    from .slurm.parse import SlurmEnv
+    from .slurm.steps import SrunLauncher
+    from .supervisor.loop import Supervisor
+
+    cfg, command = _load(args)
+    env = SlurmEnv.from_environ(os.environ)
+    if env.job_id is None:
+        raise ResilienceError("not inside a Slurm allocation (no SLURM_JOB_ID): use `slurm-resilience submit`")
+    me = env.node_name
+    pool = [n for n in env.nodelist if n != me] if cfg.job.supervisor_node else list(env.nodelist)
+    launcher = SrunLauncher(env.job_id, [*pool, me] if me else pool)
+    job_dir = _job_dir(args, cfg, env.job_id)
+    sup = Supervisor(config=cfg, command=command, job_dir=job_dir, nodes=pool, launcher=launcher,
+                     store_host=launcher.address(me) if me else "127.0.0.1", job_id=env.job_id)
+    return _result(job_dir, sup.run())
+
+
+def cmd_local(args) -> int:
+    """No Slurm: workers are local processes on named pseudo-nodes (for development)."""
+    from .launch.localhost import LocalLauncher
+    from .supervisor.loop import Supervisor
+
+    cfg, command = _load(args)
+    nodes = [f"local{i}" for i in range(1, cfg.job.nodes + cfg.job.spares + 1)]
+    job_id = f"local-{os.getpid()}"
+    job_dir = _job_dir(args, cfg, job_id)
+    sup = Supervisor(config=cfg, command=command, job_dir=job_dir, nodes=nodes,
+                     launcher=LocalLauncher(), store_host="127.0.0.1", job_id=job_id)
+    return _result(job_dir, sup.run())
+
+
+def _result(job_dir: str, code: int) -> int:
+    path = os.path.join(job_dir, "result.json")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump({"exit_code": code, "t": time.time()}, f)
+    return code
+
+
+def cmd_submit(args) -> int:
+    """Render the sbatch script and submit it; with --wait, return the job's exit code."""
+    from .launch.sbatch import render
+    from .slurm import commands
+
+    cfg, command = _load(args)
+    job_dir = os.path.abspath(args.job_dir or cfg.job.job_dir.format(job_id=f"{int(time.time())}"))
+    os.makedirs(job_dir, mode=0o700, exist_ok=True)
+    cfg_path = os.path.join(job_dir, "submitted-config.yaml")
+    import yaml
+
+    from .config import config_to_dict
+
+    fd = os.open(cfg_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        yaml.safe_dump(config_to_dict(cfg), f)
+    script = render(cfg, command=command, config_path=cfg_path, job_dir=job_dir)
+    script_path = os.path.join(job_dir, "job.sbatch")
+    fd = os.open(script_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o700)
+    with os.fdopen(fd, "w") as f:
+        f.write(script)
+    job_id = commands.sbatch(script_path)
+    print(f"submitted job {job_id}; job dir {job_dir}", flush=True)
+    if not args.wait:
+        return 0
+    while commands.job_state(job_id) is not None:
+        time.sleep(0.5)
+    try:
+        with open(os.path.join(job_dir, "result.json")) as f:
+            return int(json.load(f)["exit_code"])
+    except FileNotFoundError:
+        raise ResilienceError(f"job {job_id} ended without a result: see {job_dir}/supervisor.log") from None
+
+
+def cmd_timeline(args) -> int:
+    from .events import format_timeline, read_events
+
+    path = os.path.join(args.job_dir, "events.jsonl")
+    if not os.path.exists(path):
+        raise ResilienceError(f"no event log at {path}: is {args.job_dir} a job directory?")
+    print(format_timeline(read_events(path)))
+    return 0
+
+
+def cmd_status(args) -> int:
+    path = os.path.join(args.job_dir, "status.json")
+    if not os.path.exists(path):
+        raise ResilienceError(f"no status at {path}: is {args.job_dir} a job directory?")
+    with open(path) as f:
+        st = json.load(f)
+    print(f"phase {st['phase']}  generation {st['generation']}  recoveries {st['recoveries']}")
+    for r in st["ranks"]:
+        print(f"  rank {r['rank']:>3}  {r['node']:<10} pid {r['pid']}  step {r['step']}")
+    for s in st["spares"]:
+        print(f"  spare     {s['node']:<10} pid {s['pid']}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="slurm-resilience", description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("submit", help="submit a resilient job with sbatch")
+    _common(p)
+    p.add_argument("--wait", action="store_true", help="wait for the job; exit with its code")
+    p.set_defaults(func=cmd_submit)
+    p = sub.add_parser("supervise", help="(inside an allocation) run the supervisor")
+    _common(p)
+    p.set_defaults(func=cmd_supervise)
+    p = sub.add_parser("local", help="run the supervisor with local processes instead of Slurm")
+    _common(p)
+    p.set_defaults(func=cmd_local)
+    for name, fn in (("timeline", cmd_timeline), ("status", cmd_status)):
+        p = sub.add_parser(name)
+        p.add_argument("job_dir")
+        p.set_defaults(func=fn)
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ResilienceError as exc:
+        print(f"slurm-resilience: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,46 @@
+"""Render the sbatch script that runs the supervisor as the batch step.
+
+The allocation holds 1 + nodes + spares nodes: the batch host (first node) runs
+only the supervisor and the store, so losing a worker node never loses the job's
+brain; workers and standbys are ``srun --no-kill`` steps on the others.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import string
+import sys
+from pathlib import Path
+from typing import Sequence
+
+from ..config import ResilienceConfig
+from ..errors import ConfigError
+
+TEMPLATE_DIR = Path(os.environ.get("SR_TEMPLATE_DIR", Path(__file__).resolve().parents[2] / "sbatch_templates"))
+
+
+def render(cfg: ResilienceConfig, *, command: Sequence[str], config_path: str, job_dir: str,
+           job_name: str = "resilient", python: str = sys.executable,
+           template: str = "resilient.sbatch.tmpl") -> str:
+    """Pure: the sbatch script text. Every user value is shell-quoted."""
+    if not command:
+        raise ConfigError("no training command given: add `-- python train.py ...`")
+    path = TEMPLATE_DIR / template
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise ConfigError(f"sbatch template not found: {path} (set SR_TEMPLATE_DIR)") from None
+    extra = 1 if cfg.job.supervisor_node else 0
+    partition = f"#SBATCH --partition={cfg.job.partition}" if cfg.job.partition else ""
+    return string.Template(text).substitute(
+        job_name=shlex.quote(job_name),
+        total_nodes=cfg.job.nodes + cfg.job.spares + extra,
+        time_limit=cfg.job.time_limit,
+        output=shlex.quote(os.path.join(job_dir, "supervisor.log")),
+        partition_line=partition,
+        python=shlex.quote(python),
+        config=shlex.quote(config_path),
+        job_dir=shlex.quote(job_dir),
+        command=" ".join(shlex.quote(a) for a in command),
+    )
