@@ -1,0 +1,169 @@
+"""Driving jobs on the local cluster: submit, wait, inject a fault, verify, summarize.
+
+Shared by ``scripts/demo.py``, the end-to-end tests and the benchmarks, so each of
+them proves the same path. Faults are injected only into processes this job
+started (by PID) or through ``scripts/local-cluster kill-node``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+from .events import read_events
+
+REPO = Path(__file__).resolve().parents[1]
+LOCAL_CLUSTER = REPO / "scripts" / "local-cluster"
+EXAMPLE = REPO / "examples" / "train_mlp.py"
+LOCAL_CONFIG = REPO / "examples" / "local-cluster.yaml"
+
+
+def cluster(*args: str, timeout: float = 120) -> str:
+    """Run ``scripts/local-cluster ARGS``; returns stdout, raises on failure."""
+    proc = subprocess.run([sys.executable, str(LOCAL_CLUSTER), *args], capture_output=True,
+                          text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"local-cluster {' '.join(args)} failed: {proc.stderr.strip()}")
+    return proc.stdout
+
+
+def kill_node(node: str) -> float:
+    """Hard node loss; returns the wall time of the kill."""
+    out = cluster("kill-node", node, timeout=30)
+    m = re.search(r"killed_at=([0-9.]+)", out)
+    return float(m.group(1)) if m else time.time()
+
+
+@dataclasses.dataclass
+class JobRun:
+    """A job submitted with ``slurm-resilience submit --wait`` in the background."""
+
+    job_dir: Path
+    process: subprocess.Popen
+
+    @property
+    def status(self) -> dict[str, Any] | None:
+        try:
+            return json.loads((self.job_dir / "status.json").read_text())
+        except (FileNotFoundError, json.JSONDecodeError):
+            return None
+
+    def wait_for_step(self, step: int, timeout: float = 120) -> dict[str, Any]:
+        """Block until every rank has completed ``step`` steps; returns the status."""
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            st = self.status
+            if st and st["ranks"] and min(r["step"] for r in st["ranks"]) >= step:
+                return st
+            if self.process.poll() is not None:
+                raise RuntimeError(f"job ended before step {step}: {self.output()}")
+            time.sleep(0.1)
+        raise TimeoutError(f"no step {step} within {timeout}s; status {self.status}")
+
+    def wait(self, timeout: float = 300) -> int:
+        return self.process.wait(timeout=timeout)
+
+    def output(self) -> str:
+        out = self.process.stdout.read() if self.process.stdout and self.process.poll() is not None else ""
+        log = self.job_dir / "supervisor.log"
+        return out + (log.read_text() if log.exists() else "")
+
+
+def submit(job_dir: Path, *, nodes: int = 4, spares: int = 1, steps: int = 40,
+           step_time: float = 0.05, config: Path | None = LOCAL_CONFIG,
+           extra_args: Sequence[str] = ()) -> JobRun:
+    argv = [sys.executable, "-m", "slurm_resilience.cli", "submit", "--wait",
+            "--nodes", str(nodes), "--spares", str(spares), "--job-dir", str(job_dir)]
+    if config is not None:
+        argv += ["--config", str(config)]
+    argv += ["--", sys.executable, str(EXAMPLE), "--steps", str(steps),
+             "--step-time", str(step_time), *extra_args]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return JobRun(job_dir=Path(job_dir), process=proc)
+
+
+def compare_states(a: Path, b: Path) -> list[str]:
+    """Names of the tensors/values that differ between two final states (empty: bit-identical)."""
+    import torch
+
+    sa = torch.load(a, weights_only=False)
+    sb = torch.load(b, weights_only=False)
+    diffs: list[str] = []
+    _compare(sa["objects"], sb["objects"], "state", diffs)
+    if sa["step"] != sb["step"]:
+        diffs.append(f"step {sa['step']} != {sb['step']}")
+    return diffs
+
+
+def _compare(x: Any, y: Any, path: str, diffs: list[str]) -> None:
+    import torch
+
+    if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
+        same = (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and x.dtype == y.dtype
+                and x.shape == y.shape and torch.equal(x, y))
+        if not same:
+            diffs.append(path)
+    elif isinstance(x, dict) and isinstance(y, dict):
+        if set(x) != set(y):
+            diffs.append(f"{path}: keys differ")
+        for k in set(x) & set(y):
+            _compare(x[k], y[k], f"{path}.{k}", diffs)
+    elif isinstance(x, (list, tuple)) and isinstance(y, (list, tuple)) and len(x) == len(y):
+        for i, (u, v) in enumerate(zip(x, y)):
+            _compare(u, v, f"{path}[{i}]", diffs)
+    elif x != y:
+        diffs.append(path)
+
+
+PHASES = ("detect", "isolate", "replace", "ranktable", "reconnect", "restore", "first_step")
+
+
+def summarize(job_dir: Path, fault_at: float | None) -> dict[str, Any]:
+    """Recovery timeline from the job's event log; MTTR is fault → first completed step."""
+    events = read_events(str(job_dir / "events.jsonl"))
+    recoveries = [e for e in events if e["kind"] == "recovery_done"]
+    summary: dict[str, Any] = {"recoveries": len(recoveries), "phases": {}, "mttr_s": None}
+    if not recoveries:
+        return summary
+    first = recoveries[0]
+    n = first["recovery"]
+    phases = {e["phase"]: e for e in events if e["kind"] == "phase" and e["recovery"] == n}
+    detected = first["detected"]
+    out: dict[str, dict[str, float]] = {}
+    if fault_at is not None:
+        out["detect"] = _span(fault_at, detected)
+    iso = next((e for e in events if e["kind"] == "isolated"), None)
+    if iso:
+        out["isolate (off the critical path)"] = _span(iso["start"], iso["end"])
+    out["classify"] = _span(phases["classify"]["start"], phases["classify"]["end"])
+    for name in ("replace", "ranktable", "reconnect", "restore", "first_step"):
+        out[name] = _span(phases[name]["start"], phases[name]["end"])
+    summary["phases"] = out
+    start = fault_at if fault_at is not None else detected
+    summary["mttr_s"] = round(first["first_step"] - start, 4)
+    summary["level"] = first["level"]
+    return summary
+
+
+def _span(start: float, end: float) -> dict[str, float]:
+    return {"start": start, "end": end, "duration_ms": round((end - start) * 1000, 2)}
+
+
+def format_summary(summary: dict[str, Any], fault_at: float | None) -> str:
+    lines = []
+    t0 = fault_at if fault_at is not None else min(p["start"] for p in summary["phases"].values())
+    lines.append(f"{'phase':<32}{'at (ms)':>10}{'duration (ms)':>16}")
+    if fault_at is not None:
+        lines.append(f"{'fault injected':<32}{0.0:>10.1f}{'':>16}")
+    for name, p in summary["phases"].items():
+        lines.append(f"{name:<32}{(p['start'] - t0) * 1000:>10.1f}{p['duration_ms']:>16.1f}")
+    if summary["mttr_s"] is not None:
+        lines.append(f"MTTR (fault -> first completed step after recovery): {summary['mttr_s'] * 1000:.0f} ms")
+    return "\n".join(lines)
