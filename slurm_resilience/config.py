@@ -115,17 +115,21 @@ class RecoveryConfig:
         online_timeout_s: how long a replacement rank may take to come online (> 0).
         fault_retry_times: budget of process restarts for faults on healthy nodes (>= 0).
         isolate_state: Slurm state given to a bad node: DOWN or DRAIN.
-        fallback_relaunch: when in-job recovery fails, relaunch the job from a checkpoint.
+        fallback_relaunch: when online recovery fails, relaunch every rank on healthy
+            nodes from the node-local snapshots.
+        fallback_timeout_s: how long that relaunch may take to train a step (> 0).
     """
 
     online_timeout_s: float = 30.0
+    fallback_timeout_s: float = 120.0
     fault_retry_times: int = 3
     isolate_state: str = "DOWN"
     fallback_relaunch: bool = True
 
     def __post_init__(self) -> None:
-        if self.online_timeout_s <= 0:
-            raise ConfigError(f"recovery.online_timeout_s={self.online_timeout_s} must be > 0")
+        for name in ("online_timeout_s", "fallback_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"recovery.{name}={getattr(self, name)} must be > 0")
         if self.fault_retry_times < 0:
             raise ConfigError(
                 f"recovery.fault_retry_times={self.fault_retry_times} must be >= 0: use 0 to never restart in place"

@@ -372,7 +372,7 @@ class Supervisor:
         rec.level, rec.generation = "fallback-relaunch", new_table.generation
         rec.worker_marks.clear()
         rec.marks["published"] = time.time()
-        rec.deadline = time.time() + 4 * self.cfg.recovery.online_timeout_s
+        rec.deadline = time.time() + self.cfg.recovery.fallback_timeout_s
         return None
 
     def _publish(self, plan: Plan) -> None:

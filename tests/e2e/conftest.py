@@ -1,0 +1,48 @@
+"""One real local Slurm cluster shared by every end-to-end test (session scope).
+
+The cluster is started by ``scripts/local-cluster start`` (scripts/test.sh has
+already installed Slurm); each test begins with every node healthy again.
+"""
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from slurm_resilience import lab
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster():
+    if shutil.which("slurmctld") is None:
+        pytest.fail("Slurm is not installed: run scripts/test.sh (it installs and starts everything)")
+    lab.cluster("start")
+    lab_dir = os.environ.get("SR_LAB", "/tmp/sr-cluster")
+    os.environ["SLURM_CONF"] = os.path.join(lab_dir, "etc", "slurm.conf")
+    yield lab_dir
+
+
+@pytest.fixture
+def cluster(slurm_cluster):
+    """A healthy cluster for this test: nodes killed by earlier tests are revived."""
+    lab.cluster("reset")
+    return slurm_cluster
+
+
+@pytest.fixture(scope="session")
+def jobs_root(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("jobs")
+
+
+STEPS = 40
+
+
+@pytest.fixture(scope="session")
+def reference(slurm_cluster, jobs_root) -> Path:
+    """Final state of a fault-free run: 4 ranks, 1 spare, STEPS steps."""
+    lab.cluster("reset")
+    run = lab.submit(jobs_root / "reference", steps=STEPS)
+    code = run.wait()
+    assert code == 0, run.output()
+    return run.job_dir / "final.pt"

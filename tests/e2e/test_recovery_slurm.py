@@ -1,0 +1,115 @@
+"""End to end on the real local Slurm: faults in the middle of a 4-node job.
+
+Every faulty run must finish with weights bit-identical (model and optimizer
+state, torch.equal) to the fault-free reference, or fail cleanly where recovery
+is impossible.
+"""
+
+import os
+import signal
+
+import pytest
+
+from slurm_resilience import lab
+from slurm_resilience.events import read_events
+from slurm_resilience.slurm import commands
+
+from .conftest import STEPS
+
+pytestmark = [pytest.mark.slurm, pytest.mark.timeout(300)]
+
+KILL_AT = 12
+
+
+def _events(job_dir, kind):
+    return [e for e in read_events(str(job_dir / "events.jsonl")) if e["kind"] == kind]
+
+
+def test_fault_free_run_completes(reference):
+    job_dir = reference.parent
+    assert reference.exists()
+    assert _events(job_dir, "job_done")
+    assert not _events(job_dir, "recovery_start")
+    assert (job_dir / "ranktable-gen0000.json").exists()
+    assert oct(os.stat(job_dir / "token").st_mode & 0o777) == "0o600"
+
+
+def test_node_loss_finishes_on_spare_bit_identical(cluster, jobs_root, reference):
+    run = lab.submit(jobs_root / "node-loss", steps=STEPS)
+    status = run.wait_for_step(KILL_AT)
+    victim = status["ranks"][1]["node"]
+    spare = status["spares"][0]["node"]
+    fault_at = lab.kill_node(victim)
+    assert run.wait() == 0, run.output()
+    assert lab.compare_states(reference, run.job_dir / "final.pt") == []
+    done = _events(run.job_dir, "recovery_done")
+    assert [d["level"] for d in done] == ["node-replacement"]
+    plans = _events(run.job_dir, "plan")
+    assert plans[-1]["nodes"][1] == spare and victim not in plans[-1]["nodes"]
+    summary = lab.summarize(run.job_dir, fault_at)
+    assert summary["mttr_s"] > 0 and set(summary["phases"]) >= {"detect", "reconnect", "restore"}
+    node = commands.show_nodes([victim])[victim]
+    assert "DOWN" in node["State"] and "slurm_resilience" in node.get("Reason", "")
+
+
+def test_rank_killed_on_healthy_node_restarts_in_place(cluster, jobs_root, reference):
+    run = lab.submit(jobs_root / "rank-kill", steps=STEPS)
+    status = run.wait_for_step(KILL_AT)
+    victim = status["ranks"][2]
+    os.kill(victim["pid"], signal.SIGKILL)  # a process this test's job started
+    assert run.wait() == 0, run.output()
+    assert lab.compare_states(reference, run.job_dir / "final.pt") == []
+    assert [d["level"] for d in _events(run.job_dir, "recovery_done")] == ["process-restart"]
+    assert _events(run.job_dir, "plan")[-1]["nodes"][2] == victim["node"]
+    assert "DOWN" not in commands.show_nodes([victim["node"]])[victim["node"]]["State"]
+
+
+def test_hung_rank_is_detected_by_heartbeat_and_replaced(cluster, jobs_root, reference):
+    run = lab.submit(jobs_root / "rank-hang", steps=STEPS)
+    status = run.wait_for_step(KILL_AT)
+    victim = status["ranks"][3]
+    os.kill(victim["pid"], signal.SIGSTOP)
+    try:
+        assert run.wait() == 0, run.output()
+    finally:
+        try:
+            os.kill(victim["pid"], signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert lab.compare_states(reference, run.job_dir / "final.pt") == []
+    faults = _events(run.job_dir, "fault_detected")
+    assert faults[0]["fault"]["kind"] == "process_hung"
+
+
+def test_no_spare_left_fails_cleanly_and_keeps_state(cluster, jobs_root):
+    run = lab.submit(jobs_root / "no-spare", spares=0, steps=STEPS)
+    status = run.wait_for_step(KILL_AT)
+    victim = status["ranks"][1]["node"]
+    lab.kill_node(victim)
+    code = run.wait()
+    out = run.output()
+    assert code == 3, out
+    errors = [line for line in out.splitlines() if line.startswith("slurm-resilience: error:")]
+    assert len(errors) == 1 and "no spare left" in errors[0], out
+    assert "Traceback" not in (run.job_dir / "supervisor.log").read_text()
+    import torch
+
+    snaps = sorted((run.job_dir / "snapshots").glob("rank*-step*.pt"))
+    assert len(snaps) == 3, snaps  # every survivor persisted its state
+    states = [torch.load(p, weights_only=False) for p in snaps]
+    assert min(s["step"] for s in states) >= KILL_AT
+    for p in snaps:
+        assert oct(os.stat(p).st_mode & 0o777) == "0o600"
+
+
+@pytest.mark.slow
+def test_online_timeout_falls_back_to_relaunch_from_snapshots(cluster, jobs_root, reference, tmp_path):
+    cfg = tmp_path / "fallback.yaml"
+    cfg.write_text(lab.LOCAL_CONFIG.read_text() + "recovery:\n  online_timeout_s: 0.005\n")
+    run = lab.submit(jobs_root / "fallback", steps=STEPS, config=cfg)
+    status = run.wait_for_step(KILL_AT)
+    lab.kill_node(status["ranks"][1]["node"])
+    assert run.wait() == 0, run.output()
+    assert _events(run.job_dir, "fallback")
+    assert [d["level"] for d in _events(run.job_dir, "recovery_done")] == ["fallback-relaunch"]
+    assert lab.compare_states(reference, run.job_dir / "final.pt") == []
