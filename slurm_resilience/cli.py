@@ -40,25 +40,15 @@ def _job_dir(args, cfg, job_id: str) -> str:
 
 def cmd_supervise(args) -> int:
     """Inside the allocation: the batch host becomes the supervisor."""
-    from .slurm.parse import SlurmEnv
-    from .slurm.steps import SrunLauncher
-    from .supervisor.loop import Supervisor
+    from .launch.allocation import supervise_allocation
 
     cfg, command = _load(args)
-    env = SlurmEnv.from_environ(os.environ)
-    if env.job_id is None:
-        raise ResilienceError("not inside a Slurm allocation (no SLURM_JOB_ID): use `slurm-resilience submit`")
-    me = env.node_name
-    pool = [n for n in env.nodelist if n != me] if cfg.job.supervisor_node else list(env.nodelist)
-    launcher = SrunLauncher(env.job_id, [*pool, me] if me else pool)
-    job_dir = _job_dir(args, cfg, env.job_id)
-    sup = Supervisor(config=cfg, command=command, job_dir=job_dir, nodes=pool, launcher=launcher,
-                     store_host=launcher.address(me) if me else "127.0.0.1", job_id=env.job_id)
-    return _result(job_dir, sup.run())
+    return supervise_allocation(cfg, command, args.job_dir)
 
 
 def cmd_local(args) -> int:
     """No Slurm: workers are local processes on named pseudo-nodes (for development)."""
+    from .launch.allocation import write_result
     from .launch.localhost import LocalLauncher
     from .supervisor.loop import Supervisor
 
@@ -68,15 +58,7 @@ def cmd_local(args) -> int:
     job_dir = _job_dir(args, cfg, job_id)
     sup = Supervisor(config=cfg, command=command, job_dir=job_dir, nodes=nodes,
                      launcher=LocalLauncher(), store_host="127.0.0.1", job_id=job_id)
-    return _result(job_dir, sup.run())
-
-
-def _result(job_dir: str, code: int) -> int:
-    path = os.path.join(job_dir, "result.json")
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump({"exit_code": code, "t": time.time()}, f)
-    return code
+    return write_result(job_dir, sup.run())
 
 
 def cmd_submit(args) -> int:
@@ -87,19 +69,15 @@ def cmd_submit(args) -> int:
     cfg, command = _load(args)
     job_dir = os.path.abspath(args.job_dir or cfg.job.job_dir.format(job_id=f"{int(time.time())}"))
     os.makedirs(job_dir, mode=0o700, exist_ok=True)
-    cfg_path = os.path.join(job_dir, "submitted-config.yaml")
     import yaml
 
     from .config import config_to_dict
+    from .files import write_private
 
-    fd = os.open(cfg_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        yaml.safe_dump(config_to_dict(cfg), f)
+    cfg_path = write_private(os.path.join(job_dir, "submitted-config.yaml"),
+                             yaml.safe_dump(config_to_dict(cfg)))
     script = render(cfg, command=command, config_path=cfg_path, job_dir=job_dir)
-    script_path = os.path.join(job_dir, "job.sbatch")
-    fd = os.open(script_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o700)
-    with os.fdopen(fd, "w") as f:
-        f.write(script)
+    script_path = write_private(os.path.join(job_dir, "job.sbatch"), script, mode=0o700)
     job_id = commands.sbatch(script_path)
     print(f"submitted job {job_id}; job dir {job_dir}", flush=True)
     if not args.wait:

@@ -74,6 +74,10 @@ class JobConfig:
             )
         if not self.job_dir:
             raise ConfigError("job.job_dir is empty: give a directory such as 'sr-jobs/{job_id}'")
+        if self.partition is not None and not re.fullmatch(r"[A-Za-z0-9_.,-]+", self.partition):
+            raise ConfigError(
+                f"job.partition={self.partition!r} is not a partition name: letters, digits, _ . , - only"
+            )
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -161,10 +161,9 @@ TOKEN_FILE = "token"
 
 def write_token(job_dir: str, token: str) -> None:
     """Write the per-job secret 0600 (created private, never world-readable)."""
-    path = os.path.join(job_dir, TOKEN_FILE)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(token)
+    from .files import write_private
+
+    write_private(os.path.join(job_dir, TOKEN_FILE), token)
 
 
 def read_token(job_dir: str) -> str:

@@ -8,6 +8,7 @@ brain; workers and standbys are ``srun --no-kill`` steps on the others.
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import string
 import sys
@@ -17,6 +18,7 @@ from typing import Sequence
 from ..config import ResilienceConfig
 from ..errors import ConfigError
 
+_PARTITION = re.compile(r"[A-Za-z0-9_.,-]+")
 TEMPLATE_DIR = Path(os.environ.get("SR_TEMPLATE_DIR", Path(__file__).resolve().parents[2] / "sbatch_templates"))
 
 
@@ -31,6 +33,13 @@ def render(cfg: ResilienceConfig, *, command: Sequence[str], config_path: str, j
         text = path.read_text()
     except FileNotFoundError:
         raise ConfigError(f"sbatch template not found: {path} (set SR_TEMPLATE_DIR)") from None
+    for what, value in (("job name", job_name), ("job dir", job_dir), ("config path", config_path),
+                        ("partition", cfg.job.partition or "")):
+        if "\n" in value or "\r" in value:
+            raise ConfigError(f"{what} contains a line break: not allowed in an sbatch script")
+    if cfg.job.partition and not _PARTITION.fullmatch(cfg.job.partition):
+        raise ConfigError(f"job.partition={cfg.job.partition!r} is not a valid partition name "
+                          "(letters, digits, _ . , -)")
     extra = 1 if cfg.job.supervisor_node else 0
     partition = f"#SBATCH --partition={cfg.job.partition}" if cfg.job.partition else ""
     return string.Template(text).substitute(

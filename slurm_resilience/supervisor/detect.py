@@ -81,8 +81,10 @@ class LivenessServer:
         conn, state = key.fileobj, key.data
         try:
             data = conn.recv(4096)
-        except (ConnectionResetError, BlockingIOError):
-            data = b"" if not isinstance(conn, socket.socket) else b""
+        except BlockingIOError:
+            return  # spurious wake-up: nothing to read yet
+        except ConnectionResetError:
+            data = b""
         if not data:
             self._sel.unregister(conn)
             conn.close()
@@ -101,12 +103,13 @@ class LivenessServer:
         try:
             hello = json.loads(line)
             ok = hmac.compare_digest(str(hello["token"]).encode(), self._token)
-        except (ValueError, KeyError, TypeError):
+            who = (str(hello["worker_id"]), str(hello["node"]), int(hello["pid"]))
+        except (ValueError, KeyError, TypeError, AttributeError):
             ok = False
         if not ok:
-            self._reject(conn, "bad token")
+            self._reject(conn, "bad token or malformed hello")
             return
-        state["who"] = (str(hello["worker_id"]), str(hello["node"]), int(hello["pid"]))
+        state["who"] = who
         self._out.put(Observation("connected", state["who"][0], state["who"][1],
                                   time.time(), state["who"][2]))
 

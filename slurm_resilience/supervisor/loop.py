@@ -32,6 +32,7 @@ import yaml
 from ..config import ResilienceConfig, config_to_dict
 from ..errors import ConfigError
 from ..events import EventLog
+from ..files import write_private
 from ..lifecycle import JobPhase, Lifecycle
 from ..model import Fault, RankTable
 from ..protocol import (
@@ -117,9 +118,7 @@ class Supervisor:
         self.token = secrets.token_hex(16)
         write_token(self.job_dir, self.token)
         self.config_path = os.path.join(self.job_dir, "config.yaml")
-        fd = os.open(self.config_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            yaml.safe_dump(config_to_dict(self.cfg), f)
+        write_private(self.config_path, yaml.safe_dump(config_to_dict(self.cfg)))
         self.events = EventLog(os.path.join(self.job_dir, "events.jsonl"))
         self._raw_store = dist.TCPStore(self.store_host, 0, None, True, timedelta(seconds=30),
                                         wait_for_workers=False)
@@ -481,12 +480,7 @@ class Supervisor:
                        for n, wid in self.standbys.items()],
             "t": time.time(),
         }
-        path = os.path.join(self.job_dir, "status.json")
-        tmp = path + ".tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            json.dump(status, f)
-        os.replace(tmp, path)
+        write_private(os.path.join(self.job_dir, "status.json"), json.dumps(status))
 
 
 def _unhealthy(state: str) -> bool:

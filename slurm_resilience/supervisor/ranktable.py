@@ -8,11 +8,11 @@ with the lost slots re-pointed and the generation bumped.
 from __future__ import annotations
 
 import os
-import tempfile
 from dataclasses import dataclass, replace
 from typing import Mapping, Sequence
 
 from slurm_resilience.errors import RankTableError
+from slurm_resilience.files import write_private
 from slurm_resilience.model import RankSlot, RankTable
 
 __all__ = ["initial_table", "Replacement", "regenerate", "write_table", "LATEST_NAME"]
@@ -121,29 +121,9 @@ def write_table(table: RankTable, directory: str) -> str:
     os.makedirs(directory, exist_ok=True)
     text = table.to_json()
     path = os.path.join(directory, f"ranktable-gen{table.generation:04d}.json")
-    _atomic_write(path, text)
-    _atomic_write(os.path.join(directory, LATEST_NAME), text)
+    write_private(path, text)
+    write_private(os.path.join(directory, LATEST_NAME), text)
     return path
-
-
-def _atomic_write(path: str, text: str) -> None:
-    directory = os.path.dirname(path) or "."
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=directory)  # mkstemp creates 0600
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    dfd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
 
 
 def _address(addresses: Mapping[str, str], node: str) -> str:

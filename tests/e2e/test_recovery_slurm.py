@@ -113,3 +113,31 @@ def test_online_timeout_falls_back_to_relaunch_from_snapshots(cluster, jobs_root
     assert _events(run.job_dir, "fallback")
     assert [d["level"] for d in _events(run.job_dir, "recovery_done")] == ["fallback-relaunch"]
     assert lab.compare_states(reference, run.job_dir / "final.pt") == []
+
+
+def test_submitit_path_survives_node_loss(cluster, jobs_root, reference):
+    import sys
+
+    from slurm_resilience.launch.submitit_launch import submit
+
+    job_dir = jobs_root / "submitit"
+    job = submit([sys.executable, str(lab.EXAMPLE), "--steps", str(STEPS), "--step-time", "0.05"],
+                 nodes=4, spares=1, job_dir=str(job_dir), config=str(lab.LOCAL_CONFIG), timeout_min=10)
+    run = lab.JobRun(job_dir=job_dir, process=None)
+    status = _wait_status(run)
+    lab.kill_node(status["ranks"][1]["node"])
+    assert job.result() == 0
+    assert lab.compare_states(reference, job_dir / "final.pt") == []
+    assert [d["level"] for d in _events(job_dir, "recovery_done")] == ["node-replacement"]
+
+
+def _wait_status(run, step=KILL_AT, timeout=120):
+    import time
+
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        st = run.status
+        if st and st["ranks"] and min(r["step"] for r in st["ranks"]) >= step:
+            return st
+        time.sleep(0.1)
+    raise TimeoutError(f"no step {step}: {run.status}")

@@ -165,10 +165,6 @@ def test_rejections_count_and_server_keeps_serving(server):
     s.close()
 
 
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
-@pytest.mark.xfail(strict=True, reason="a hello with the right token but a non-integer pid (or "
-                   "missing worker_id/node) raises outside the try in LivenessServer._read and "
-                   "kills the liveness thread: later workers are never seen")
 def test_valid_token_bad_fields_rejected_and_server_survives(server):
     srv, out = server
     s = _connect(srv)

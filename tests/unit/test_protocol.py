@@ -90,8 +90,6 @@ def test_token_file_0600_even_with_permissive_umask(tmp_path):
     assert stat.S_IMODE(os.stat(tmp_path / TOKEN_FILE).st_mode) == 0o600
 
 
-@pytest.mark.xfail(strict=True, reason="write_token reuses an existing token file's mode: "
-                   "os.open(O_CREAT|O_TRUNC, 0o600) only applies the mode on creation")
 def test_token_file_0600_when_overwriting_a_readable_file(tmp_path):
     path = tmp_path / TOKEN_FILE
     path.write_text("old")

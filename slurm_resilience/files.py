@@ -1,0 +1,40 @@
+"""Private, atomic files: either the old content or the whole new one, mode 0600.
+
+Every file the toolkit writes that a reader may pick up while it is being written
+(token, config, rank tables, status, results) goes through here: a temporary file
+in the same directory (created 0600 by mkstemp), fsync, rename, fsync of the
+directory. A crash never leaves a half-written file under the final name, and an
+existing world-readable file is replaced, not reused, so it cannot keep its mode.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+
+def write_private(path: str, data: str | bytes, *, mode: int = 0o600) -> str:
+    directory = os.path.dirname(path) or "."
+    os.makedirs(directory, mode=0o700, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data.encode() if isinstance(data, str) else data)
+            f.flush()
+            os.fchmod(f.fileno(), mode)
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    fsync_dir(directory)
+    return path
+
+
+def fsync_dir(directory: str) -> None:
+    dfd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)

@@ -1,0 +1,54 @@
+"""Submit a resilient job from Python through submitit.
+
+    job = submit(["python", "train.py"], nodes=4, spares=1, job_dir="jobs/run1")
+    job.result()   # the supervisor's exit code (0: finished)
+
+submitit runs the supervisor once, in the batch step (``slurm_use_srun=False``), on
+an ``sbatch --no-kill`` allocation of 1 + nodes + spares nodes; the supervisor then
+starts the ranks and warm standbys as ``srun`` steps, exactly as on the sbatch path.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Mapping, Sequence
+
+from ..config import ResilienceConfig, config_to_dict, load_config
+
+
+def run_supervisor(config: Mapping[str, Any], command: Sequence[str], job_dir: str) -> int:
+    """The function submitit pickles and runs in the batch step."""
+    from .allocation import supervise_allocation
+
+    return supervise_allocation(load_config(config), command, job_dir)
+
+
+def submit(command: Sequence[str], *, nodes: int, spares: int = 1, job_dir: str,
+           config: ResilienceConfig | str | None = None, timeout_min: int = 60,
+           executor_params: Mapping[str, Any] | None = None):
+    """Submit and return the ``submitit.Job``; ``executor_params`` go to update_parameters."""
+    import submitit
+
+    base = config if isinstance(config, ResilienceConfig) else load_config(config)
+    cfg = config_to_dict(base)
+    cfg["job"].update(nodes=nodes, spares=spares)
+    resolved = load_config(cfg)  # validates the counts before anything is submitted
+    job_dir = os.path.abspath(job_dir)
+    os.makedirs(job_dir, mode=0o700, exist_ok=True)
+    executor = submitit.AutoExecutor(folder=os.path.join(job_dir, "submitit"), cluster="slurm")
+    total = nodes + spares + (1 if resolved.job.supervisor_node else 0)
+    # submitit counts one result per task: it sees a 1-task job (the supervisor); the
+    # real node count goes straight into the #SBATCH lines.
+    params: dict[str, Any] = {
+        "nodes": 1,
+        "tasks_per_node": 1,
+        "timeout_min": timeout_min,
+        "slurm_use_srun": False,
+        "slurm_additional_parameters": {"no_kill": True, "nodes": total},
+        "slurm_signal_delay_s": 30,
+    }
+    if resolved.job.partition:
+        params["slurm_partition"] = resolved.job.partition
+    params.update(executor_params or {})
+    executor.update_parameters(**params)
+    return executor.submit(run_supervisor, config_to_dict(resolved), list(command), job_dir)
