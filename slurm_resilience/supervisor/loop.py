@@ -440,6 +440,7 @@ class Supervisor:
         self.lifecycle.transition(JobPhase.FINISHING, "every rank finished")
         shut_down_standbys(self.store)
         self._reap()
+        self._poll_worker_events()
         self.lifecycle.transition(JobPhase.SUCCEEDED)
         self.events.emit("job_done", recoveries=self.recoveries, generation=self.table.generation)
         self._say(f"job finished after {self.recoveries} recover{'y' if self.recoveries == 1 else 'ies'}")
