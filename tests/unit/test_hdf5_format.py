@@ -1,0 +1,347 @@
+import collections
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import h5py
+import numpy as np
+import pytest
+import torch
+
+from slurm_resilience.checkpoint.hdf5_format import (
+    FORMAT,
+    SKELETON,
+    combine_checksums,
+    flatten_state,
+    read_shard,
+    shard_crc32,
+    unflatten_state,
+    verify_shard,
+    write_shard,
+)
+from slurm_resilience.checkpoint import hdf5_format
+from slurm_resilience.errors import CheckpointError
+
+
+def assert_same(a, b):
+    """Structural, bit-exact equality (tensors compared by bytes, dtype, shape)."""
+    assert type(a) is type(b), (type(a), type(b))
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape and b.device.type == "cpu"
+        ia = a.contiguous().view(-1).view(torch.uint8) if a.numel() else a
+        ib = b.contiguous().view(-1).view(torch.uint8) if b.numel() else b
+        assert torch.equal(ia, ib)
+    elif isinstance(a, np.ndarray):
+        assert a.dtype == b.dtype and a.tobytes() == b.tobytes()
+    elif isinstance(a, dict):
+        assert list(a) == list(b)
+        for k in a:
+            assert_same(a[k], b[k])
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            assert_same(x, y)
+    else:
+        assert a == b
+
+
+def roundtrip(tmp_path, state, **kw):
+    path = str(tmp_path / "s.h5")
+    info = write_shard(path, state, **kw)
+    out, attrs = read_shard(path)
+    assert_same(state, out)
+    return info, out, attrs
+
+
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+          torch.int8, torch.bool, torch.uint8, torch.complex64]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_dtype_roundtrip_bit_exact(tmp_path, dtype):
+    g = torch.Generator().manual_seed(0)
+    if dtype.is_floating_point or dtype.is_complex:
+        t = torch.randn(7, 5, generator=g, dtype=dtype)
+        t.view(-1)[3] = float("nan")
+        t.view(-1)[4] = float("-inf")
+    elif dtype == torch.bool:
+        t = torch.randint(0, 2, (7, 5), generator=g).bool()
+    else:
+        t = torch.randint(-100 if dtype.is_signed else 0, 100, (7, 5), generator=g, dtype=dtype)
+    roundtrip(tmp_path, {"t": t, "scalar": t.view(-1)[0].clone(), "empty": t[:0]})
+
+
+def test_bfloat16_stored_as_int16_view(tmp_path):
+    path = str(tmp_path / "s.h5")
+    write_shard(path, {"w": torch.ones(3, dtype=torch.bfloat16)})
+    with h5py.File(path, "r") as f:
+        ds = f["objects/w"]
+        assert ds.dtype == np.int16 and ds.attrs["torch_dtype"] == "bfloat16"
+        assert ds.chunks is None and ds.compression is None
+
+
+def test_zero_dim_empty_and_non_contiguous(tmp_path):
+    base = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    state = {
+        "zero_dim": torch.tensor(3.25),
+        "empty": torch.empty(0, 4),
+        "empty3": torch.zeros(2, 0, 3, dtype=torch.int64),
+        "transposed": base.t(),
+        "strided": base[::2, 1::3],
+        "expanded": torch.tensor([1.0, 2.0]).expand(3, 2),
+        "bf16_t": base.to(torch.bfloat16).t(),
+    }
+    _, out, _ = roundtrip(tmp_path, state)
+    assert out["transposed"].shape == (6, 4)
+
+
+def test_optimizer_and_rng_state(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(), torch.nn.Linear(3, 2))
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    adam = torch.optim.Adam(model.parameters(), lr=1e-3)
+    for opt in (sgd, adam):
+        model(torch.randn(5, 4)).sum().backward()
+        opt.step()
+    random.seed(1)
+    np.random.seed(2)
+    state = {
+        "model": model.state_dict(),
+        "sgd": sgd.state_dict(),
+        "adam": adam.state_dict(),
+        "rng": {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()},
+        "step": 17,
+        "meta": ("run", 1.5, None, [1, 2]),
+    }
+    info, out, _ = roundtrip(tmp_path, state)
+    assert isinstance(out["model"], collections.OrderedDict)
+    assert isinstance(out["sgd"]["state"][0]["momentum_buffer"], torch.Tensor)
+    torch.set_rng_state(out["rng"]["torch"])
+    random.setstate(out["rng"]["python"])
+    np.random.set_state(out["rng"]["numpy"])
+    # the restored optimizer state loads back into a fresh optimizer
+    fresh = torch.optim.Adam(model.parameters(), lr=1e-3)
+    fresh.load_state_dict(out["adam"])
+    with h5py.File(info.path, "r") as f:
+        assert "objects/sgd/state/0/momentum_buffer" in f
+        assert "objects/model/0.weight" in f
+
+
+def test_keys_are_unique_and_hdf5_safe():
+    t = torch.zeros(1)
+    state = {"a/b": t, "a%2Fb": t, 0: t, "0": t, "": t, ".": t, "..": t, ("x", 1): t, "nul\0": t, "a": {"b": t}}
+    tensors, skeleton = flatten_state(state)
+    assert len(tensors) == len(state)
+    for key in tensors:
+        parts = key.split("/")
+        assert parts[0] == "objects" and all(p not in ("", ".", "..") and "\0" not in p for p in parts)
+    assert "objects/0" in tensors and "objects/a%2Fb" in tensors
+    out = unflatten_state(tensors, skeleton)
+    assert list(out) == list(state)
+    assert_same(state, out)
+
+
+def test_colliding_keys_roundtrip(tmp_path):
+    state = {0: torch.tensor([1]), "0": [torch.tensor([2]), torch.tensor([3])], "x": {"0": torch.tensor([4])}}
+    roundtrip(tmp_path, state)
+
+
+Pair = collections.namedtuple("Pair", "a b")
+
+
+def test_namedtuple_and_opaque_objects(tmp_path):
+    dd = collections.defaultdict(list, {"k": [1]})
+    state = {"pair": Pair(torch.ones(2), 3), "dd": dd, "arr": np.arange(5, dtype=np.int16), "set": {1, 2}}
+    path = str(tmp_path / "s.h5")
+    write_shard(path, state)
+    out, _ = read_shard(path)
+    assert type(out["pair"]) is Pair and torch.equal(out["pair"].a, torch.ones(2))
+    assert out["dd"] == dd and out["set"] == {1, 2}
+    assert out["arr"].dtype == np.int16
+
+
+def test_attrs_and_format(tmp_path):
+    path = str(tmp_path / "s.h5")
+    write_shard(path, {"x": torch.ones(1)}, attrs={"step": 5, "lr": 0.5, "tier": "L2"})
+    _, attrs = read_shard(path)
+    assert attrs == {"step": 5, "lr": 0.5, "tier": "L2"}
+    assert type(attrs["step"]) is int
+    with h5py.File(path, "r") as f:
+        assert f.attrs["format"] == FORMAT
+    with pytest.raises(CheckpointError, match="reserved"):
+        write_shard(path, {}, attrs={"format": "x"})
+    with pytest.raises(CheckpointError, match="int, float or str"):
+        write_shard(path, {}, attrs={"bad": [1]})
+
+
+def test_unpicklable_state_raises(tmp_path):
+    with pytest.raises(CheckpointError, match="pickled"):
+        write_shard(str(tmp_path / "s.h5"), {"f": lambda: 1})
+    assert os.listdir(tmp_path) == []
+
+
+def test_mode_0600_and_no_temp_left(tmp_path):
+    path = tmp_path / "sub" / "s.h5"
+    info = write_shard(str(path), {"x": torch.ones(10)})
+    assert os.stat(path).st_mode & 0o777 == 0o600
+    assert os.listdir(path.parent) == ["s.h5"]
+    assert info.nbytes == os.path.getsize(path)
+    assert info.crc32 == shard_crc32(str(path))
+
+
+def test_overwrite_replaces_file(tmp_path):
+    path = str(tmp_path / "s.h5")
+    write_shard(path, {"x": torch.ones(3)})
+    os.chmod(path, 0o644)
+    write_shard(path, {"x": torch.zeros(3)})
+    assert os.stat(path).st_mode & 0o777 == 0o600
+    assert torch.equal(read_shard(path)[0]["x"], torch.zeros(3))
+
+
+def test_combined_checksum_depends_on_every_dataset():
+    base = {"a": 1, "b": 2}
+    assert combine_checksums(base) == combine_checksums(dict(reversed(base.items())))
+    assert combine_checksums(base) != combine_checksums({"a": 1, "b": 3})
+    assert combine_checksums(base) != combine_checksums({"a": 1, "c": 2})
+
+
+def _flip_byte_in(path, name, index=5):
+    with h5py.File(path, "r") as f:
+        offset = f[name].id.get_offset()
+    with open(path, "r+b") as fh:
+        fh.seek(offset + index)
+        byte = fh.read(1)
+        fh.seek(offset + index)
+        fh.write(bytes([byte[0] ^ 0xFF]))
+
+
+def test_flipped_byte_names_dataset(tmp_path):
+    path = str(tmp_path / "s.h5")
+    write_shard(path, {"model": {"w": torch.randn(100), "b": torch.randn(10)}})
+    _flip_byte_in(path, "objects/model/w")
+    with pytest.raises(CheckpointError, match=r"dataset objects/model/w checksum mismatch") as ei:
+        read_shard(path)
+    assert path in str(ei.value) and "\n" not in str(ei.value)
+    problems = verify_shard(path)
+    assert len(problems) == 1 and "objects/model/w" in problems[0]
+    out, _ = read_shard(path, verify=False)  # opt-out still reads
+    assert out["model"]["w"].shape == (100,)
+
+
+def test_flipped_skeleton_byte(tmp_path):
+    path = str(tmp_path / "s.h5")
+    write_shard(path, {"w": torch.randn(4), "meta": "x" * 50})
+    _flip_byte_in(path, SKELETON, index=10)
+    with pytest.raises(CheckpointError, match=SKELETON):
+        read_shard(path)
+    assert verify_shard(path)
+
+
+@pytest.mark.parametrize("keep", [0.5, 0.9, 0.99])
+def test_truncated_file(tmp_path, keep):
+    path = str(tmp_path / "s.h5")
+    write_shard(path, {"w": torch.randn(10000), "v": torch.randn(10)})
+    size = os.path.getsize(path)
+    os.truncate(path, int(size * keep))
+    with pytest.raises(CheckpointError, match="corrupt shard"):
+        read_shard(path)
+    assert verify_shard(path)
+
+
+def test_missing_not_hdf5_and_foreign_hdf5(tmp_path):
+    missing = str(tmp_path / "nope.h5")
+    with pytest.raises(CheckpointError, match="missing shard"):
+        read_shard(missing)
+    assert verify_shard(missing) == [f"missing shard {missing}"]
+    junk = tmp_path / "junk.h5"
+    junk.write_bytes(b"not hdf5 at all" * 100)
+    with pytest.raises(CheckpointError, match="not HDF5"):
+        read_shard(str(junk))
+    foreign = str(tmp_path / "foreign.h5")
+    with h5py.File(foreign, "w") as f:
+        f["x"] = np.arange(3)
+    with pytest.raises(CheckpointError, match="format attribute"):
+        read_shard(foreign)
+    assert len(verify_shard(foreign)) == 1
+
+
+def test_missing_dataset_named_by_skeleton(tmp_path):
+    path = str(tmp_path / "s.h5")
+    write_shard(path, {"w": torch.randn(4), "v": torch.randn(4)})
+    with h5py.File(path, "r+") as f:
+        del f["objects/v"]
+    with pytest.raises(CheckpointError, match="objects/v"):
+        read_shard(path)
+    assert any("objects/v" in p for p in verify_shard(path))
+
+
+def test_valid_shard_verifies_clean(tmp_path):
+    path = str(tmp_path / "s.h5")
+    write_shard(path, {"w": torch.randn(4), "e": torch.empty(0), "s": torch.tensor(1)})
+    assert verify_shard(path) == []
+
+
+def _child_env():
+    # The child must import this checkout's package, wherever pytest was started.
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(hdf5_format.__file__))))
+    return dict(os.environ, PYTHONPATH=os.pathsep.join([repo, *sys.path]))
+
+
+_WRITER = textwrap.dedent(
+    """
+    import sys, torch
+    from slurm_resilience.checkpoint.hdf5_format import write_shard
+    state = {f"t{i}": torch.full((2 * 1024 * 1024,), float(i)) for i in range(64)}  # 512 MiB
+    print("start", flush=True)
+    write_shard(sys.argv[1], state)
+    """
+)
+
+
+def test_sigkilled_writer_leaves_previous_shard_intact(tmp_path):
+    path = str(tmp_path / "s.h5")
+    write_shard(path, {"old": torch.arange(10)})
+    env = _child_env()
+    proc = subprocess.Popen([sys.executable, "-c", _WRITER, path], env=env, stdout=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 60
+        tmp = None
+        while time.monotonic() < deadline and proc.poll() is None:
+            temps = [n for n in os.listdir(tmp_path) if n.endswith(".tmp")]
+            if temps and os.path.getsize(tmp_path / temps[0]) > 1 << 20:  # data is flowing
+                tmp = temps[0]
+                break
+            time.sleep(0.005)
+        assert tmp is not None, "writer never started writing"
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    out, _ = read_shard(path)
+    assert_same(out, {"old": torch.arange(10)})
+    assert sorted(os.listdir(tmp_path)) == sorted(["s.h5", tmp])  # only litter under a temp name
+    assert os.stat(tmp_path / tmp).st_mode & 0o777 == 0o600
+
+
+def test_sigkilled_first_write_leaves_no_final_file(tmp_path):
+    path = str(tmp_path / "fresh.h5")
+    env = _child_env()
+    proc = subprocess.Popen([sys.executable, "-c", _WRITER, path], env=env, stdout=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not any(n.endswith(".tmp") for n in os.listdir(tmp_path)):
+            time.sleep(0.005)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert not os.path.exists(path)
