@@ -18,7 +18,7 @@ EXIT_USAGE = 2
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", help="YAML config (sections job, detect, recovery, reconnect, snapshot)")
+    p.add_argument("--config", help="YAML config (sections job, detect, recovery, reconnect, checkpoint)")
     p.add_argument("--nodes", type=int, help="worker nodes (overrides job.nodes)")
     p.add_argument("--spares", type=int, help="spare nodes (overrides job.spares)")
     p.add_argument("--job-dir", help="job directory (events, logs, rank tables, final state)")
@@ -128,6 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("local", help="run the supervisor with local processes instead of Slurm")
     _common(p)
     p.set_defaults(func=cmd_local)
+    from .checkpoint.inspect import add_parser as add_ckpt
+
+    add_ckpt(sub)
     for name, fn in (("timeline", cmd_timeline), ("status", cmd_status)):
         p = sub.add_parser(name)
         p.add_argument("job_dir")

@@ -6,7 +6,7 @@ Each section of the YAML file maps to one dataclass::
     detect:    {heartbeat_period_s: 0.25}
     recovery:  {...}
     reconnect: {...}
-    snapshot:  {...}
+    checkpoint: {...}
 
 Unknown sections/keys and wrong types are ``ConfigError``s whose one-line
 message names the key and the fix.
@@ -168,24 +168,67 @@ class ReconnectConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
-class SnapshotConfig:
-    """In-memory/local snapshots used for fast restore.
+class CheckpointConfig:
+    """Multi-level checkpoints (L0 host memory, L1 node-local, L2 shared filesystem).
 
     Fields:
-        every_steps: snapshot every N steps (>= 1).
-        local_dir: node-local directory; ``{job_id}`` and ``{node}`` are filled in.
-        keep: snapshots kept per rank (>= 1).
+        memory_every: L0 host-memory copy every N steps (0: off).
+        local_every: L1 node-local checkpoint every N steps (0: off).
+        local_auto: size the L1 interval by Young/Daly from the measured checkpoint
+            cost and ``mtbf_s`` (overrides ``local_every``).
+        local_dir: node-local directory; ``{job_id}``, ``{node}``, ``{rank}``, ``{job_dir}``.
+        local_redundancy: ``partner`` (a copy on the next node), or ``none``.
+        local_keep: L1 checkpoints kept (>= 1).
+        shared_every_kth: L2 drains every K-th L1 checkpoint (0: off).
+        shared_dir: shared-filesystem directory (Lustre or any shared path).
+        shared_keep: L2 checkpoints kept (>= 1); ``shared_keep_every``: also every M-th step.
+        mtbf_s: mean time between failures assumed until failures are observed.
     """
 
-    every_steps: int = 10
-    local_dir: str = "/tmp/slurm_resilience/{job_id}/{node}"
-    keep: int = 2
+    memory_every: int = 10
+    local_every: int = 10
+    local_auto: bool = False
+    local_dir: str = "/tmp/slurm_resilience/{job_id}/{node}/ckpt"
+    local_redundancy: str = "partner"
+    local_keep: int = 2
+    shared_every_kth: int = 5
+    shared_dir: str = "{job_dir}/checkpoints"
+    shared_keep: int = 2
+    shared_keep_every: int = 0
+    mtbf_s: float = 86400.0
 
     def __post_init__(self) -> None:
-        if self.every_steps < 1:
-            raise ConfigError(f"snapshot.every_steps={self.every_steps} must be >= 1")
-        if self.keep < 1:
-            raise ConfigError(f"snapshot.keep={self.keep} must be >= 1: keep at least one snapshot")
+        for name in ("memory_every", "local_every", "shared_every_kth", "shared_keep_every"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"checkpoint.{name}={getattr(self, name)} must be >= 0 (0 turns it off)")
+        for name in ("local_keep", "shared_keep"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"checkpoint.{name}={getattr(self, name)} must be >= 1")
+        if self.local_redundancy not in ("none", "partner"):
+            raise ConfigError(f"checkpoint.local_redundancy={self.local_redundancy!r} must be 'none' or 'partner'"
+                              " (XOR parity exists as a library function but is not wired into the engine yet)")
+        if self.shared_every_kth and not (self.local_every or self.local_auto):
+            raise ConfigError("checkpoint.shared_every_kth drains L1 checkpoints: set local_every or local_auto")
+        if self.mtbf_s <= 0:
+            raise ConfigError(f"checkpoint.mtbf_s={self.mtbf_s} must be > 0")
+
+    def tiers(self):
+        """The tier specs this section describes (see ``checkpoint/tiers.py``)."""
+        from .checkpoint.tiers import Redundancy, TierSpec
+
+        specs = []
+        if self.memory_every:
+            specs.append(TierSpec(name="L0", storage="memory", interval_steps=self.memory_every))
+        if self.local_every or self.local_auto:
+            specs.append(TierSpec(
+                name="L1", storage="local", path=self.local_dir, keep=self.local_keep,
+                redundancy=Redundancy(self.local_redundancy),
+                **({"auto": True} if self.local_auto else {"interval_steps": self.local_every})))
+        if self.shared_every_kth:
+            specs.append(TierSpec(name="L2", storage="shared", path=self.shared_dir,
+                                  every_kth=self.shared_every_kth, keep=self.shared_keep,
+                                  keep_every=self.shared_keep_every or None))
+        return tuple(specs)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -196,7 +239,7 @@ class ResilienceConfig:
     detect: DetectConfig = field(default_factory=DetectConfig)
     recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
     reconnect: ReconnectConfig = field(default_factory=ReconnectConfig)
-    snapshot: SnapshotConfig = field(default_factory=SnapshotConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
 
 _SECTIONS: dict[str, type] = {
@@ -204,7 +247,7 @@ _SECTIONS: dict[str, type] = {
     "detect": DetectConfig,
     "recovery": RecoveryConfig,
     "reconnect": ReconnectConfig,
-    "snapshot": SnapshotConfig,
+    "checkpoint": CheckpointConfig,
 }
 
 

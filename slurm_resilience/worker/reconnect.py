@@ -51,6 +51,7 @@ class Generation:
         timeout_s: float,
         poll_ms: float,
         interrupted: Callable[[], bool],
+        channel: str = "",
     ) -> None:
         self.table = table
         self.generation = table.generation
@@ -60,7 +61,9 @@ class Generation:
         self._poll = timedelta(milliseconds=poll_ms)
         self._interrupted = interrupted
         self._parked: list[object] = []
-        prefixed = dist.PrefixStore(pg_prefix(self.generation), store)
+        # A channel is a second group of the same generation (e.g. checkpoint
+        # transfers on a background thread), so it needs its own store prefix.
+        prefixed = dist.PrefixStore(pg_prefix(self.generation) + channel, store)
         timeout = timedelta(seconds=timeout_s)
         if self.backend == "nccl":
             self.device = torch.device("cuda", table.slots[rank].local_rank)
@@ -80,6 +83,14 @@ class Generation:
     def broadcast(self, tensor: torch.Tensor, root: int) -> torch.Tensor:
         """Collective: in-place broadcast from ``root``. Raises StepAborted on a fault."""
         return self._run(lambda: self.pg.broadcast(tensor, root), "broadcast", tensor)
+
+    def send(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> None:
+        """Point-to-point send (bounded wait)."""
+        self._run(lambda: self.pg.send([tensor], dst, tag), "send", tensor)
+
+    def recv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> torch.Tensor:
+        """Point-to-point receive into ``tensor`` (bounded wait)."""
+        return self._run(lambda: self.pg.recv([tensor], src, tag), "recv", tensor)
 
     def all_gather_ints(self, value: int) -> list[int]:
         """Collective: every rank's integer, in rank order."""

@@ -17,11 +17,13 @@ position back to that step and yields it again.
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import os
 import random
 import sys
+import threading
 import time
 from typing import Any, Iterator
 
@@ -29,13 +31,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ..checkpoint.engine import CheckpointEngine
 from ..config import ResilienceConfig, load_config
 from ..errors import ResilienceError, StepAborted
+from ..files import write_private
 from ..protocol import (
     EVENT_COUNTER, SHUTDOWN_KEY, Plan, PlanAction, Role, WorkerEnv,
     done_key, event_key, plan_key,
 )
-from . import snapshot
 from .heartbeat import Heartbeat, connect_liveness, open_store
 from .reconnect import Generation, set_gloo_interface
 from .restore import broadcast_state, choose_source
@@ -85,20 +88,23 @@ class Session:
         self._gen: Generation | None = None
         self._parked: list[object] = []
         self._first_step_pending = False
-        self._snap_dir = snapshot.snapshot_dir(
-            self.config.snapshot.local_dir, job_id=self._env.job_id, node=self._env.node
-        )
+        self._ev_lock = threading.Lock()
 
     # -- lifecycle -------------------------------------------------------------
     def __enter__(self) -> "Session":
         set_gloo_interface(self.config.reconnect.gloo_ifname)
         self._store = open_store(self._env)
+        self._ev_store = open_store(self._env)  # events come from the writer thread too
         self._liveness = connect_liveness(self._env)
+        self.checkpoints = CheckpointEngine(
+            self.config.checkpoint.tiers(), job_id=self._env.job_id, job_dir=self._env.job_dir,
+            node=self._env.node, emit=self._emit, mtbf_s=self.config.checkpoint.mtbf_s)
         self._hb = Heartbeat(self._env, self.config.detect.heartbeat_period_s).start()
         self._enter_generation(self._env.generation)
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
+        self.checkpoints.close()
         self._hb.stop()
         self._liveness.close()
 
@@ -168,12 +174,21 @@ class Session:
         if self._first_step_pending:
             self._first_step_pending = False
             self._emit("first_step", step=self.step)
-        every = self.config.snapshot.every_steps
-        if self.step % every == 0:
-            snapshot.write_snapshot(self._snap_dir, self.step, self._state_dict(), self.config.snapshot.keep)
+        self._checkpoint()
         # Safe point: a newer plan means stop here and re-form (fencing included).
         if self._store.check([plan_key(self.generation + 1)]):
             self._recover(StepAborted("stopped at a safe point for a new generation"))
+
+    def _checkpoint(self) -> None:
+        """At a safe point: save to the tiers due at this step (blocking only for L0)."""
+        tiers = self.checkpoints.due(self.step)
+        if self.checkpoints.needs_agreement:  # time/auto intervals: every rank must agree
+            names = [s.name for s in self.checkpoints.specs]
+            flags = torch.tensor([1 if n in tiers else 0 for n in names], dtype=torch.int64)
+            self._gen.all_reduce_sum(flags)
+            tiers = [n for n, f in zip(names, flags.tolist()) if f]
+        if tiers:
+            self.checkpoints.save(self.step, self._state_dict(), tiers)
 
     def _recover(self, why: StepAborted) -> None:
         log.warning("rank %s: %s", self._gen.rank if self._gen else "?", why)
@@ -228,25 +243,42 @@ class Session:
             interrupted=lambda: self._store.check([nxt]),
         )
         self._needs_sync = True
+        self.checkpoints.bind(rank=slot.rank, world_size=plan.table.world_size,
+                              nodes=plan.table.nodes, transfer=self._transfer_factory(plan, slot.rank))
         self._hb.update(generation=plan.generation, rank=slot.rank)
         self._emit("reconnected", start=t0, joining=slot.rank in plan.joining)
+
+    def _transfer_factory(self, plan: Plan, rank: int):
+        """The checkpoint writer's own gloo group for this generation (built lazily, in its thread)."""
+        cfg = self.config.reconnect
+
+        def build() -> Generation:
+            store = open_store(self._env)
+            nxt = plan_key(plan.generation + 1)
+            return Generation(store, plan.table, rank, backend="gloo", timeout_s=cfg.pg_timeout_s,
+                              poll_ms=cfg.poll_interval_ms, interrupted=lambda: store.check([nxt]),
+                              channel="ckpt/")
+
+        return build
 
     # -- restore and rollback --------------------------------------------------
     def _sync_state(self) -> None:
         """Collective: adopt the newest state any rank holds; roll data back to its step."""
         t0 = time.time()
-        snaps = snapshot.list_snapshots(self._snap_dir)
-        offer = self.step if self._live_state else (snaps[-1] if snaps else -1)
+        live = self.step if self._live_state else -1
+        # Checkpoints matter when this process holds nothing newer than its start:
+        # a fresh process, or a (re)started job at step 0. Survivors offer live state.
+        stored = self.checkpoints.best() if live <= 0 else None
+        offer = max(live, stored[0] if stored else -1)
         offers = self._gen.all_gather_ints(offer)
         choice = choose_source(offers)
-        state = None
+        from_live = self._live_state and self.step == choice.step
+        state, source = None, "peer"
         if self._gen.rank == choice.source_rank:
-            if self._live_state and self.step == choice.step:
-                state = self._state_dict()
-            else:
-                state = snapshot.load_snapshot(self._snap_dir, choice.step)
+            state = self._state_dict() if from_live else self.checkpoints.load(stored)
+            source = "live" if from_live else stored[1]
         state = broadcast_state(self._gen, state, choice.source_rank)
-        if not (self._live_state and self.step == choice.step and self._gen.rank == choice.source_rank):
+        if not (from_live and self._gen.rank == choice.source_rank):
             self._load_state_dict(state)
         self.step = choice.step
         self._live_state = True
@@ -254,7 +286,7 @@ class Session:
         self._first_step_pending = self._plan.generation > 0
         self._hb.update(step=self.step)
         self._emit("restored", start=t0, step=self.step, source=choice.source_rank,
-                   offers=offers)
+                   offers=offers, **({"tier": source} if source != "peer" else {}))
 
     def _state_dict(self) -> dict[str, Any]:
         return {
@@ -274,9 +306,9 @@ class Session:
 
     # -- endings -----------------------------------------------------------------
     def _finish(self) -> None:
+        self.checkpoints.wait()
         if self.rank == 0:
-            path = os.path.join(self._env.job_dir, "final.pt")
-            snapshot.atomic_save(self._state_dict(), path)
+            _save_private(self._state_dict(), os.path.join(self._env.job_dir, "final.pt"))
         self._store.set(done_key(self.rank), str(self.step))
         self._emit("done", step=self.step)
 
@@ -286,7 +318,7 @@ class Session:
         if self._live_state and self._objects:
             rank = self._gen.rank if self._gen else (self._plan.table.slot_for_node(self._env.node).rank)
             where = os.path.join(self._env.job_dir, "snapshots", f"rank{rank}-step{self.step:08d}.pt")
-            snapshot.atomic_save(self._state_dict(), where)
+            _save_private(self._state_dict(), where)
         self._emit("aborted", step=self.step, path=where)
         print(f"slurm_resilience: job aborted: {plan.reason}; state at step {self.step} kept in {where}",
               file=sys.stderr)
@@ -297,6 +329,13 @@ class Session:
         rec = dict(fields, kind=kind, t=time.time(), worker_id=self._env.worker_id,
                    node=self._env.node, generation=self._plan.generation if self._plan else None,
                    rank=self._gen.rank if self._gen else None)
-        n = self._store.add(EVENT_COUNTER, 1)
-        self._store.set(event_key(n), json.dumps(rec))
+        with self._ev_lock:
+            n = self._ev_store.add(EVENT_COUNTER, 1)
+            self._ev_store.set(event_key(n), json.dumps(rec))
+
+
+def _save_private(state: dict[str, Any], path: str) -> None:
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    write_private(path, buf.getvalue())
 

@@ -35,7 +35,7 @@ class LocalJob:
         cfg = load_config({
             "reconnect": {"gloo_ifname": "lo"},
             "job": {"nodes": nodes, "spares": spares},
-            "snapshot": {"local_dir": str(root / "local/{node}")},
+            "checkpoint": {"local_dir": str(root / "local/{node}/ckpt")},
         })
         self.job_dir = root / "job"
         self.launcher = LocalLauncher()

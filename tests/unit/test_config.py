@@ -35,7 +35,7 @@ def test_frozen_kw_only():
 
 def test_yaml_file(tmp_path):
     p = tmp_path / "cfg.yaml"
-    p.write_text("job:\n  nodes: 2\n  spares: 0\n  partition: gpu\ndetect:\n  heartbeat_timeout_s: 3\nsnapshot:\n")
+    p.write_text("job:\n  nodes: 2\n  spares: 0\n  partition: gpu\ndetect:\n  heartbeat_timeout_s: 3\ncheckpoint:\n")
     cfg = load_config(p)
     assert cfg.job.nodes == 2 and cfg.job.spares == 0 and cfg.job.partition == "gpu"
     assert cfg.detect.heartbeat_timeout_s == 3.0 and isinstance(cfg.detect.heartbeat_timeout_s, float)
@@ -109,8 +109,9 @@ def test_wrong_type(doc, want):
         ({"reconnect": {"backend": "mpi"}}, "reconnect.backend='mpi' must be one of auto, gloo, nccl"),
         ({"reconnect": {"pg_timeout_s": 0}}, "reconnect.pg_timeout_s=0.0 must be > 0"),
         ({"reconnect": {"poll_interval_ms": 0}}, "reconnect.poll_interval_ms=0.0 must be > 0"),
-        ({"snapshot": {"every_steps": 0}}, "snapshot.every_steps=0 must be >= 1"),
-        ({"snapshot": {"keep": 0}}, "snapshot.keep=0 must be >= 1"),
+        ({"checkpoint": {"local_every": -1}}, "checkpoint.local_every=-1 must be >= 0"),
+        ({"checkpoint": {"local_keep": 0}}, "checkpoint.local_keep=0 must be >= 1"),
+        ({"checkpoint": {"local_redundancy": "xor"}}, "checkpoint.local_redundancy='xor' must be"),
     ],
 )
 def test_bad_values(doc, want):

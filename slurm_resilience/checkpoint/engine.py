@@ -1,0 +1,382 @@
+"""The per-rank checkpoint engine: a blocking host copy, the rest in the background.
+
+    save(step, state)                      training thread, at a safe point
+      └─ L0: copy tensors device→host into reused buffers (pinned with CUDA)   ← the only stall
+    writer thread, checkpoints in step order (identical order on every rank):
+      ├─ L1: HDF5 shard on the node-local disk (atomic, checksummed)
+      │     PARTNER: shard bytes → partner rank over the transfer group; its copy → our disk
+      ├─ vote: every rank reports durable/failed (collective on the transfer group)
+      │     all durable → manifest, then ``latest`` (never before)
+      └─ L2: every K-th: shard copied to the shared filesystem, vote, rank 0 commits
+
+A failing checkpoint (disk full, I/O error, a peer lost mid-transfer) is reported
+as an event, never raised into training, and never touches an older checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import queue
+import shutil
+import threading
+import time
+from typing import Any, Callable, Sequence
+
+import torch
+
+from ..errors import CheckpointError, StepAborted
+from ..files import write_private
+from . import manifest as mf
+from .hdf5_format import flatten_state, read_shard, unflatten_state, verify_shard, write_shard
+from .redundancy import partner_of, partner_sources
+from .tiers import IntervalEstimator, Redundancy, TierSpec, expand_path, tier_for_step
+
+log = logging.getLogger(__name__)
+
+PARTNER_DIR = "partner"
+
+
+@dataclasses.dataclass
+class _BufferSet:
+    tensors: dict[str, torch.Tensor]
+    skeleton: bytes = b""
+    step: int = -1
+    busy: bool = False
+
+
+@dataclasses.dataclass
+class _Job:
+    step: int
+    tiers: list[str]
+    buffers: _BufferSet
+    transfer: Any
+    rank: int
+    world_size: int
+    nodes: tuple[str, ...]
+
+
+class CheckpointEngine:
+    """Multi-level checkpoints of one rank. Not thread-safe: one caller (the training loop)."""
+
+    def __init__(self, specs: Sequence[TierSpec], *, job_id: str, job_dir: str, node: str,
+                 emit: Callable[..., None] = lambda kind, **f: None, mtbf_s: float = 86400.0) -> None:
+        self.specs = tuple(specs)
+        self._by_storage = {s.storage: s for s in reversed(self.specs)}
+        self.job_id, self.job_dir, self.node = job_id, job_dir, node
+        self._emit = emit
+        self._pinned = torch.cuda.is_available()
+        self._sets = [_BufferSet({}), _BufferSet({})]
+        self._l0: _BufferSet | None = None
+        self._lock = threading.Condition()
+        self._queue: "queue.Queue[_Job | None]" = queue.Queue()
+        self._last: dict[str, tuple[int, float]] = {}
+        self._counts: dict[str, int] = {}
+        self.estimator = IntervalEstimator(mtbf_s=mtbf_s) if any(s.auto for s in self.specs) else None
+        self.rank, self.world_size, self.nodes, self._transfer = 0, 1, (node,), None
+        self.stats: list[dict[str, float]] = []
+        self._thread = threading.Thread(target=self._writer, name="sr-ckpt-writer", daemon=True)
+        self._thread.start()
+
+    # -- membership ------------------------------------------------------------
+    def bind(self, *, rank: int, world_size: int, nodes: Sequence[str],
+             transfer: Callable[[], Any] | None) -> None:
+        """A new generation: rank, world, and a factory for the writer's transfer group.
+
+        The group is built lazily by the writer thread at the generation's first
+        checkpoint (every rank reaches it at the same step), so rebuilding it is
+        off the recovery's critical path.
+        """
+        self.rank, self.world_size, self.nodes = rank, world_size, tuple(nodes)
+        self._transfer = _Lazy(transfer) if transfer is not None else None
+
+    @property
+    def needs_agreement(self) -> bool:
+        """Time/auto intervals differ per rank: the caller must agree on ``due`` collectively."""
+        return any(s.interval_s is not None or s.auto for s in self.specs)
+
+    def root(self, spec: TierSpec, rank: int | None = None) -> str:
+        return expand_path(spec, job_id=self.job_id, node=self.node,
+                           rank=self.rank if rank is None else rank, job_dir=self.job_dir)
+
+    # -- save --------------------------------------------------------------------
+    def due(self, step: int) -> list[str]:
+        autos = {}
+        if self.estimator is not None:
+            autos = {s.name: self.estimator.interval_steps() for s in self.specs if s.auto}
+        return tier_for_step(self.specs, step, now=time.time(), last_saved=self._last,
+                             auto_interval_steps=autos, save_counts=self._counts)
+
+    def save(self, step: int, state: Any, tiers: Sequence[str] | None = None) -> float:
+        """Copy ``state`` to host memory (blocking) and queue the disk tiers. Returns the stall (s)."""
+        tiers = list(self.due(step) if tiers is None else tiers)
+        if not tiers:
+            return 0.0
+        t0 = time.perf_counter()
+        tensors, skeleton = flatten_state(state)
+        buf = self._acquire()
+        for key, t in tensors.items():
+            dst = buf.tensors.get(key)
+            if dst is None or dst.shape != t.shape or dst.dtype != t.dtype:
+                dst = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=self._pinned)
+                buf.tensors[key] = dst
+            dst.copy_(t.detach(), non_blocking=self._pinned)
+        for key in set(buf.tensors) - set(tensors):
+            del buf.tensors[key]
+        if self._pinned:
+            torch.cuda.synchronize()
+        buf.skeleton, buf.step = skeleton, step
+        stall = time.perf_counter() - t0
+        with self._lock:
+            self._l0 = buf
+        now = time.time()
+        for name in tiers:
+            self._last[name] = (step, now)
+            self._counts[name] = self._counts.get(name, 0) + 1
+        disk = [n for n in tiers if self._spec(n).storage != "memory"]
+        if disk:
+            buf.busy = True
+            self._queue.put(_Job(step, disk, buf, self._transfer, self.rank, self.world_size, self.nodes))
+        if self.estimator is not None:
+            self.estimator.observe_checkpoint(stall)
+        self._emit("checkpoint_saved", step=step, tiers=tiers, stall_ms=round(stall * 1000, 3))
+        return stall
+
+    def _spec(self, name: str) -> TierSpec:
+        return next(s for s in self.specs if s.name == name)
+
+    def _acquire(self) -> _BufferSet:
+        """A buffer set neither in L0 nor being persisted; waits for the writer if needed."""
+        with self._lock:
+            while True:
+                for b in self._sets:
+                    if b is not self._l0 and not b.busy:
+                        return b
+                if self._l0 is not None and not self._l0.busy:
+                    return self._l0  # the previous L0 copy is superseded by this one
+                self._lock.wait()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the writer has drained the queue (tests, end of training)."""
+        deadline = None if timeout is None else time.time() + timeout
+        with self._lock:
+            while any(b.busy for b in self._sets):
+                left = None if deadline is None else deadline - time.time()
+                if left is not None and left <= 0:
+                    return False
+                self._lock.wait(left)
+        return True
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=30)
+
+    # -- writer thread -----------------------------------------------------------
+    def _writer(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            try:
+                self._persist(job)
+            except Exception as exc:  # reported, never raised into training
+                log.warning("checkpoint of step %d failed: %s", job.step, exc)
+                self._emit("checkpoint_failed", step=job.step, tiers=job.tiers, error=_line(exc))
+            finally:
+                with self._lock:
+                    job.buffers.busy = False
+                    self._lock.notify_all()
+
+    def _persist(self, job: _Job) -> None:
+        state = unflatten_state(job.buffers.tensors, job.buffers.skeleton)
+        attrs = {"step": job.step, "rank": job.rank, "world_size": job.world_size}
+        local_path = None
+        for name in job.tiers:
+            spec = self._spec(name)
+            t0 = time.perf_counter()
+            root = self.root(spec, job.rank)
+            if spec.storage == "local":
+                local_path, nbytes = self._persist_local(spec, root, job, state, attrs)
+            else:
+                nbytes = self._persist_shared(spec, root, job, state, attrs, local_path)
+            dt = time.perf_counter() - t0
+            self.stats.append({"tier": name, "step": job.step, "seconds": dt, "bytes": nbytes})
+            self._emit("checkpoint_durable", step=job.step, tier=name, seconds=round(dt, 4),
+                       bytes=nbytes)
+
+    def _persist_local(self, spec, root, job, state, attrs):
+        path = mf.shard_path(root, job.step, job.rank)
+        ok, info, err = 1, None, ""
+        try:
+            info = write_shard(path, state, attrs=attrs)
+        except (OSError, CheckpointError) as exc:
+            ok, err = 0, _line(exc)
+        copies: dict[int, mf.ShardRecord] = {}
+        if spec.redundancy is Redundancy.PARTNER and job.world_size > 1:
+            copies = self._exchange_partner(root, job, path if ok else None)
+        votes = self._vote(job, ok)
+        if not all(votes):
+            failed = [r for r, v in enumerate(votes) if not v]
+            raise CheckpointError(f"step {job.step} not committed on {spec.name}: ranks {failed} failed"
+                                  + (f" (here: {err})" if err else ""))
+        man = mf.Manifest(step=job.step, world_size=job.world_size, tier=spec.name,
+                          shards={job.rank: mf.ShardRecord(os.path.basename(path), info.nbytes, info.crc32)},
+                          created=time.time(), extra={"partner_copies": sorted(copies)})
+        mf.write_manifest(root, man)
+        mf.set_latest(root, job.step)
+        mf.prune(root, keep_last=spec.keep)
+        self._prune_partner(root, spec.keep)
+        return path, info.nbytes
+
+    def _exchange_partner(self, root: str, job: _Job, path: str | None) -> dict[int, mf.ShardRecord]:
+        """Collective (transfer group): send our shard to our partner, keep our sources' shards."""
+        g = job.transfer.get()
+        data = open(path, "rb").read() if path else b""
+        dst = partner_of(job.rank, job.nodes)
+        srcs = partner_sources(job.rank, job.nodes)
+        # Sizes first (both directions), then bytes: sends are posted before receives block.
+        payload = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+        size = torch.tensor([payload.numel()], dtype=torch.int64)
+        sizes = {s: torch.zeros(1, dtype=torch.int64) for s in srcs}
+        _pairwise(g, [(size, dst)], [(sizes[s], s) for s in srcs], tag=1)
+        bufs = {s: torch.empty(int(sizes[s].item()), dtype=torch.uint8) for s in srcs}
+        _pairwise(g, [(payload, dst)] if payload.numel() else [],
+                  [(bufs[s], s) for s in srcs if bufs[s].numel()], tag=2)
+        kept = {}
+        for s, b in bufs.items():
+            if b.numel():
+                dest = os.path.join(root, PARTNER_DIR, f"step-{job.step:08d}", f"rank-{s:05d}.h5")
+                write_private(dest, b.numpy().tobytes())
+                kept[s] = mf.ShardRecord(os.path.basename(dest), b.numel(), 0)
+        return kept
+
+    def _prune_partner(self, root: str, keep: int) -> None:
+        pdir = os.path.join(root, PARTNER_DIR)
+        if not os.path.isdir(pdir):
+            return
+        steps = sorted(int(d[5:]) for d in os.listdir(pdir) if d.startswith("step-"))
+        for step in steps[:-keep]:
+            shutil.rmtree(os.path.join(pdir, f"step-{step:08d}"), ignore_errors=True)
+
+    def _persist_shared(self, spec, root, job, state, attrs, local_path) -> int:
+        path = mf.shard_path(root, job.step, job.rank)
+        ok, nbytes, crc = 1, 0, 0
+        try:
+            if local_path and os.path.exists(local_path):
+                os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+                write_private(path, open(local_path, "rb").read())
+                info_crc = read_shard_crc(path)
+                nbytes, crc = os.path.getsize(path), info_crc
+            else:
+                info = write_shard(path, state, attrs=attrs)
+                nbytes, crc = info.nbytes, info.crc32
+        except (OSError, CheckpointError) as exc:
+            ok = 0
+            log.warning("L2 write failed: %s", exc)
+        votes = self._vote(job, ok)
+        if not all(votes):
+            raise CheckpointError(f"step {job.step} not committed on {spec.name}: ranks "
+                                  f"{[r for r, v in enumerate(votes) if not v]} failed")
+        sizes = _gather(job, nbytes)
+        crcs = _gather(job, crc)
+        if job.rank == 0:
+            shards = {r: mf.ShardRecord(f"rank-{r:05d}.h5", sizes[r], crcs[r]) for r in range(job.world_size)}
+            mf.write_manifest(root, mf.Manifest(step=job.step, world_size=job.world_size, tier=spec.name,
+                                                shards=shards, created=time.time(), extra={}))
+            mf.set_latest(root, job.step)
+            mf.prune(root, keep_last=spec.keep, keep_every=spec.keep_every)
+        _gather(job, 1)  # nobody reports L2 durable before rank 0 committed
+        return nbytes
+
+    def _vote(self, job: _Job, ok: int) -> list[int]:
+        """Collective: every rank's durable flag."""
+        return _gather(job, ok)
+
+    # -- restore -------------------------------------------------------------------
+    def candidates(self) -> list[tuple[int, str, str]]:
+        """(step, source, path) this rank could restore from, newest first, cheapest first."""
+        out: list[tuple[int, str, str]] = []
+        if self._l0 is not None and self._l0.step >= 0:
+            out.append((self._l0.step, "L0", ""))
+        for spec in self.specs:
+            if spec.storage == "memory":
+                continue
+            root = self.root(spec)
+            for step in reversed(mf.complete_steps(root)):
+                man = mf.read_manifest(root, step)
+                if spec.storage == "local" and self.rank in man.shards:
+                    out.append((step, spec.name, mf.shard_path(root, step, self.rank)))
+                elif spec.storage == "shared":
+                    rank = self.rank if self.rank in man.shards else min(man.shards)
+                    out.append((step, spec.name, mf.shard_path(root, step, rank)))
+                if spec.storage == "local":
+                    for r in man.extra.get("partner_copies", []):
+                        p = os.path.join(root, PARTNER_DIR, f"step-{step:08d}", f"rank-{r:05d}.h5")
+                        out.append((step, f"{spec.name}-partner", p))
+        order = {name: i for i, name in enumerate(["L0"] + [s.name for s in self.specs])}
+        out.sort(key=lambda c: (-c[0], order.get(c[1].split("-")[0], 99), c[1]))
+        return out
+
+    def best(self) -> tuple[int, str, str] | None:
+        """Newest valid candidate (checksums verified); corrupt ones are skipped and reported."""
+        for step, source, path in self.candidates():
+            if source == "L0":
+                return step, source, path
+            problems = verify_shard(path)
+            if not problems:
+                return step, source, path
+            self._emit("checkpoint_invalid", step=step, source=source, path=path, problems=problems[:3])
+        return None
+
+    def load(self, candidate: tuple[int, str, str]) -> Any:
+        step, source, path = candidate
+        if source == "L0":
+            return unflatten_state({k: v.clone() for k, v in self._l0.tensors.items()}, self._l0.skeleton)
+        state, _ = read_shard(path)
+        return state
+
+
+class _Lazy:
+    """Builds the transfer group on first use (in the writer thread), once."""
+
+    def __init__(self, factory: Callable[[], Any]) -> None:
+        self._factory, self._group = factory, None
+
+    def get(self) -> Any:
+        if self._group is None:
+            self._group = self._factory()
+        return self._group
+
+
+def _gather(job: _Job, value: int) -> list[int]:
+    if job.transfer is None or job.world_size == 1:
+        return [value]
+    return job.transfer.get().all_gather_ints(int(value))
+
+
+def _pairwise(g, sends, recvs, tag: int) -> None:
+    """Post every send, then every receive; each is a bounded wait on the transfer group."""
+    works = [g.pg.send([t], dst, tag) for t, dst in sends]
+    for t, src in recvs:
+        g.recv(t, src, tag)
+    for w in works:
+        while True:
+            try:
+                w.wait(g._poll)
+                break
+            except RuntimeError as exc:
+                if "Operation timed out" in str(exc) and not g._interrupted():
+                    continue
+                raise StepAborted(f"partner send failed: {_line(exc)}") from exc
+
+
+def read_shard_crc(path: str) -> int:
+    from .hdf5_format import shard_crc32
+
+    return shard_crc32(path)
+
+
+def _line(exc: BaseException) -> str:
+    s = str(exc).strip()
+    return (s.splitlines()[0] if s else type(exc).__name__)[:300]

@@ -1,0 +1,106 @@
+"""`slurm-resilience ckpt list | show | verify | prune DIR` — what a tier holds.
+
+DIR is a tier root (``…/checkpoints`` on the shared filesystem, or a node-local
+``…/ckpt`` directory) or a job directory (its ``checkpoints`` folder is used).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+from ..errors import CheckpointError, ResilienceError
+
+
+class _LazyManifest:
+    """Import the manifest module (and with it h5py/torch) only when a ckpt command runs."""
+
+    def __getattr__(self, name):
+        from . import manifest
+
+        return getattr(manifest, name)
+
+
+mf = _LazyManifest()
+
+
+def tier_root(path: str) -> str:
+    if not os.path.isdir(path):
+        raise ResilienceError(f"no such directory: {path}")
+    sub = os.path.join(path, "checkpoints")
+    return sub if os.path.isdir(sub) else path
+
+
+def _steps(root: str) -> tuple[list[int], list[int]]:
+    complete = mf.complete_steps(root)
+    dirs = sorted(int(d[5:]) for d in os.listdir(root) if d.startswith("step-") and d[5:].isdigit())
+    return complete, [s for s in dirs if s not in complete]
+
+
+def cmd_list(args) -> int:
+    root = tier_root(args.dir)
+    complete, incomplete = _steps(root)
+    latest = mf.read_latest(root)
+    print(f"{root}: {len(complete)} complete, {len(incomplete)} incomplete; latest {latest}")
+    for step in sorted(complete + incomplete):
+        if step in complete:
+            man = mf.read_manifest(root, step)
+            size = sum(r.nbytes for r in man.shards.values())
+            mark = " <- latest" if step == latest else ""
+            print(f"  step {step:>8}  {man.tier:<4} complete    {len(man.shards)} shard(s) {size / 1e6:9.2f} MB{mark}")
+        else:
+            print(f"  step {step:>8}       incomplete  (no manifest: never restored from)")
+    return 0
+
+
+def cmd_show(args) -> int:
+    root = tier_root(args.dir)
+    man = mf.read_manifest(root, args.step)
+    print(man.to_json() if hasattr(man, "to_json") else json.dumps(man.__dict__, default=str))
+    return 0
+
+
+def cmd_verify(args) -> int:
+    root = tier_root(args.dir)
+    complete, _ = _steps(root)
+    steps = [args.step] if args.step is not None else complete
+    bad = 0
+    for step in steps:
+        problems = mf.validate_step(root, step, deep=True)
+        print(f"  step {step:>8}  {'valid' if not problems else 'INVALID: ' + '; '.join(problems)}")
+        bad += bool(problems)
+    print(f"{len(steps) - bad} valid, {bad} invalid")
+    return 1 if bad else 0
+
+
+def cmd_prune(args) -> int:
+    root = tier_root(args.dir)
+    deleted = mf.prune(root, keep_last=args.keep, keep_every=args.keep_every)
+    print(f"deleted steps: {', '.join(map(str, deleted)) or 'none'} (latest and the newest {args.keep} kept)")
+    return 0
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("ckpt", help="inspect, verify and prune checkpoints")
+    ck = p.add_subparsers(dest="ckpt_cmd", required=True)
+    for name, fn in (("list", cmd_list), ("show", cmd_show), ("verify", cmd_verify), ("prune", cmd_prune)):
+        q = ck.add_parser(name)
+        q.add_argument("dir")
+        if name == "show":
+            q.add_argument("step", type=int)
+        if name == "verify":
+            q.add_argument("step", type=int, nargs="?")
+        if name == "prune":
+            q.add_argument("--keep", type=int, default=2, help="newest complete steps to keep")
+            q.add_argument("--keep-every", type=int, default=None, help="also keep steps divisible by this")
+        q.set_defaults(func=_wrap(fn))
+
+
+def _wrap(fn):
+    def run(args) -> int:
+        try:
+            return fn(args)
+        except CheckpointError as exc:
+            raise ResilienceError(str(exc)) from None
+    return run
