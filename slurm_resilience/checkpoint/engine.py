@@ -19,7 +19,6 @@ import dataclasses
 import logging
 import os
 import queue
-import shutil
 import threading
 import time
 from typing import Any, Callable, Sequence
@@ -222,11 +221,16 @@ class CheckpointEngine:
                                   + (f" (here: {err})" if err else ""))
         man = mf.Manifest(step=job.step, world_size=job.world_size, tier=spec.name,
                           shards={job.rank: mf.ShardRecord(os.path.basename(path), info.nbytes, info.crc32)},
-                          created=time.time(), extra={"partner_copies": sorted(copies)})
+                          created=time.time(), extra={})
         mf.write_manifest(root, man)
+        if copies:  # the partner copies this node holds form a tier root of their own
+            proot = os.path.join(root, PARTNER_DIR)
+            mf.write_manifest(proot, mf.Manifest(step=job.step, world_size=job.world_size,
+                                                 tier=f"{spec.name}-partner", shards=copies,
+                                                 created=time.time(), extra={}))
+            mf.prune(proot, keep_last=spec.keep)
         mf.set_latest(root, job.step)
         mf.prune(root, keep_last=spec.keep)
-        self._prune_partner(root, spec.keep)
         return path, info.nbytes
 
     def _exchange_partner(self, root: str, job: _Job, path: str | None) -> dict[int, mf.ShardRecord]:
@@ -244,20 +248,13 @@ class CheckpointEngine:
         _pairwise(g, [(payload, dst)] if payload.numel() else [],
                   [(bufs[s], s) for s in srcs if bufs[s].numel()], tag=2)
         kept = {}
+        proot = os.path.join(root, PARTNER_DIR)
         for s, b in bufs.items():
             if b.numel():
-                dest = os.path.join(root, PARTNER_DIR, f"step-{job.step:08d}", f"rank-{s:05d}.h5")
+                dest = mf.shard_path(proot, job.step, s)
                 write_private(dest, b.numpy().tobytes())
-                kept[s] = mf.ShardRecord(os.path.basename(dest), b.numel(), 0)
+                kept[s] = mf.ShardRecord(os.path.basename(dest), b.numel(), read_shard_crc(dest))
         return kept
-
-    def _prune_partner(self, root: str, keep: int) -> None:
-        pdir = os.path.join(root, PARTNER_DIR)
-        if not os.path.isdir(pdir):
-            return
-        steps = sorted(int(d[5:]) for d in os.listdir(pdir) if d.startswith("step-"))
-        for step in steps[:-keep]:
-            shutil.rmtree(os.path.join(pdir, f"step-{step:08d}"), ignore_errors=True)
 
     def _persist_shared(self, spec, root, job, state, attrs, local_path) -> int:
         path = mf.shard_path(root, job.step, job.rank)
@@ -310,10 +307,11 @@ class CheckpointEngine:
                 elif spec.storage == "shared":
                     rank = self.rank if self.rank in man.shards else min(man.shards)
                     out.append((step, spec.name, mf.shard_path(root, step, rank)))
-                if spec.storage == "local":
-                    for r in man.extra.get("partner_copies", []):
-                        p = os.path.join(root, PARTNER_DIR, f"step-{step:08d}", f"rank-{r:05d}.h5")
-                        out.append((step, f"{spec.name}-partner", p))
+            proot = os.path.join(root, PARTNER_DIR)
+            if spec.storage == "local" and os.path.isdir(proot):
+                for step in reversed(mf.complete_steps(proot)):
+                    for r in mf.read_manifest(proot, step).shards:
+                        out.append((step, f"{spec.name}-partner", mf.shard_path(proot, step, r)))
         order = {name: i for i, name in enumerate(["L0"] + [s.name for s in self.specs])}
         out.sort(key=lambda c: (-c[0], order.get(c[1].split("-")[0], 99), c[1]))
         return out

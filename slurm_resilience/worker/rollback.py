@@ -37,9 +37,21 @@ class ResumableSampler:
         return step * world_size * self.per_rank_batch
 
     def indices(self, step: int, rank: int, world_size: int) -> list[int]:
-        """Sample indices rank ``rank`` reads at ``step``; wraps into later epochs."""
-        start = self.global_position(step, world_size) + rank * self.per_rank_batch
+        """Sample indices rank ``rank`` reads at ``step`` of a fixed world size."""
+        return self.indices_at(self.global_position(step, world_size), rank)
+
+    def indices_at(self, position: int, rank: int) -> list[int]:
+        """Indices rank ``rank`` reads in the global batch starting at sample ``position``.
+
+        The position, not the step, is the rollback point: after a change of world
+        size the next global batch starts exactly where the last one ended.
+        """
+        start = position + rank * self.per_rank_batch
         return [self._at(p) for p in range(start, start + self.per_rank_batch)]
+
+    def batch_size(self, world_size: int) -> int:
+        """Global samples consumed by one step."""
+        return world_size * self.per_rank_batch
 
     def _at(self, position: int) -> int:
         epoch, offset = divmod(position, self.num_samples)

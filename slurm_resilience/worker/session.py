@@ -57,12 +57,15 @@ class Step:
         self.index = index
         self.rank = session.rank
         self.world_size = session.world_size
+        self.position = session.position
+        self.consumed = 0
         self.aborted: StepAborted | None = None
         self.entered = False
 
     def samples(self, sampler: ResumableSampler) -> list[int]:
-        """This rank's sample indices for this step."""
-        return sampler.indices(self.index, self.rank, self.world_size)
+        """This rank's sample indices for this step (from the exact global sample position)."""
+        self.consumed = sampler.batch_size(self.world_size)
+        return sampler.indices_at(self.position, self.rank)
 
     def __enter__(self) -> "Step":
         self.entered = True
@@ -83,6 +86,7 @@ class Session:
         self.config: ResilienceConfig = load_config(self._env.config_path)
         self._objects: dict[str, Any] = {}
         self.step = 0
+        self.position = 0  # global samples consumed by completed steps: the rollback point
         self._live_state = self._env.role is Role.RANK and self._env.generation == 0
         self._plan: Plan | None = None
         self._gen: Generation | None = None
@@ -147,7 +151,7 @@ class Session:
             if step.aborted is not None:
                 self._recover(step.aborted)
                 continue
-            self._complete_step()
+            self._complete_step(step.consumed)
         self._finish()
 
     def all_reduce_gradients(self, *modules: torch.nn.Module) -> None:
@@ -168,8 +172,9 @@ class Session:
         return self._gen.all_reduce_sum(tensor)
 
     # -- steps and safe points -------------------------------------------------
-    def _complete_step(self) -> None:
+    def _complete_step(self, consumed: int) -> None:
         self.step += 1
+        self.position += consumed
         self._hb.update(step=self.step)
         if self._first_step_pending:
             self._first_step_pending = False
@@ -285,12 +290,13 @@ class Session:
         self._needs_sync = False
         self._first_step_pending = self._plan.generation > 0
         self._hb.update(step=self.step)
-        self._emit("restored", start=t0, step=self.step, source=choice.source_rank,
+        self._emit("restored", start=t0, step=self.step, position=self.position, source=choice.source_rank,
                    offers=offers, **({"tier": source} if source != "peer" else {}))
 
     def _state_dict(self) -> dict[str, Any]:
         return {
             "step": self.step,
+            "position": self.position,
             "objects": {n: o.state_dict() for n, o in self._objects.items()},
             "rng": {"torch": torch.get_rng_state(), "python": random.getstate(),
                     "numpy": np.random.get_state()},
@@ -303,6 +309,7 @@ class Session:
         random.setstate(state["rng"]["python"])
         np.random.set_state(state["rng"]["numpy"])
         self.step = int(state["step"])
+        self.position = int(state.get("position", 0))
 
     # -- endings -----------------------------------------------------------------
     def _finish(self) -> None:

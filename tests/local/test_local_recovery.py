@@ -6,101 +6,15 @@ a SIGKILLed rank, and a lost node with no spare left. Recovered runs must end wi
 the same bits as a fault-free reference run.
 """
 
-import io
-import json
 import os
 import signal
-import sys
-import threading
-import time
-from pathlib import Path
 
 import pytest
 import torch
 
-from slurm_resilience.config import load_config
-from slurm_resilience.launch.localhost import LocalLauncher
-from slurm_resilience.supervisor.loop import Supervisor
+from .localjob import STEPS, LocalJob
 
-TRAIN = Path(__file__).resolve().parents[2] / "examples" / "train_mlp.py"
-STEPS = 40
-STEP_TIME = 0.1
 INJECT_AFTER = 5  # fault once every rank has reported this step
-
-
-class LocalJob:
-    """A Supervisor in a background thread; the test is the fault injector."""
-
-    def __init__(self, root: Path, *, nodes: int = 3, spares: int = 1) -> None:
-        cfg = load_config({
-            "reconnect": {"gloo_ifname": "lo"},
-            "job": {"nodes": nodes, "spares": spares},
-            "checkpoint": {"local_dir": str(root / "local/{node}/ckpt")},
-        })
-        self.job_dir = root / "job"
-        self.launcher = LocalLauncher()
-        self.out = io.StringIO()
-        self.sup = Supervisor(
-            config=cfg,
-            command=[sys.executable, str(TRAIN), "--steps", str(STEPS), "--step-time", str(STEP_TIME)],
-            job_dir=str(self.job_dir),
-            nodes=[f"local{i}" for i in range(1, nodes + spares + 1)],
-            launcher=self.launcher, store_host="127.0.0.1", job_id="test", out=self.out)
-        self.code: int | None = None
-        self.error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="test-supervisor", daemon=True)
-
-    def _run(self) -> None:
-        try:
-            self.code = self.sup.run()
-        except BaseException as exc:  # reported by wait()
-            self.error = exc
-
-    def start(self) -> "LocalJob":
-        self._thread.start()
-        return self
-
-    def status(self) -> dict | None:
-        try:
-            return json.loads((self.job_dir / "status.json").read_text())
-        except (FileNotFoundError, json.JSONDecodeError):
-            return None
-
-    def wait_for_step(self, step: int, timeout_s: float = 90.0) -> dict:
-        """The status once every rank has a pid and has passed ``step``."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            st = self.status()
-            if st and all(r["pid"] and r["step"] >= step for r in st["ranks"]):
-                return st
-            if not self._thread.is_alive():
-                break
-            time.sleep(0.05)
-        raise AssertionError(f"ranks did not pass step {step}: status={self.status()}\n{self.diag()}")
-
-    def wait(self, timeout_s: float = 120.0) -> int:
-        self._thread.join(timeout_s)
-        assert not self._thread.is_alive(), f"supervisor still running after {timeout_s}s\n{self.diag()}"
-        if self.error is not None:
-            raise self.error
-        return self.code
-
-    def events(self) -> list[dict]:
-        path = self.job_dir / "events.jsonl"
-        return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
-
-    def diag(self) -> str:
-        logs = ""
-        for p in sorted((self.job_dir / "logs").glob("*.log")) if (self.job_dir / "logs").exists() else []:
-            logs += f"--- {p.name}\n{p.read_text()[-3000:]}\n"
-        return f"--- supervisor\n{self.out.getvalue()}\n{logs}"
-
-    def kill_leftovers(self) -> None:
-        """SIGKILL, by pid, any worker this job started that is still running."""
-        for step in self.launcher.steps:
-            if step.process.poll() is None:
-                step.process.kill()
-                step.process.wait(timeout=10)
 
 
 @pytest.fixture
