@@ -30,7 +30,7 @@ __all__ = [
     "DetectConfig",
     "RecoveryConfig",
     "ReconnectConfig",
-    "SnapshotConfig",
+    "CheckpointConfig",
     "ResilienceConfig",
     "load_config",
     "config_to_dict",

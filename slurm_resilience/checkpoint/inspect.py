@@ -6,7 +6,6 @@ DIR is a tier root (``…/checkpoints`` on the shared filesystem, or a node-loca
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 

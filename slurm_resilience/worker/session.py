@@ -29,7 +29,6 @@ from typing import Any, Iterator
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from ..checkpoint.engine import CheckpointEngine
 from ..config import ResilienceConfig, load_config
