@@ -55,6 +55,10 @@ def main() -> int:
                    differing_tensors=diffs[:20])
     print("== recovery timeline (from the fault)")
     print(lab.format_summary(summary, fault_at))
+    ck = summary.get("checkpoint", {})
+    if "overhead_pct" in ck:
+        print(f"== checkpoints: {ck['checkpoints']} on rank 0, mean training stall {ck['mean_stall_ms']} ms, "
+              f"{ck['overhead_pct']:.3f}% of training time; {ck['failed']} failed")
     print(f"== final weights {'bit-identical' if not diffs else 'DIFFER: ' + ', '.join(diffs[:5])}"
           " to the fault-free run (model + optimizer state, torch.equal)")
     (out / "demo-summary.json").write_text(json.dumps(summary, indent=2) + "\n")

@@ -148,7 +148,24 @@ def summarize(job_dir: Path, fault_at: float | None) -> dict[str, Any]:
     start = fault_at if fault_at is not None else detected
     summary["mttr_s"] = round(first["first_step"] - start, 4)
     summary["level"] = first["level"]
+    summary["checkpoint"] = checkpoint_overhead(events)
     return summary
+
+
+def checkpoint_overhead(events: list[dict[str, Any]], rank: int = 0) -> dict[str, Any]:
+    """Training time lost to checkpoint stalls on one rank, as a share of its training time."""
+    mine = [e for e in events if e.get("rank") == rank]
+    stalls = [e["stall_ms"] for e in mine if e["kind"] == "rank_checkpoint_saved"]
+    start = next((e["t"] for e in mine if e["kind"] == "rank_restored"), None)
+    end = next((e["t"] for e in reversed(mine) if e["kind"] == "rank_done"), None)
+    if not stalls or start is None or end is None:
+        return {"checkpoints": len(stalls)}
+    train_ms = (end - start) * 1000
+    durable = [e for e in events if e["kind"] == "rank_checkpoint_durable"]
+    return {"checkpoints": len(stalls), "mean_stall_ms": round(sum(stalls) / len(stalls), 3),
+            "overhead_pct": round(100 * sum(stalls) / train_ms, 4),
+            "durable_writes": len(durable),
+            "failed": sum(1 for e in events if e["kind"] == "rank_checkpoint_failed")}
 
 
 def _span(start: float, end: float) -> dict[str, float]:
