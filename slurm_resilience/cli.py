@@ -13,6 +13,7 @@ import time
 from typing import Sequence
 
 from .errors import ResilienceError
+from .files import makedirs_private
 
 EXIT_USAGE = 2
 
@@ -68,7 +69,7 @@ def cmd_submit(args) -> int:
 
     cfg, command = _load(args)
     job_dir = os.path.abspath(args.job_dir or cfg.job.job_dir.format(job_id=f"{int(time.time())}"))
-    os.makedirs(job_dir, mode=0o700, exist_ok=True)
+    makedirs_private(job_dir)
     import yaml
 
     from .config import config_to_dict

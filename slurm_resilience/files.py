@@ -13,9 +13,25 @@ import os
 import tempfile
 
 
+def makedirs_private(directory: str) -> None:
+    """Create every missing level of ``directory`` 0700 (os.makedirs applies the mode
+    to the last level only)."""
+    missing = []
+    d = os.path.abspath(directory)
+    while not os.path.isdir(d):
+        missing.append(d)
+        d = os.path.dirname(d)
+    for d in reversed(missing):
+        try:
+            os.mkdir(d, 0o700)
+        except FileExistsError:
+            continue
+        os.chmod(d, 0o700)  # the umask may have narrowed it further; never widened
+
+
 def write_private(path: str, data: str | bytes, *, mode: int = 0o600) -> str:
     directory = os.path.dirname(path) or "."
-    os.makedirs(directory, mode=0o700, exist_ok=True)
+    makedirs_private(directory)
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=directory)
     try:
         with os.fdopen(fd, "wb") as f:

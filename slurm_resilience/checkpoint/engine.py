@@ -26,7 +26,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from ..errors import CheckpointError, StepAborted
-from ..files import write_private
+from ..files import makedirs_private, write_private
 from . import manifest as mf
 from .hdf5_format import flatten_state, read_shard, unflatten_state, verify_shard, write_shard
 from .redundancy import partner_of, partner_sources
@@ -261,7 +261,7 @@ class CheckpointEngine:
         ok, nbytes, crc = 1, 0, 0
         try:
             if local_path and os.path.exists(local_path):
-                os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+                makedirs_private(os.path.dirname(path))
                 write_private(path, open(local_path, "rb").read())
                 info_crc = read_shard_crc(path)
                 nbytes, crc = os.path.getsize(path), info_crc

@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from ..errors import CheckpointError
-from ..files import fsync_dir
+from ..files import fsync_dir, makedirs_private
 
 __all__ = [
     "FORMAT",
@@ -281,7 +281,7 @@ def write_shard(path: str, state: Any, *, attrs: Mapping[str, int | float | str]
     tensors, skeleton = flatten_state(state)
     directory = os.path.dirname(os.path.abspath(path))
     try:
-        os.makedirs(directory, mode=0o700, exist_ok=True)
+        makedirs_private(directory)
         fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
     except OSError as e:
         raise CheckpointError(f"cannot write shard {path}: {e}") from e

@@ -21,7 +21,7 @@ import subprocess
 from typing import Callable, Protocol, runtime_checkable
 
 from slurm_resilience.errors import CheckpointError, ConfigError
-from slurm_resilience.files import write_private
+from slurm_resilience.files import makedirs_private, write_private
 
 __all__ = [
     "Storage",
@@ -133,17 +133,7 @@ class LocalDirStorage:
         return os.path.join(self._root, *_key(relpath).split("/"))
 
     def _makedirs(self, directory: str) -> None:
-        # os.makedirs applies mode only to the leaf; create each level 0700 ourselves.
-        missing = []
-        while not os.path.isdir(directory):
-            missing.append(directory)
-            directory = os.path.dirname(directory)
-        for d in reversed(missing):
-            try:
-                os.mkdir(d, 0o700)
-            except FileExistsError:
-                continue  # created concurrently by another rank: fine if it is a directory
-            os.chmod(d, 0o700)
+        makedirs_private(directory)
 
     def write_bytes(self, relpath: str, data: bytes) -> None:
         path = self._path(relpath)

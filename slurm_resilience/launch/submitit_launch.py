@@ -14,6 +14,7 @@ import os
 from typing import Any, Mapping, Sequence
 
 from ..config import ResilienceConfig, config_to_dict, load_config
+from ..files import makedirs_private
 
 
 def run_supervisor(config: Mapping[str, Any], command: Sequence[str], job_dir: str) -> int:
@@ -34,7 +35,7 @@ def submit(command: Sequence[str], *, nodes: int, spares: int = 1, job_dir: str,
     cfg["job"].update(nodes=nodes, spares=spares)
     resolved = load_config(cfg)  # validates the counts before anything is submitted
     job_dir = os.path.abspath(job_dir)
-    os.makedirs(job_dir, mode=0o700, exist_ok=True)
+    makedirs_private(job_dir)
     executor = submitit.AutoExecutor(folder=os.path.join(job_dir, "submitit"), cluster="slurm")
     total = nodes + spares + (1 if resolved.job.supervisor_node else 0)
     # submitit counts one result per task: it sees a 1-task job (the supervisor); the

@@ -32,7 +32,7 @@ import yaml
 from ..config import ResilienceConfig, config_to_dict
 from ..errors import ConfigError
 from ..events import EventLog
-from ..files import write_private
+from ..files import makedirs_private, write_private
 from ..lifecycle import JobPhase, Lifecycle
 from ..model import Fault, RankTable
 from ..protocol import (
@@ -113,8 +113,7 @@ class Supervisor:
     def _setup(self) -> None:
         import torch.distributed as dist  # the store; imported here so the CLI stays light
 
-        os.makedirs(self.job_dir, mode=0o700, exist_ok=True)
-        os.makedirs(os.path.join(self.job_dir, "logs"), mode=0o700, exist_ok=True)
+        makedirs_private(os.path.join(self.job_dir, "logs"))
         self.token = secrets.token_hex(16)
         write_token(self.job_dir, self.token)
         self.config_path = os.path.join(self.job_dir, "config.yaml")

@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 from typing import Mapping, Sequence
 
 from slurm_resilience.errors import RankTableError
-from slurm_resilience.files import write_private
+from slurm_resilience.files import makedirs_private, write_private
 from slurm_resilience.model import RankSlot, RankTable
 
 __all__ = ["initial_table", "Replacement", "regenerate", "write_table", "LATEST_NAME"]
@@ -118,7 +118,7 @@ def write_table(table: RankTable, directory: str) -> str:
     Raises:
         OSError: the directory is not writable.
     """
-    os.makedirs(directory, exist_ok=True)
+    makedirs_private(directory)
     text = table.to_json()
     path = os.path.join(directory, f"ranktable-gen{table.generation:04d}.json")
     write_private(path, text)
@@ -131,3 +131,26 @@ def _address(addresses: Mapping[str, str], node: str) -> str:
         return addresses[node]
     except KeyError:
         raise RankTableError(f"no address known for node {node!r}") from None
+
+
+def shrink(table: RankTable, lost_ranks: Sequence[int]) -> RankTable:
+    """Scale-in: drop the lost ranks; survivors keep their order and are renumbered.
+
+        generation 5                      generation 6
+        rank 0  n1  w-a                   rank 0  n1  w-a
+        rank 1  n2  w-b   -- lost -->
+        rank 2  n3  w-c                   rank 1  n3  w-c
+        rank 3  n4  w-d                   rank 2  n4  w-d
+
+    Raises:
+        RankTableError: a lost rank is out of range, or nobody would remain.
+    """
+    lost = set(lost_ranks)
+    for r in lost:
+        if not 0 <= r < table.world_size:
+            raise RankTableError(f"lost rank {r} is outside 0..{table.world_size - 1}")
+    keep = [s for s in table.slots if s.rank not in lost]
+    if not keep:
+        raise RankTableError("scale-in would leave no rank")
+    slots = tuple(replace(s, rank=i) for i, s in enumerate(keep))
+    return RankTable(generation=table.generation + 1, slots=slots)

@@ -156,8 +156,6 @@ def test_save_restore_across_tiers_and_modes(tmp_path):
                 assert stat.S_IMODE(os.stat(p).st_mode) == 0o600, p
 
 
-@pytest.mark.xfail(strict=True, reason="tier root is created as an intermediate dir of os.makedirs"
-                   " (hdf5_format.write_shard / files.write_private): mode 0700 is not applied to it")
 def test_tier_root_dir_is_private(tmp_path):
     eng = make_engine(specs(tmp_path), tmp_path, Events())
     try:

@@ -1,0 +1,105 @@
+"""Pure: which recovery level answers a fault. Finest first, coarser on failure.
+
+    level                what happens                                     needs
+    ONLINE            survivors keep their processes; the dead rank is    a process fault, restart
+                      restarted in place; comms rebuilt in-process         budget left
+    PROCESS_RESTART   every rank relaunched as a new step on healthy      (fallback of an online
+                      nodes, state from the checkpoint tiers               level that failed)
+    NODE_REPLACEMENT  survivors keep their processes; a warm spare         a spare left
+                      adopts the lost rank
+    SCALE_IN          survivors re-form a smaller world (resharded,       world - lost >= min world
+                      data position kept)
+    REQUEUE           the whole job is requeued (scontrol requeue) and    requeues left
+                      resumes from L1/L2
+    FAIL              nothing left: clean error, state kept
+
+A process fault on a healthy node is retried in place within the per-rank budget
+(``fault_retry_times``); past it the node is treated as bad, like a node fault.
+A level that failed or timed out for this incident is never chosen again for it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+from ..model import FaultKind
+
+
+class Level(enum.Enum):
+    ONLINE = "online"
+    PROCESS_RESTART = "process-restart"
+    NODE_REPLACEMENT = "node-replacement"
+    SCALE_IN = "scale-in"
+    REQUEUE = "requeue"
+    FAIL = "fail"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LadderInput:
+    """Everything the decision depends on (no I/O, no clock)."""
+
+    fault: FaultKind
+    spares_left: int
+    restarts_used: int  # restarts in place already spent on this rank
+    retry_budget: int  # recovery.fault_retry_times
+    world_size: int
+    lost: int = 1  # ranks lost in this incident
+    min_world_size: int = 1
+    scale_in: bool = True
+    relaunch: bool = True  # recovery.fallback_relaunch
+    requeues_used: int = 0
+    max_requeues: int = 0
+    failed: frozenset[Level] = frozenset()
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    level: Level
+    reason: str
+
+
+_PROCESS_FAULTS = (FaultKind.PROCESS_DIED, FaultKind.PROCESS_HUNG)
+
+
+def choose_level(inp: LadderInput) -> Decision:
+    """The finest level whose preconditions hold and that has not failed for this incident."""
+    process_fault = inp.fault in _PROCESS_FAULTS
+    budget_left = inp.restarts_used < inp.retry_budget
+    order = []
+    if process_fault and budget_left:
+        order += [Level.ONLINE, Level.PROCESS_RESTART]
+    order += [Level.NODE_REPLACEMENT, Level.SCALE_IN, Level.REQUEUE]
+    why_not: list[str] = []
+    for level in order:
+        if level in inp.failed:
+            why_not.append(f"{level.value} already failed")
+            continue
+        ok, why = _allowed(level, inp)
+        if ok:
+            return Decision(level, why)
+        why_not.append(why)
+    return Decision(Level.FAIL, "; ".join(why_not) or "no level applies")
+
+
+def _allowed(level: Level, inp: LadderInput) -> tuple[bool, str]:
+    if level is Level.ONLINE:
+        return True, f"process fault on a healthy node: restart in place ({inp.restarts_used + 1}/{inp.retry_budget})"
+    if level is Level.PROCESS_RESTART:
+        return inp.relaunch, ("relaunch every rank in place" if inp.relaunch else "relaunch disabled")
+    if level is Level.NODE_REPLACEMENT:
+        if inp.spares_left >= inp.lost:
+            return True, f"{inp.spares_left} spare(s) left"
+        return False, f"no spare left ({inp.spares_left} for {inp.lost} lost)"
+    if level is Level.SCALE_IN:
+        remaining = inp.world_size - inp.lost
+        if not inp.scale_in:
+            return False, "scale-in disabled"
+        if remaining < inp.min_world_size:
+            return False, f"scale-in to {remaining} is below min_world_size={inp.min_world_size}"
+        return True, f"no spare left: continue with {remaining} rank(s)"
+    if level is Level.REQUEUE:
+        if inp.requeues_used < inp.max_requeues:
+            return True, f"requeue the job ({inp.requeues_used + 1}/{inp.max_requeues})"
+        return False, f"requeue budget spent ({inp.requeues_used}/{inp.max_requeues})"
+    return False, "fail"
