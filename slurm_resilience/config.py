@@ -51,6 +51,9 @@ class JobConfig:
         time_limit: Slurm ``--time``: ``[D-]HH:MM:SS`` or minutes.
         partition: Slurm partition, or None for the default.
         supervisor_node: an extra node in the allocation runs the supervisor alone.
+        preempt_signal: ``SIG@SECONDS`` sent to the supervisor before the time limit
+            or on preemption (``--signal=B:USR2@60``); it checkpoints to a durable
+            tier and requeues the job. Empty: none.
     """
 
     nodes: int = 4
@@ -60,6 +63,7 @@ class JobConfig:
     time_limit: str = "00:30:00"
     partition: str | None = None
     supervisor_node: bool = True
+    preempt_signal: str = "USR2@60"
 
     def __post_init__(self) -> None:
         if self.nodes < 1:
@@ -72,6 +76,8 @@ class JobConfig:
             raise ConfigError(
                 f"job.time_limit={self.time_limit!r} is not a Slurm time: use [D-]HH:MM:SS or minutes"
             )
+        if self.preempt_signal and not re.fullmatch(r"(SIG)?(USR1|USR2|TERM|INT|HUP)@\d+", self.preempt_signal):
+            raise ConfigError(f"job.preempt_signal={self.preempt_signal!r} must look like 'USR2@60' (or be empty)")
         if not self.job_dir:
             raise ConfigError("job.job_dir is empty: give a directory such as 'sr-jobs/{job_id}'")
         if self.partition is not None and not re.fullmatch(r"[A-Za-z0-9_.,-]+", self.partition):
@@ -122,6 +128,10 @@ class RecoveryConfig:
         fallback_relaunch: when online recovery fails, relaunch every rank on healthy
             nodes from the node-local snapshots.
         fallback_timeout_s: how long that relaunch may take to train a step (> 0).
+        scale_in: with no spare left, continue with fewer ranks.
+        min_world_size: never scale in below this many ranks (>= 1).
+        max_requeues: job-level requeues (``scontrol requeue``) allowed, counted by
+            ``SLURM_RESTART_COUNT`` (>= 0; the sbatch template sets ``--requeue``).
     """
 
     online_timeout_s: float = 30.0
@@ -129,11 +139,18 @@ class RecoveryConfig:
     fault_retry_times: int = 3
     isolate_state: str = "DOWN"
     fallback_relaunch: bool = True
+    scale_in: bool = True
+    min_world_size: int = 1
+    max_requeues: int = 1
 
     def __post_init__(self) -> None:
         for name in ("online_timeout_s", "fallback_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"recovery.{name}={getattr(self, name)} must be > 0")
+        if self.min_world_size < 1:
+            raise ConfigError(f"recovery.min_world_size={self.min_world_size} must be >= 1")
+        if self.max_requeues < 0:
+            raise ConfigError(f"recovery.max_requeues={self.max_requeues} must be >= 0: use 0 to never requeue")
         if self.fault_retry_times < 0:
             raise ConfigError(
                 f"recovery.fault_retry_times={self.fault_retry_times} must be >= 0: use 0 to never restart in place"

@@ -21,10 +21,13 @@ class PlanAction(enum.Enum):
 
     RUN: build the generation's process group, restore, continue training.
     ABORT: recovery is impossible; survivors persist their state and exit non-zero.
+    STOP: the job is being requeued; survivors exit, the requeued job resumes from
+        the newest committed checkpoint.
     """
 
     RUN = "run"
     ABORT = "abort"
+    STOP = "stop"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +76,12 @@ def heartbeat_key(worker_id: str) -> str:
 def pg_prefix(generation: int) -> str:
     """Fresh prefix per generation: reusing one breaks gloo's full-mesh connect."""
     return f"gen{generation}/"
+
+
+def persist_key(generation: int) -> str:
+    """Set by the supervisor (preemption): checkpoint to a durable tier at the next
+    safe point, then exit; the job is requeued and resumes from that step."""
+    return f"persist/{generation}"
 
 
 EVENT_COUNTER = "ev/count"

@@ -34,7 +34,8 @@ def supervise_allocation(cfg: ResilienceConfig, command: Sequence[str], job_dir:
     launcher = SrunLauncher(env.job_id, [*pool, me] if me else pool)
     job_dir = os.path.abspath(job_dir or cfg.job.job_dir.format(job_id=env.job_id))
     sup = Supervisor(config=cfg, command=command, job_dir=job_dir, nodes=pool, launcher=launcher,
-                     store_host=launcher.address(me) if me else "127.0.0.1", job_id=env.job_id)
+                     store_host=launcher.address(me) if me else "127.0.0.1", job_id=env.job_id,
+                     restart_count=env.restart_count)
     return write_result(job_dir, sup.run())
 
 

@@ -42,12 +42,14 @@ def render(cfg: ResilienceConfig, *, command: Sequence[str], config_path: str, j
                           "(letters, digits, _ . , -)")
     extra = 1 if cfg.job.supervisor_node else 0
     partition = f"#SBATCH --partition={cfg.job.partition}" if cfg.job.partition else ""
+    signal = f"#SBATCH --signal=B:{cfg.job.preempt_signal}" if cfg.job.preempt_signal else ""
     return string.Template(text).substitute(
         job_name=shlex.quote(job_name),
         total_nodes=cfg.job.nodes + cfg.job.spares + extra,
         time_limit=cfg.job.time_limit,
         output=shlex.quote(os.path.join(job_dir, "supervisor.log")),
         partition_line=partition,
+        signal_line=signal,
         python=shlex.quote(python),
         config=shlex.quote(config_path),
         job_dir=shlex.quote(job_dir),

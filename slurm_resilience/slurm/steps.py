@@ -82,3 +82,7 @@ class SrunLauncher:
 
     def address(self, node: str) -> str:
         return self._addr[node][0]
+
+    def requeue(self) -> None:
+        """Job-level: put the whole job back in the queue (it resumes from checkpoints)."""
+        commands.run(["scontrol", "requeue", self.job_id], timeout=15)

@@ -103,3 +103,69 @@ def _allowed(level: Level, inp: LadderInput) -> tuple[bool, str]:
             return True, f"requeue the job ({inp.requeues_used + 1}/{inp.max_requeues})"
         return False, f"requeue budget spent ({inp.requeues_used}/{inp.max_requeues})"
     return False, "fail"
+
+
+@dataclasses.dataclass(frozen=True)
+class FaultCase:
+    """One rank's fault as classified."""
+
+    rank: int
+    node: str
+    kind: FaultKind
+    restarts_used: int = 0
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RecoveryPlan:
+    """What to do about an incident (one or more faults seen together)."""
+
+    level: Level
+    spares: tuple[tuple[int, str], ...] = ()  # (rank, spare node): node replacement
+    restarts: tuple[int, ...] = ()  # ranks restarted in place (online)
+    lost: tuple[int, ...] = ()  # ranks dropped (scale-in)
+    isolate: tuple[str, ...] = ()  # nodes taken out of service
+    reason: str = ""
+
+
+_ORDER = [Level.ONLINE, Level.PROCESS_RESTART, Level.NODE_REPLACEMENT, Level.SCALE_IN,
+          Level.REQUEUE, Level.FAIL]
+
+
+def plan_recovery(cases: list[FaultCase], *, spares: list[str], world_size: int,
+                  retry_budget: int, min_world_size: int = 1, scale_in: bool = True,
+                  relaunch: bool = True, requeues_used: int = 0, max_requeues: int = 0,
+                  failed: frozenset[Level] = frozenset()) -> RecoveryPlan:
+    """Pure: one plan for every fault of the incident; the coarsest level needed wins.
+
+    Spares are handed out in order, one per lost node; faults beyond the spares
+    scale in (if allowed) as one shrink; if any fault needs a requeue or nothing
+    applies, the whole incident does.
+    """
+    free = list(spares)
+    node_faults = [c for c in cases if c.kind not in _PROCESS_FAULTS
+                   or c.restarts_used >= retry_budget]
+    decisions: list[tuple[FaultCase, Decision]] = []
+    lost_so_far = 0
+    for c in cases:
+        d = choose_level(LadderInput(
+            fault=c.kind, spares_left=len(free), restarts_used=c.restarts_used,
+            retry_budget=retry_budget, world_size=world_size - lost_so_far, lost=1,
+            min_world_size=min_world_size, scale_in=scale_in, relaunch=relaunch,
+            requeues_used=requeues_used, max_requeues=max_requeues, failed=failed))
+        if d.level is Level.NODE_REPLACEMENT:
+            free.pop(0)
+        if d.level is Level.SCALE_IN:
+            lost_so_far += 1
+        decisions.append((c, d))
+    worst = max((d.level for _, d in decisions), key=_ORDER.index)
+    reason = "; ".join(f"rank {c.rank} on {c.node}: {d.level.value} ({d.reason})" for c, d in decisions)
+    isolate = tuple(sorted({c.node for c in node_faults}))
+    if worst in (Level.REQUEUE, Level.FAIL, Level.PROCESS_RESTART):
+        return RecoveryPlan(level=worst, isolate=isolate, reason=reason)
+    handed = iter(spares)
+    return RecoveryPlan(
+        level=worst,
+        spares=tuple((c.rank, next(handed)) for c, d in decisions if d.level is Level.NODE_REPLACEMENT),
+        restarts=tuple(c.rank for c, d in decisions if d.level is Level.ONLINE),
+        lost=tuple(c.rank for c, d in decisions if d.level is Level.SCALE_IN),
+        isolate=isolate, reason=reason)

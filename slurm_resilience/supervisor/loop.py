@@ -21,6 +21,7 @@ import logging
 import os
 import queue
 import secrets
+import signal
 import sys
 import threading
 import time
@@ -34,22 +35,22 @@ from ..errors import ConfigError
 from ..events import EventLog
 from ..files import makedirs_private, write_private
 from ..lifecycle import JobPhase, Lifecycle
-from ..model import Fault, RankTable
+from ..model import Fault, FaultKind, RankTable
 from ..protocol import (
     EVENT_COUNTER, Plan, PlanAction, Role, WorkerEnv, done_key, event_key,
-    heartbeat_key, write_token,
+    heartbeat_key, persist_key, write_token,
 )
 from .classify import UNHEALTHY_FLAGS, classify_fault, is_node_fault
 from .detect import LivenessServer, NodeWatcher, Observation, read_heartbeats, stale_workers
 from .launcher import Launcher, StepHandle
-from .ranktable import Replacement, initial_table, regenerate
-from .replace import choose_spare
+from .ladder import FaultCase, Level, plan_recovery
+from .ranktable import Replacement, initial_table, regenerate, shrink
 from .stop import publish_plan, shut_down_standbys
 from ..slurm.parse import node_state_flags
 
 log = logging.getLogger(__name__)
 
-EXIT_OK, EXIT_FAILED = 0, 3
+EXIT_OK, EXIT_FAILED, EXIT_REQUEUED = 0, 3, 4
 
 
 @dataclasses.dataclass
@@ -81,14 +82,16 @@ class Recovery:
 class Supervisor:
     def __init__(self, *, config: ResilienceConfig, command: Sequence[str], job_dir: str,
                  nodes: Sequence[str], launcher: Launcher, store_host: str,
-                 job_id: str = "local", out=sys.stdout) -> None:
+                 job_id: str = "local", restart_count: int = 0, out=sys.stdout) -> None:
         self.cfg = config
         self.command = list(command)
         self.job_dir = job_dir
         self.launcher = launcher
         self.store_host = store_host
         self.job_id = job_id
+        self.restart_count = restart_count
         self.out = out
+        self._preempted = threading.Event()
         need = config.job.nodes + config.job.spares
         if len(nodes) < need:
             raise ConfigError(
@@ -162,6 +165,7 @@ class Supervisor:
                   f"spares {','.join(self.spare_nodes) or 'none'}")
         self.events.emit("job_start", ranks=list(self.worker_nodes), spares=self.spare_nodes)
         self.lifecycle.transition(JobPhase.RUNNING, "all ranks launched")
+        self._install_preempt_handler()
         self.watcher = NodeWatcher(self.launcher.node_states, self._watched_nodes,
                                    self.cfg.detect.node_poll_s, self._obs, _unhealthy).start()
         try:
@@ -172,10 +176,21 @@ class Supervisor:
             self._write_status()
             self.events.close()
 
+    def _install_preempt_handler(self) -> None:
+        spec = self.cfg.job.preempt_signal
+        if not spec or threading.current_thread() is not threading.main_thread():
+            return
+        name = spec.split("@")[0]
+        sig = getattr(signal, name if name.startswith("SIG") else "SIG" + name)
+        signal.signal(sig, lambda *_: self._preempted.set())
+
     # -- the loop --------------------------------------------------------------
     def _watch(self) -> int:
         last_hb = last_status = 0.0
         while True:
+            if self._preempted.is_set():
+                return self._requeue(f"preempted ({self.cfg.job.preempt_signal.split('@')[0]} "
+                                     "before the time limit or by the scheduler)", persist=True)
             faults = self._drain_observations(0.02)
             faults.update(self._poll_steps())
             now = time.time()
@@ -261,9 +276,9 @@ class Supervisor:
 
     # -- recovery ----------------------------------------------------------------
     def _recover(self, observed: dict[str, dict]) -> int | None:
+        """Classify what was observed, choose a ladder level (pure), carry it out."""
         detected = min(o["t"] for o in observed.values())
-        replacements: list[Replacement] = []
-        restarts: list[Replacement] = []
+        cases: list[FaultCase] = []
         faults: list[Fault] = []
         for wid, o in observed.items():
             w = self.workers[wid]
@@ -275,61 +290,93 @@ class Supervisor:
                 process_exited=o.get("process_exited", False), slurmd_reachable=reachable,
                 heartbeat_stale=o.get("heartbeat_stale", False),
                 slurm_node_state=o.get("state"), now=time.time())
-            self.events.emit("fault_detected", fault=fault.to_dict(), observed_at=o["t"],
-                             worker_id=wid)
+            self.events.emit("fault_detected", fault=fault.to_dict(), observed_at=o["t"], worker_id=wid)
             self._say(f"fault: {'rank ' + str(fault.rank) if slot else 'spare'} on {w.node}: "
                       f"{fault.kind.name} ({fault.detail})")
-            if fault.kind.name == "PROCESS_HUNG" or (reachable and w.handle.exit_code() is None):
+            if fault.kind is FaultKind.PROCESS_HUNG or (reachable and w.handle.exit_code() is None):
                 self.launcher.kill(w.handle)
-            if is_node_fault(fault.kind):
-                self._isolate(w.node, fault)
-            if slot is None:
+            if slot is None:  # a standby lost: the pool shrinks
                 self.standbys.pop(w.node, None)
+                if is_node_fault(fault.kind):
+                    self._isolate(w.node, fault)
                 continue
             faults.append(fault)
-            if is_node_fault(fault.kind):
-                choice = choose_spare(list(self.standbys), self.excluded, w.node)
-                if choice.node is None:
-                    return self._abort(f"rank {slot.rank} lost with node {w.node} and {choice.reason}; "
-                                       "add spares (--spares) or resubmit to resume from the snapshot")
-                spare_wid = self.standbys.pop(choice.node)
-                replacements.append(Replacement(slot.rank, w.node, choice.node, spare_wid))
-            else:
-                n = self.restarts[slot.rank] = self.restarts.get(slot.rank, 0) + 1
-                if n > self.cfg.recovery.fault_retry_times:
-                    return self._abort(f"rank {slot.rank} failed {n} times on {w.node} "
-                                       f"(fault_retry_times={self.cfg.recovery.fault_retry_times}); "
-                                       f"see {self.job_dir}/logs/{wid}.log")
-                restarts.append(Replacement(slot.rank, w.node, w.node, self._new_id(w.node)))
-        if not faults:
+            cases.append(FaultCase(slot.rank, w.node, fault.kind, self.restarts.get(slot.rank, 0)))
+        if not cases:
             return None
+        rc = self.cfg.recovery
+        plan = plan_recovery(
+            cases, spares=[n for n in self.standbys if n not in self.excluded],
+            world_size=self.table.world_size, retry_budget=rc.fault_retry_times,
+            min_world_size=rc.min_world_size, scale_in=rc.scale_in, relaunch=rc.fallback_relaunch,
+            requeues_used=self.restart_count, max_requeues=self._max_requeues())
+        for node in plan.isolate:
+            self._isolate(node, next((f for f in faults if f.node == node), faults[0]))
+        self.events.emit("ladder", level=plan.level.value, reason=plan.reason)
         classified = time.time()
+        if plan.level is Level.FAIL:
+            return self._abort(f"cannot recover: {plan.reason}; add spares (--spares) or resubmit "
+                               "to resume from the newest checkpoint")
+        if plan.level is Level.REQUEUE:
+            return self._requeue(plan.reason, persist=False)
+        moves = [Replacement(r, self.table.slots[r].node, node, self.standbys.pop(node))
+                 for r, node in plan.spares]
+        for r in plan.restarts:
+            self.restarts[r] = self.restarts.get(r, 0) + 1
+        restarts = [Replacement(r, self.table.slots[r].node, self.table.slots[r].node,
+                                self._new_id(self.table.slots[r].node)) for r in plan.restarts]
+        new_table = regenerate(self.table, moves + restarts, self.addresses)
+        if plan.lost:
+            new_table = shrink(new_table, plan.lost)
+            new_table = dataclasses.replace(new_table, generation=self.table.generation + 1)
+        replaced = time.time()
         if self.recovery is None:
             self.lifecycle.transition(JobPhase.RECOVERING, faults[0].detail)
-        level = "node-replacement" if replacements else "process-restart"
-        new_table = regenerate(self.table, replacements + restarts, self.addresses_for(replacements))
-        replaced = time.time()
         gen = new_table.generation
+        joining = tuple(s.rank for s in new_table.slots
+                        if s.worker_id in {m.new_worker_id for m in moves + restarts})
         self._publish(Plan(generation=gen, action=PlanAction.RUN, table=new_table,
-                           joining=tuple(r.rank for r in replacements + restarts),
-                           reason="; ".join(f.detail for f in faults)))
+                           joining=joining, reason=plan.reason))
         published = time.time()
         for r in restarts:
             self._launch(r.new_node, Role.RANK, gen, r.new_worker_id)
+        self._begin_recovery(plan.level.value, gen, faults, detected,
+                             {"classified": classified, "replaced": replaced, "published": published})
+        return None
+
+    def _begin_recovery(self, level: str, gen: int, faults: list[Fault], detected: float,
+                        marks: dict[str, float]) -> None:
         self.recoveries += 1
         self.events.emit("recovery_start", recovery=self.recoveries, t=detected, level=level,
                          generation=gen)
         self.recovery = Recovery(
             number=self.recoveries, generation=gen, level=level, faults=faults,
-            marks={"detected": detected, "classified": classified, "replaced": replaced,
-                   "published": published},
-            deadline=published + self.cfg.recovery.online_timeout_s)
+            marks={"detected": detected, **marks},
+            deadline=marks["published"] + self.cfg.recovery.online_timeout_s)
         self._say(f"recovery {self.recoveries}: {level}, generation {gen} published "
-                  f"{(published - detected) * 1000:.1f} ms after detection")
-        return None
+                  f"{(marks['published'] - detected) * 1000:.1f} ms after detection")
 
-    def addresses_for(self, replacements: Sequence[Replacement]) -> dict[str, str]:
-        return self.addresses
+    def _max_requeues(self) -> int:
+        return self.cfg.recovery.max_requeues if hasattr(self.launcher, "requeue") else 0
+
+    def _requeue(self, reason: str, *, persist: bool) -> int:
+        """Job-level: ranks stop (after a durable checkpoint when ``persist``), then
+        ``scontrol requeue``; the requeued job resumes from the newest checkpoint."""
+        self._say(f"requeue: {reason}")
+        self.events.emit("requeue_start", reason=reason, persist=persist)
+        if persist:
+            self.store.set(persist_key(self.table.generation), "1")
+        else:
+            self._publish(Plan(generation=self.table.generation + 1, action=PlanAction.STOP,
+                               table=self.table, reason=reason))
+        shut_down_standbys(self.store)
+        self._reap(grace_s=self.cfg.recovery.fallback_timeout_s)
+        self._poll_worker_events()
+        self.events.emit("requeue", reason=reason, restart_count=self.restart_count)
+        if self.lifecycle.phase is not JobPhase.FAILED:
+            self.lifecycle.transition(JobPhase.FAILED, f"requeued: {reason}")
+        self.launcher.requeue()
+        return EXIT_REQUEUED
 
     def _isolate(self, node: str, fault: Fault) -> None:
         """Take the node out of service in the background: Slurm bookkeeping is off the critical path."""
@@ -350,9 +397,12 @@ class Supervisor:
     def _fallback(self) -> int | None:
         """Online recovery timed out: relaunch every rank on its (healthy) node from snapshots."""
         rec = self.recovery
-        if rec.level == "fallback-relaunch" or not self.cfg.recovery.fallback_relaunch:
-            return self._abort(f"recovery of generation {rec.generation} did not finish within "
-                               f"{self.cfg.recovery.online_timeout_s:g}s")
+        if rec.level == Level.PROCESS_RESTART.value or not self.cfg.recovery.fallback_relaunch:
+            reason = (f"recovery of generation {rec.generation} ({rec.level}) did not train a step "
+                      "within its time-out")
+            if self.restart_count < self._max_requeues():
+                return self._requeue(reason, persist=False)
+            return self._abort(reason)
         self._say(f"online recovery timed out after {self.cfg.recovery.online_timeout_s:g}s: "
                   "relaunching all ranks from node-local snapshots")
         self.events.emit("fallback", generation=rec.generation)
@@ -367,7 +417,7 @@ class Supervisor:
         for m in moves:
             self._launch(m.new_node, Role.RANK, new_table.generation, m.new_worker_id)
         self.lifecycle.transition(JobPhase.FALLBACK_RELAUNCH, "online recovery timed out")
-        rec.level, rec.generation = "fallback-relaunch", new_table.generation
+        rec.level, rec.generation = Level.PROCESS_RESTART.value, new_table.generation
         rec.worker_marks.clear()
         rec.marks["published"] = time.time()
         rec.deadline = time.time() + self.cfg.recovery.fallback_timeout_s
@@ -471,6 +521,7 @@ class Supervisor:
 
     def _write_status(self) -> None:
         status = {
+            "job_id": self.job_id, "restart_count": self.restart_count,
             "phase": self.lifecycle.phase.name, "generation": self.table.generation,
             "recoveries": self.recoveries, "excluded": sorted(self.excluded),
             "ranks": [{"rank": s.rank, "node": s.node, "worker_id": s.worker_id,

@@ -36,7 +36,7 @@ from ..errors import ResilienceError, StepAborted
 from ..files import write_private
 from ..protocol import (
     EVENT_COUNTER, SHUTDOWN_KEY, Plan, PlanAction, Role, WorkerEnv,
-    done_key, event_key, plan_key,
+    done_key, event_key, persist_key, plan_key,
 )
 from .heartbeat import Heartbeat, connect_liveness, open_store
 from .reconnect import Generation, set_gloo_interface
@@ -180,7 +180,7 @@ class Session:
             self._emit("first_step", step=self.step)
         self._checkpoint()
         # Safe point: a newer plan means stop here and re-form (fencing included).
-        if self._store.check([plan_key(self.generation + 1)]):
+        if self._store.check([plan_key(self.generation + 1)]) or self._store.check([persist_key(self.generation)]):
             self._recover(StepAborted("stopped at a safe point for a new generation"))
 
     def _checkpoint(self) -> None:
@@ -196,6 +196,8 @@ class Session:
 
     def _recover(self, why: StepAborted) -> None:
         log.warning("rank %s: %s", self._gen.rank if self._gen else "?", why)
+        if self._plan is not None and self._store.check([persist_key(self._plan.generation)]):
+            self._persist_and_exit()
         if self._gen is not None:
             self._parked.append(self._gen.close())
             self._gen = None
@@ -208,6 +210,9 @@ class Session:
             plan = self._await_plan(g)
             if plan.action is PlanAction.ABORT:
                 self._abort(plan)
+            if plan.action is PlanAction.STOP:
+                self._emit("stopped", step=self.step, reason=plan.reason)
+                raise SystemExit(0)
             if self._my_slot(plan) is None:
                 if self._env.role is Role.RANK or self._plan is not None:
                     self._emit("fenced", generation=plan.generation)
@@ -239,12 +244,12 @@ class Session:
         slot = self._my_slot(plan)
         t0 = time.time()
         cfg = self.config.reconnect
-        nxt = plan_key(plan.generation + 1)
+        nxt, persist = plan_key(plan.generation + 1), persist_key(plan.generation)
         self._plan = plan
         self._gen = Generation(
             self._store, plan.table, slot.rank, backend=cfg.backend,
             timeout_s=cfg.pg_timeout_s, poll_ms=cfg.poll_interval_ms,
-            interrupted=lambda: self._store.check([nxt]),
+            interrupted=lambda: self._store.check([nxt]) or self._store.check([persist]),
         )
         self._needs_sync = True
         self.checkpoints.bind(rank=slot.rank, world_size=plan.table.world_size,
@@ -317,6 +322,17 @@ class Session:
             _save_private(self._state_dict(), os.path.join(self._env.job_dir, "final.pt"))
         self._store.set(done_key(self.rank), str(self.step))
         self._emit("done", step=self.step)
+
+    def _persist_and_exit(self) -> None:
+        """Preemption: every rank stops at the same safe point, writes every disk tier
+        (collective, through the writer's transfer group), and exits 0."""
+        disk = [s.name for s in self.checkpoints.specs if s.storage != "memory"]
+        self.checkpoints.wait()
+        if disk and self._live_state:
+            self.checkpoints.save(self.step, self._state_dict(), disk)
+            self.checkpoints.wait()
+        self._emit("persisted", step=self.step, tiers=disk)
+        raise SystemExit(0)
 
     def _abort(self, plan: Plan) -> None:
         """Persist this rank's state durably in the job directory, then exit non-zero."""

@@ -59,7 +59,7 @@ def test_rank_killed_on_healthy_node_restarts_in_place(cluster, jobs_root, refer
     os.kill(victim["pid"], signal.SIGKILL)  # a process this test's job started
     assert run.wait() == 0, run.output()
     assert lab.compare_states(reference, run.job_dir / "final.pt") == []
-    assert [d["level"] for d in _events(run.job_dir, "recovery_done")] == ["process-restart"]
+    assert [d["level"] for d in _events(run.job_dir, "recovery_done")] == ["online"]
     assert _events(run.job_dir, "plan")[-1]["nodes"][2] == victim["node"]
     assert "DOWN" not in commands.show_nodes([victim["node"]])[victim["node"]]["State"]
 
@@ -81,8 +81,10 @@ def test_hung_rank_is_detected_by_heartbeat_and_replaced(cluster, jobs_root, ref
     assert faults[0]["fault"]["kind"] == "process_hung"
 
 
-def test_no_spare_left_fails_cleanly_and_keeps_state(cluster, jobs_root):
-    run = lab.submit(jobs_root / "no-spare", spares=0, steps=STEPS)
+def test_no_spare_left_fails_cleanly_and_keeps_state(cluster, jobs_root, tmp_path):
+    cfg = tmp_path / "no-ladder.yaml"
+    cfg.write_text(lab.LOCAL_CONFIG.read_text() + "recovery:\n  scale_in: false\n  max_requeues: 0\n")
+    run = lab.submit(jobs_root / "no-spare", spares=0, steps=STEPS, config=cfg)
     status = run.wait_for_step(KILL_AT)
     victim = status["ranks"][1]["node"]
     lab.kill_node(victim)
@@ -111,7 +113,7 @@ def test_online_timeout_falls_back_to_relaunch_from_snapshots(cluster, jobs_root
     lab.kill_node(status["ranks"][1]["node"])
     assert run.wait() == 0, run.output()
     assert _events(run.job_dir, "fallback")
-    assert [d["level"] for d in _events(run.job_dir, "recovery_done")] == ["fallback-relaunch"]
+    assert [d["level"] for d in _events(run.job_dir, "recovery_done")] == ["process-restart"]
     assert lab.compare_states(reference, run.job_dir / "final.pt") == []
 
 

@@ -21,12 +21,14 @@ class LocalJob:
 
     def __init__(self, root: Path, *, nodes: int = 3, spares: int = 1, steps: int = STEPS,
                  step_time: float = STEP_TIME, checkpoint: dict | None = None,
-                 job_name: str = "job", local_dir: Path | None = None) -> None:
+                 job_name: str = "job", local_dir: Path | None = None,
+                 recovery: dict | None = None) -> None:
         cfg = load_config({
             "reconnect": {"gloo_ifname": "lo"},
             "job": {"nodes": nodes, "spares": spares},
             "checkpoint": {"local_dir": str((local_dir or root / "local") / "{node}/ckpt"),
                            **(checkpoint or {})},
+            "recovery": recovery or {},
         })
         self.job_dir = root / job_name
         self.launcher = LocalLauncher()

@@ -95,7 +95,7 @@ def test_killed_rank_restarts_in_place_bit_identical(job_factory, reference):
     assert job.wait() == 0, job.diag()
     _assert_same_training(_final(job), reference)
     done = [e for e in job.events() if e["kind"] == "recovery_done"]
-    assert done and done[0]["level"] == "process-restart", job.diag()
+    assert done and done[0]["level"] == "online", job.diag()
     final_status = job.status()
     assert final_status["ranks"][2]["node"] == victim["node"]
     assert final_status["ranks"][2]["worker_id"] != victim["worker_id"]
@@ -103,7 +103,7 @@ def test_killed_rank_restarts_in_place_bit_identical(job_factory, reference):
 
 @pytest.mark.timeout(240)
 def test_node_loss_without_spare_aborts_and_keeps_state(job_factory):
-    job = job_factory(spares=0)
+    job = job_factory(spares=0, recovery={"scale_in": False})
     st = job.wait_for_step(INJECT_AFTER)
     job.launcher.fail_node(st["ranks"][1]["node"])
     assert job.wait() == 3, job.diag()
@@ -113,3 +113,21 @@ def test_node_loss_without_spare_aborts_and_keeps_state(job_factory):
     assert state["step"] >= INJECT_AFTER and "model" in state["objects"]
     assert any(e["kind"] == "job_failed" for e in job.events())
     assert not (job.job_dir / "final.pt").exists()
+
+
+def test_node_loss_without_spare_scales_in_and_finishes(job_factory):
+    job = job_factory(spares=0)
+    status = job.wait_for_step(INJECT_AFTER)
+    job.launcher.fail_node(status["ranks"][1]["node"])
+    assert job.wait() == 0, job.diag()
+    done = [e for e in job.events() if e["kind"] == "recovery_done"]
+    assert done and done[0]["level"] == "scale-in", job.diag()
+    plans = [e for e in job.events() if e["kind"] == "plan"]
+    assert len(plans[-1]["nodes"]) == 2 and status["ranks"][1]["node"] not in plans[-1]["nodes"]
+    final = _final(job)
+    assert final["step"] == STEPS
+    # every global sample position was consumed exactly once across the change of world size
+    restored = [e for e in job.events() if e["kind"] == "rank_restored" and e["generation"] == 1]
+    k = restored[0]["step"]
+    assert restored[0]["position"] == k * 3 * 16
+    assert final["position"] == k * 3 * 16 + (STEPS - k) * 2 * 16

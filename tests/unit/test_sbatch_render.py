@@ -36,6 +36,7 @@ def test_golden_essentials():
     assert "#SBATCH --no-kill" in lines
     assert "#SBATCH --nodes=6" in lines  # 3 nodes + 2 spares + 1 supervisor node
     assert "#SBATCH --partition=debug" in lines
+    assert "#SBATCH --requeue" in lines and "#SBATCH --signal=B:USR2@60" in lines
     assert lines[-1].startswith("exec /usr/bin/python3 -m slurm_resilience.cli supervise ")
 
 
