@@ -143,3 +143,50 @@ def _wait_status(run, step=KILL_AT, timeout=120):
             return st
         time.sleep(0.1)
     raise TimeoutError(f"no step {step}: {run.status}")
+
+
+def _config(tmp_path, name, extra):
+    cfg = tmp_path / f"{name}.yaml"
+    cfg.write_text(lab.LOCAL_CONFIG.read_text() + extra)
+    return cfg
+
+
+def test_no_spare_scales_in_and_finishes(cluster, jobs_root):
+    run = lab.submit(jobs_root / "scale-in", spares=0, steps=STEPS)
+    status = run.wait_for_step(KILL_AT)
+    victim = status["ranks"][1]["node"]
+    lab.kill_node(victim)
+    assert run.wait() == 0, run.output()
+    assert [d["level"] for d in _events(run.job_dir, "recovery_done")] == ["scale-in"]
+    assert victim not in _events(run.job_dir, "plan")[-1]["nodes"]
+    import torch
+
+    final = torch.load(run.job_dir / "final.pt", weights_only=False)
+    assert final["step"] == STEPS
+
+
+@pytest.mark.slow
+def test_no_spare_no_scale_in_requeues_and_resumes_bit_identical(cluster, jobs_root, reference, tmp_path):
+    cfg = _config(tmp_path, "requeue", "recovery:\n  scale_in: false\n  max_requeues: 1\n")
+    run = lab.submit(jobs_root / "requeue", spares=0, steps=STEPS, config=cfg)
+    status = run.wait_for_step(KILL_AT)
+    lab.kill_node(status["ranks"][1]["node"])
+    assert run.wait() == 0, run.output()
+    assert _events(run.job_dir, "requeue")
+    restored = [e for e in _events(run.job_dir, "rank_restored") if e.get("tier")]
+    assert restored and restored[-1]["step"] >= 10  # resumed from a committed checkpoint
+    assert lab.compare_states(reference, run.job_dir / "final.pt") == []
+
+
+@pytest.mark.slow
+def test_preemption_signal_checkpoints_requeues_and_resumes_exactly(cluster, jobs_root, reference):
+    run = lab.submit(jobs_root / "preempt", steps=STEPS)
+    status = run.wait_for_step(KILL_AT)
+    commands.run(["scancel", "--signal=USR2", "--batch", status["job_id"]])
+    assert run.wait() == 0, run.output()
+    persisted = _events(run.job_dir, "rank_persisted")
+    assert persisted and len({e["step"] for e in persisted}) == 1  # every rank stopped at one step
+    step = persisted[0]["step"]
+    restored = [e for e in _events(run.job_dir, "rank_restored") if e.get("tier")]
+    assert restored[-1]["step"] == step  # exact resume: nothing lost
+    assert lab.compare_states(reference, run.job_dir / "final.pt") == []
