@@ -106,6 +106,7 @@ class RankTable:
             if slot.node in seen:
                 raise RankTableError(f"node {slot.node!r} is used by ranks {seen[slot.node]} and {i}")
             seen[slot.node] = i
+        object.__setattr__(self, "_by_node", seen)  # O(1) slot_for_node at 16k ranks
 
     @property
     def world_size(self) -> int:
@@ -118,20 +119,22 @@ class RankTable:
 
     def slot_for_node(self, node: str) -> RankSlot | None:
         """The slot running on ``node``, or None if the node holds no rank."""
-        for slot in self.slots:
-            if slot.node == node:
-                return slot
-        return None
+        i = self._by_node.get(node)
+        return None if i is None else self.slots[i]
 
-    def to_json(self) -> str:
-        """Stable JSON text (sorted keys) with ``version``, ``generation``, ``world_size``, ``ranks``."""
-        doc = {
+    def to_dict(self) -> dict[str, Any]:
+        return {
             "version": RANK_TABLE_VERSION,
             "generation": self.generation,
             "world_size": self.world_size,
             "ranks": [s.to_dict() for s in self.slots],
         }
-        return json.dumps(doc, sort_keys=True, indent=2) + "\n"
+
+    def to_json(self, *, compact: bool = False) -> str:
+        """Stable JSON text (sorted keys); indented for people, ``compact`` for the wire."""
+        if compact:
+            return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+        return json.dumps(self.to_dict(), sort_keys=True, indent=2) + "\n"
 
     @classmethod
     def from_json(cls, text: str) -> "RankTable":
@@ -140,6 +143,11 @@ class RankTable:
             doc = json.loads(text)
         except (json.JSONDecodeError, TypeError) as exc:
             raise RankTableError(f"rank table is not valid JSON: {exc}") from None
+        return cls.from_dict(doc)
+
+    @classmethod
+    def from_dict(cls, doc: Any) -> "RankTable":
+        """Inverse of ``to_dict``. Raises RankTableError with a one-line message."""
         if not isinstance(doc, dict):
             raise RankTableError("rank table JSON must be an object")
         if doc.get("version") != RANK_TABLE_VERSION:

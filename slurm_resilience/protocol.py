@@ -45,11 +45,11 @@ class Plan:
             {
                 "generation": self.generation,
                 "action": self.action.value,
-                "table": json.loads(self.table.to_json()),
+                "table": self.table.to_dict(),
                 "joining": list(self.joining),
                 "reason": self.reason,
             },
-            sort_keys=True,
+            sort_keys=True, separators=(",", ":"),
         )
 
     @classmethod
@@ -58,7 +58,7 @@ class Plan:
         return cls(
             generation=int(d["generation"]),
             action=PlanAction(d["action"]),
-            table=RankTable.from_json(json.dumps(d["table"])),
+            table=RankTable.from_dict(d["table"]),
             joining=tuple(int(r) for r in d["joining"]),
             reason=str(d.get("reason", "")),
         )

@@ -44,6 +44,7 @@ from .classify import UNHEALTHY_FLAGS, classify_fault, is_node_fault
 from .detect import LivenessServer, NodeWatcher, Observation, read_heartbeats, stale_workers
 from .launcher import Launcher, StepHandle
 from .ladder import FaultCase, Level, plan_recovery
+from .report import Recovery, recovery_phases, status_dict
 from .ranktable import Replacement, initial_table, regenerate, shrink
 from .stop import publish_plan, shut_down_standbys
 from ..slurm.parse import node_state_flags
@@ -64,19 +65,6 @@ class Worker:
     pid: int | None = None
     dead: bool = False
     step: int = 0
-
-
-@dataclasses.dataclass
-class Recovery:
-    """One recovery in flight: its marks (unix times) become the timeline's phases."""
-
-    number: int
-    generation: int
-    level: str
-    faults: list[Fault]
-    marks: dict[str, float]
-    deadline: float
-    worker_marks: dict[str, dict[int, float]] = dataclasses.field(default_factory=dict)
 
 
 class Supervisor:
@@ -455,17 +443,11 @@ class Supervisor:
             self._recovery_done(rec)
 
     def _recovery_done(self, rec: Recovery) -> None:
-        last = {k: max(v.values()) for k, v in rec.worker_marks.items()}
-        m = rec.marks
-        order = [("classify", m["detected"], m["classified"]),
-                 ("replace", m["classified"], m["replaced"]),
-                 ("ranktable", m["replaced"], m["published"]),
-                 ("reconnect", m["published"], last.get("reconnected", m["published"])),
-                 ("restore", last.get("reconnected", m["published"]), last.get("restored", m["published"])),
-                 ("first_step", last.get("restored", m["published"]), last["first_step"])]
-        for phase, start, end in order:
+        for phase, start, end in recovery_phases(rec):
             self.events.emit("phase", recovery=rec.number, phase=phase, start=start, end=end,
                              duration_ms=round((end - start) * 1000, 3))
+        last = {k: max(v.values()) for k, v in rec.worker_marks.items()}
+        m = rec.marks
         total = last["first_step"] - m["detected"]
         self.events.emit("recovery_done", t=last["first_step"], recovery=rec.number, level=rec.level,
                          generation=rec.generation, detected=m["detected"],
@@ -477,12 +459,10 @@ class Supervisor:
 
     # -- endings -------------------------------------------------------------------
     def _all_done(self) -> bool:
-        keys = [done_key(s.rank) for s in self.table.slots]
-        return self.store.check(keys) and self.recovery is None or (
-            self.recovery is not None and self.store.check(keys) and self._done_this_gen())
-
-    def _done_this_gen(self) -> bool:
-        self._poll_worker_events()
+        if not self.store.check([done_key(s.rank) for s in self.table.slots]):
+            return False
+        if self.recovery is not None:
+            self._poll_worker_events()  # "done" events also close a recovery in flight
         return self.recovery is None
 
     def _finish(self) -> int:
@@ -520,17 +500,7 @@ class Supervisor:
         print(f"[sr +{time.time() - self._t0:8.3f}s] {text}", file=self.out, flush=True)
 
     def _write_status(self) -> None:
-        status = {
-            "job_id": self.job_id, "restart_count": self.restart_count,
-            "phase": self.lifecycle.phase.name, "generation": self.table.generation,
-            "recoveries": self.recoveries, "excluded": sorted(self.excluded),
-            "ranks": [{"rank": s.rank, "node": s.node, "worker_id": s.worker_id,
-                       "pid": self.workers[s.worker_id].pid, "step": self.workers[s.worker_id].step}
-                      for s in self.table.slots],
-            "spares": [{"node": n, "worker_id": wid, "pid": self.workers[wid].pid}
-                       for n, wid in self.standbys.items()],
-            "t": time.time(),
-        }
+        status = status_dict(self, self.workers)
         write_private(os.path.join(self.job_dir, "status.json"), json.dumps(status))
 
 

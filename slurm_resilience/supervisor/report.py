@@ -1,0 +1,57 @@
+"""What the supervisor reports: recovery phases (pure) and the status file.
+
+Phases of one recovery, from the supervisor's marks and the ranks' events::
+
+    detected ─classify─ classified ─replace─ replaced ─ranktable─ published
+        ─reconnect─ last rank joined ─restore─ last rank restored ─first_step─ last rank stepped
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Mapping
+
+from ..model import Fault
+
+
+@dataclasses.dataclass
+class Recovery:
+    """One recovery in flight: its marks (unix times) become the timeline's phases."""
+
+    number: int
+    generation: int
+    level: str
+    faults: list[Fault]
+    marks: dict[str, float]
+    deadline: float
+    worker_marks: dict[str, dict[int, float]] = dataclasses.field(default_factory=dict)
+
+
+def recovery_phases(rec: Recovery) -> list[tuple[str, float, float]]:
+    """Pure: (phase, start, end) for a finished recovery; the last rank sets each end."""
+    last = {k: max(v.values()) for k, v in rec.worker_marks.items()}
+    m = rec.marks
+    joined = last.get("reconnected", m["published"])
+    restored = last.get("restored", joined)
+    return [("classify", m["detected"], m["classified"]),
+            ("replace", m["classified"], m["replaced"]),
+            ("ranktable", m["replaced"], m["published"]),
+            ("reconnect", m["published"], joined),
+            ("restore", joined, restored),
+            ("first_step", restored, last["first_step"])]
+
+
+def status_dict(sup: Any, workers: Mapping[str, Any]) -> dict[str, Any]:
+    """The status file's content (``slurm-resilience status`` reads it)."""
+    return {
+        "job_id": sup.job_id, "restart_count": sup.restart_count,
+        "phase": sup.lifecycle.phase.name, "generation": sup.table.generation,
+        "recoveries": sup.recoveries, "excluded": sorted(sup.excluded),
+        "ranks": [{"rank": s.rank, "node": s.node, "worker_id": s.worker_id,
+                   "pid": workers[s.worker_id].pid, "step": workers[s.worker_id].step}
+                  for s in sup.table.slots],
+        "spares": [{"node": n, "worker_id": wid, "pid": workers[wid].pid}
+                   for n, wid in sup.standbys.items()],
+        "t": time.time(),
+    }
