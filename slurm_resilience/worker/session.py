@@ -292,7 +292,7 @@ class Session:
         self.step = choice.step
         self._live_state = True
         self._needs_sync = False
-        self._first_step_pending = self._plan.generation > 0
+        self._first_step_pending = True  # MTTR ends at the first step after any restore
         self._hb.update(step=self.step)
         self._emit("restored", start=t0, step=self.step, position=self.position, source=choice.source_rank,
                    offers=offers, **({"tier": source} if source != "peer" else {}))
