@@ -9,6 +9,7 @@ Phases of one recovery, from the supervisor's marks and the ranks' events::
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from typing import Any, Mapping
 
@@ -45,7 +46,7 @@ def recovery_phases(rec: Recovery) -> list[tuple[str, float, float]]:
 def status_dict(sup: Any, workers: Mapping[str, Any]) -> dict[str, Any]:
     """The status file's content (``slurm-resilience status`` reads it)."""
     return {
-        "job_id": sup.job_id, "restart_count": sup.restart_count,
+        "job_id": sup.job_id, "restart_count": sup.restart_count, "supervisor_pid": os.getpid(),
         "phase": sup.lifecycle.phase.name, "generation": sup.table.generation,
         "recoveries": sup.recoveries, "excluded": sorted(sup.excluded),
         "ranks": [{"rank": s.rank, "node": s.node, "worker_id": s.worker_id,

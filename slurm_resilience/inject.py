@@ -1,0 +1,154 @@
+"""Fault injection into a running job (``slurm-resilience inject FAULT --job JOBDIR``).
+
+Every fault targets processes this job started, found through its status file
+(PIDs of ranks and standbys) or the local cluster's own tooling; nothing is killed
+by name. Node-level faults need the one-machine cluster (``scripts/local-cluster``).
+
+    kill-rank     SIGKILL one rank's process
+    kill-node     hard loss of the node running a rank (slurmd, slurmstepd, tasks)
+    hang-rank     SIGSTOP one rank (found by its stale heartbeat)
+    slow-rank     straggler: SIGSTOP/SIGCONT duty cycle for a while
+    kill-spare    SIGKILL a warm standby
+    kill-supervisor  SIGKILL the supervisor (the batch step)
+    corrupt-checkpoint  flip a byte inside the newest L2 shard's data
+    fill-disk     fill a directory's filesystem (leave ``keep_mb`` free)
+    preempt       the preemption signal to the batch step (scancel --signal --batch)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from .errors import ResilienceError
+
+FAULTS = ("kill-rank", "kill-node", "hang-rank", "slow-rank", "kill-spare", "kill-supervisor",
+          "corrupt-checkpoint", "fill-disk", "preempt")
+
+
+def _status(job_dir: str) -> dict[str, Any]:
+    try:
+        with open(os.path.join(job_dir, "status.json")) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        raise ResilienceError(f"no status.json in {job_dir}: is the job running?") from None
+
+
+def _rank(st: dict[str, Any], rank: int) -> dict[str, Any]:
+    ranks = st["ranks"]
+    if not 0 <= rank < len(ranks):
+        raise ResilienceError(f"rank {rank} does not exist (world size {len(ranks)})")
+    if not ranks[rank]["pid"]:
+        raise ResilienceError(f"rank {rank} has no pid yet: wait until it is running")
+    return ranks[rank]
+
+
+def inject(fault: str, job_dir: str, *, rank: int = 1, seconds: float = 5.0,
+           duty: float = 0.5, path: str | None = None, keep_mb: int = 1) -> dict[str, Any]:
+    """Inject ``fault``; returns what was done (with ``at``, the wall time)."""
+    if fault not in FAULTS:
+        raise ResilienceError(f"unknown fault {fault!r}; one of: {', '.join(FAULTS)}")
+    st = _status(job_dir)
+    at = time.time()
+    if fault == "kill-rank":
+        r = _rank(st, rank)
+        os.kill(r["pid"], signal.SIGKILL)
+        return {"fault": fault, "rank": rank, "pid": r["pid"], "at": at}
+    if fault == "hang-rank":
+        r = _rank(st, rank)
+        os.kill(r["pid"], signal.SIGSTOP)
+        return {"fault": fault, "rank": rank, "pid": r["pid"], "at": at}
+    if fault == "slow-rank":
+        r = _rank(st, rank)
+        threading.Thread(target=_duty_cycle, args=(r["pid"], seconds, duty), daemon=True).start()
+        return {"fault": fault, "rank": rank, "pid": r["pid"], "at": at, "seconds": seconds}
+    if fault == "kill-node":
+        from . import lab
+
+        node = _rank(st, rank)["node"]
+        return {"fault": fault, "rank": rank, "node": node, "at": lab.kill_node(node)}
+    if fault == "kill-spare":
+        spares = [s for s in st["spares"] if s["pid"]]
+        if not spares:
+            raise ResilienceError("no running spare to kill")
+        os.kill(spares[0]["pid"], signal.SIGKILL)
+        return {"fault": fault, "node": spares[0]["node"], "pid": spares[0]["pid"], "at": at}
+    if fault == "kill-supervisor":
+        pid = st.get("supervisor_pid")
+        if not pid:
+            raise ResilienceError("the status file has no supervisor pid")
+        os.kill(pid, signal.SIGKILL)
+        return {"fault": fault, "pid": pid, "at": at}
+    if fault == "corrupt-checkpoint":
+        return {"fault": fault, "at": at, **corrupt_newest(path or os.path.join(job_dir, "checkpoints"))}
+    if fault == "fill-disk":
+        if not path:
+            raise ResilienceError("fill-disk needs --path (a directory on the filesystem to fill)")
+        return {"fault": fault, "at": at, "file": fill(path, keep_mb)}
+    from .slurm import commands
+
+    sig = "USR2"
+    commands.run(["scancel", f"--signal={sig}", "--batch", str(st["job_id"])])
+    return {"fault": fault, "job_id": st["job_id"], "signal": sig, "at": at}
+
+
+def _duty_cycle(pid: int, seconds: float, duty: float) -> None:
+    end = time.time() + seconds
+    try:
+        while time.time() < end:
+            os.kill(pid, signal.SIGSTOP)
+            time.sleep(0.1 * duty)
+            os.kill(pid, signal.SIGCONT)
+            time.sleep(0.1 * (1 - duty))
+    except ProcessLookupError:
+        return
+    finally:
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+
+
+def corrupt_newest(root: str) -> dict[str, Any]:
+    """Flip one byte inside a tensor's data in the newest complete step's first shard."""
+    import h5py
+
+    from .checkpoint import manifest as mf
+
+    steps = mf.complete_steps(root)
+    if not steps:
+        raise ResilienceError(f"no complete checkpoint under {root}")
+    man = mf.read_manifest(root, steps[-1])
+    shard = mf.shard_path(root, steps[-1], min(man.shards))
+    with h5py.File(shard, "r") as f:
+        names: list[str] = []
+        f.visititems(lambda n, o: names.append(n) if isinstance(o, h5py.Dataset) and o.size > 8 else None)
+        offset = f[names[0]].id.get_offset()
+    with open(shard, "r+b") as f:
+        f.seek(offset + 1)
+        b = f.read(1)
+        f.seek(offset + 1)
+        f.write(bytes([b[0] ^ 0xFF]))
+    return {"step": steps[-1], "shard": shard, "dataset": names[0]}
+
+
+def fill(directory: str, keep_mb: int = 1) -> str:
+    """Fill the filesystem of ``directory`` up to ``keep_mb`` MiB free; returns the filler path."""
+    Path(directory).mkdir(parents=True, exist_ok=True)
+    filler = os.path.join(directory, ".sr-fill")
+    st = os.statvfs(directory)
+    free = st.f_bavail * st.f_frsize - keep_mb * (1 << 20)
+    with open(filler, "wb") as f:
+        chunk = b"\0" * (1 << 20)
+        while free > 0:
+            try:
+                f.write(chunk[: min(len(chunk), free)])
+            except OSError:
+                break
+            free -= len(chunk)
+    return filler
