@@ -5,6 +5,7 @@ construction: data chosen by global sample index, SUM all-reduce, one thread.
 """
 
 import argparse
+import os
 import time
 
 import torch
@@ -27,6 +28,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--batch", type=int, default=16, help="samples per rank per step")
     ap.add_argument("--step-time", type=float, default=0.05, help="extra seconds per step (emulated compute)")
+    ap.add_argument("--slow-node", default="", help="tests: emulate a slow device on this node")
+    ap.add_argument("--slow-ms", type=float, default=0.0)
     args = ap.parse_args()
 
     torch.set_num_threads(1)
@@ -44,6 +47,8 @@ def main() -> None:
                 opt.zero_grad()
                 loss = F.mse_loss(model(x[idx]), y[idx])
                 loss.backward()
+                if args.slow_node and os.environ.get("SR_NODE") == args.slow_node:
+                    time.sleep(args.slow_ms / 1000)  # a straggler: slower compute, same math
                 session.all_reduce_gradients(model)  # (4) collectives first, update last
                 opt.step()
             time.sleep(args.step_time)

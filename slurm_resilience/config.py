@@ -95,12 +95,17 @@ class DetectConfig:
         heartbeat_timeout_s: a rank is stale after this silence (> 2 * period).
         node_poll_s: how often Slurm node states are polled (> 0).
         probe_timeout_s: timeout of one slurmd reachability probe (> 0).
+        straggler_threshold: a rank whose own compute time exceeds this × the
+            median of the others is slow (> 1).
+        straggler_window: ... for this many consecutive heartbeat checks (>= 1).
     """
 
     heartbeat_period_s: float = 0.25
     heartbeat_timeout_s: float = 2.0
     node_poll_s: float = 2.0
     probe_timeout_s: float = 0.3
+    straggler_threshold: float = 1.5
+    straggler_window: int = 8
 
     def __post_init__(self) -> None:
         if not 0 < self.heartbeat_period_s <= 0.5:
@@ -112,6 +117,8 @@ class DetectConfig:
                 f"detect.heartbeat_timeout_s={self.heartbeat_timeout_s} must be > 2 * heartbeat_period_s"
                 f" ({2 * self.heartbeat_period_s:g}): raise the timeout or lower the period"
             )
+        if self.straggler_threshold <= 1 or self.straggler_window < 1:
+            raise ConfigError("detect.straggler_threshold must be > 1 and detect.straggler_window >= 1")
         for name in ("node_poll_s", "probe_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"detect.{name}={getattr(self, name)} must be > 0")
@@ -129,6 +136,8 @@ class RecoveryConfig:
             nodes from the node-local snapshots.
         fallback_timeout_s: how long that relaunch may take to train a step (> 0).
         scale_in: with no spare left, continue with fewer ranks.
+        migrate_stragglers: replace a persistently slow rank's node with a spare
+            at the next safe point (no step lost).
         min_world_size: never scale in below this many ranks (>= 1).
         max_requeues: job-level requeues (``scontrol requeue``) allowed, counted by
             ``SLURM_RESTART_COUNT`` (>= 0; the sbatch template sets ``--requeue``).
@@ -142,6 +151,7 @@ class RecoveryConfig:
     scale_in: bool = True
     min_world_size: int = 1
     max_requeues: int = 1
+    migrate_stragglers: bool = False
 
     def __post_init__(self) -> None:
         for name in ("online_timeout_s", "fallback_timeout_s"):

@@ -45,6 +45,7 @@ from .detect import LivenessServer, NodeWatcher, Observation, read_heartbeats, s
 from .launcher import Launcher, StepHandle
 from .ladder import FaultCase, Level, plan_recovery
 from .report import Recovery, recovery_phases, status_dict
+from .straggler import StragglerPolicy, StragglerWatch
 from .ranktable import Replacement, initial_table, regenerate, shrink
 from .stop import publish_plan, shut_down_standbys
 from ..slurm.parse import node_state_flags
@@ -80,6 +81,8 @@ class Supervisor:
         self.restart_count = restart_count
         self.out = out
         self._preempted = threading.Event()
+        self._stragglers = StragglerWatch(StragglerPolicy(
+            threshold=config.detect.straggler_threshold, window=config.detect.straggler_window))
         need = config.job.nodes + config.job.spares
         if len(nodes) < need:
             raise ConfigError(
@@ -238,10 +241,52 @@ class Supervisor:
         for wid, beat in beats.items():
             if beat is not None:
                 live[wid].step = int(beat.get("step", 0))
+        self._watch_stragglers(beats)
         times = {wid: (b["t"] if b else None) for wid, b in beats.items()}
         started = {wid: w.connected_at for wid, w in live.items()}
         stale = stale_workers(times, now, self.cfg.detect.heartbeat_timeout_s, started)
         return {wid: {"t": now, "heartbeat_stale": True} for wid in stale}
+
+    def _watch_stragglers(self, beats: dict[str, dict | None]) -> None:
+        ranks = {s.worker_id: s.rank for s in self.table.slots}
+        compute = {ranks[w]: b["compute_ms"] for w, b in beats.items()
+                   if b and w in ranks and b.get("compute_ms") is not None}
+        if self.recovery is not None:
+            return
+        for rank in self._stragglers.observe(compute):
+            slot = self.table.slots[rank]
+            peers = sorted(v for r, v in compute.items() if r != rank)
+            self.events.emit("straggler", rank=rank, node=slot.node, compute_ms=compute[rank], peers_ms=peers)
+            self._say(f"straggler: rank {rank} on {slot.node}: {compute[rank]:.1f} ms of compute per step, "
+                      f"peers {peers[len(peers) // 2]:.1f} ms")
+            if self.cfg.recovery.migrate_stragglers and self.standbys:
+                self._migrate(rank)
+                return
+
+    def _migrate(self, rank: int) -> None:
+        """Planned replacement of a slow node at the next safe point: no fault, no step lost."""
+        slot = self.table.slots[rank]
+        detected = time.time()
+        spare = next(iter(self.standbys))
+        move = Replacement(rank, slot.node, spare, self.standbys.pop(spare))
+        self.workers[slot.worker_id].dead = True  # it will be fenced out and exit
+        self.excluded.add(slot.node)
+        threading.Thread(target=self._isolate_quietly, args=(slot.node, "straggler"), daemon=True).start()
+        table = regenerate(self.table, [move], self.addresses)
+        marks = {"classified": time.time(), "replaced": time.time()}
+        self.lifecycle.transition(JobPhase.RECOVERING, f"migrating straggler rank {rank}")
+        self._publish(Plan(generation=table.generation, action=PlanAction.RUN, table=table,
+                           joining=(rank,), reason=f"straggler rank {rank} on {slot.node}"))
+        marks["published"] = time.time()
+        self._begin_recovery("straggler-migration", table.generation, [], detected, marks)
+        self._stragglers.reset()
+
+    def _isolate_quietly(self, node: str, why: str) -> None:
+        try:
+            self.launcher.isolate(node, "DRAIN", f"slurm_resilience job {self.job_id}: {why}")
+            self.events.emit("isolated", node=node, state="DRAIN", reason=why)
+        except Exception as exc:  # reported, never fatal
+            self.events.emit("isolate_failed", node=node, error=str(exc))
 
     def _watched(self, worker_id: str | None) -> bool:
         """A live rank of the current table, or a standby still in the pool."""
@@ -413,6 +458,7 @@ class Supervisor:
 
     def _publish(self, plan: Plan) -> None:
         publish_plan(self.store, plan, self.job_dir)
+        self._stragglers.reset()  # ranks may be renumbered
         self.table = plan.table
         self.events.emit("plan", generation=plan.generation, action=plan.action.value,
                          nodes=list(plan.table.nodes), joining=list(plan.joining),

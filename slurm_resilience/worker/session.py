@@ -68,6 +68,7 @@ class Step:
 
     def __enter__(self) -> "Step":
         self.entered = True
+        self.started = time.perf_counter()
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
@@ -92,6 +93,8 @@ class Session:
         self._parked: list[object] = []
         self._first_step_pending = False
         self._ev_lock = threading.Lock()
+        self._current: Step | None = None
+        self._compute_ms: float | None = None
 
     # -- lifecycle -------------------------------------------------------------
     def __enter__(self) -> "Session":
@@ -143,7 +146,7 @@ class Session:
             except StepAborted as exc:
                 self._recover(exc)
                 continue
-            step = Step(self, self.step)
+            step = self._current = Step(self, self.step)
             yield step
             if not step.entered:
                 raise ResilienceError("wrap the body of each step in `with step:` so a fault can abort it")
@@ -155,6 +158,7 @@ class Session:
 
     def all_reduce_gradients(self, *modules: torch.nn.Module) -> None:
         """Collective: average gradients over ranks (one flat SUM, deterministic order)."""
+        self._note_compute_time()
         grads = [p.grad for m in modules for p in m.parameters() if p.grad is not None]
         if not grads:
             return
@@ -165,6 +169,16 @@ class Session:
         for g in grads:
             g.copy_(flat[offset : offset + g.numel()].view_as(g))
             offset += g.numel()
+
+    def _note_compute_time(self) -> None:
+        """Time from the step's start to its first collective: this rank's own compute,
+        which is what tells a straggler apart (the step time is the same on every rank)."""
+        if self._current is None or getattr(self._current, "started", None) is None:
+            return
+        ms = (time.perf_counter() - self._current.started) * 1000
+        self._current.started = None  # once per step: later collectives include the first
+        self._compute_ms = ms if self._compute_ms is None else 0.7 * self._compute_ms + 0.3 * ms
+        self._hb.update(compute_ms=round(self._compute_ms, 3))
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Collective: in-place SUM over the current generation."""

@@ -22,20 +22,22 @@ class LocalJob:
     def __init__(self, root: Path, *, nodes: int = 3, spares: int = 1, steps: int = STEPS,
                  step_time: float = STEP_TIME, checkpoint: dict | None = None,
                  job_name: str = "job", local_dir: Path | None = None,
-                 recovery: dict | None = None) -> None:
+                 recovery: dict | None = None, detect: dict | None = None,
+                 extra_args: tuple[str, ...] = ()) -> None:
         cfg = load_config({
             "reconnect": {"gloo_ifname": "lo"},
             "job": {"nodes": nodes, "spares": spares},
             "checkpoint": {"local_dir": str((local_dir or root / "local") / "{node}/ckpt"),
                            **(checkpoint or {})},
             "recovery": recovery or {},
+            "detect": detect or {},
         })
         self.job_dir = root / job_name
         self.launcher = LocalLauncher()
         self.out = io.StringIO()
         self.sup = Supervisor(
             config=cfg,
-            command=[sys.executable, str(TRAIN), "--steps", str(steps), "--step-time", str(step_time)],
+            command=[sys.executable, str(TRAIN), "--steps", str(steps), "--step-time", str(step_time), *extra_args],
             job_dir=str(self.job_dir),
             nodes=[f"local{i}" for i in range(1, nodes + spares + 1)],
             launcher=self.launcher, store_host="127.0.0.1", job_id="test", out=self.out)

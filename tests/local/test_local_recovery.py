@@ -131,3 +131,17 @@ def test_node_loss_without_spare_scales_in_and_finishes(job_factory):
     k = restored[0]["step"]
     assert restored[0]["position"] == k * 3 * 16
     assert final["position"] == k * 3 * 16 + (STEPS - k) * 2 * 16
+
+
+def test_straggler_is_reported_and_migrated_to_a_spare_without_losing_a_step(job_factory, reference):
+    job = job_factory(recovery={"migrate_stragglers": True}, detect={"straggler_window": 4},
+                      extra_args=("--slow-node", "local2", "--slow-ms", "40"))
+    assert job.wait() == 0, job.diag()
+    ev = job.events()
+    stragglers = [e for e in ev if e["kind"] == "straggler"]
+    assert stragglers and stragglers[0]["node"] == "local2" and stragglers[0]["rank"] == 1
+    done = [e for e in ev if e["kind"] == "recovery_done"]
+    assert [d["level"] for d in done] == ["straggler-migration"]
+    assert [e for e in ev if e["kind"] == "plan"][-1]["nodes"][1] == "local4"
+    assert not [e for e in ev if e["kind"] == "fault_detected"]  # planned, not a failure
+    _assert_same_training(_final(job), reference)

@@ -1,0 +1,81 @@
+"""The recovery ladder is a pure function: every combination of inputs is checked."""
+
+import itertools
+
+import pytest
+
+from slurm_resilience.model import FaultKind
+from slurm_resilience.supervisor.ladder import (
+    FaultCase, LadderInput, Level, choose_level, plan_recovery,
+)
+
+PROCESS = (FaultKind.PROCESS_DIED, FaultKind.PROCESS_HUNG)
+NODE = (FaultKind.NODE_LOST, FaultKind.NODE_UNHEALTHY)
+
+
+def expected(inp: LadderInput) -> Level:
+    """An independent statement of the rules."""
+    order = []
+    if inp.fault in PROCESS and inp.restarts_used < inp.retry_budget:
+        order += [Level.ONLINE, Level.PROCESS_RESTART]
+    order += [Level.NODE_REPLACEMENT, Level.SCALE_IN, Level.REQUEUE]
+    ok = {
+        Level.ONLINE: True,
+        Level.PROCESS_RESTART: inp.relaunch,
+        Level.NODE_REPLACEMENT: inp.spares_left >= inp.lost,
+        Level.SCALE_IN: inp.scale_in and inp.world_size - inp.lost >= inp.min_world_size,
+        Level.REQUEUE: inp.requeues_used < inp.max_requeues,
+    }
+    for level in order:
+        if level not in inp.failed and ok[level]:
+            return level
+    return Level.FAIL
+
+
+FAILED_SETS = [frozenset(), frozenset({Level.ONLINE}), frozenset({Level.ONLINE, Level.PROCESS_RESTART}),
+               frozenset({Level.NODE_REPLACEMENT}), frozenset({Level.NODE_REPLACEMENT, Level.SCALE_IN})]
+
+
+@pytest.mark.parametrize("fault", list(FaultKind))
+def test_exhaustive(fault):
+    n = 0
+    for spares, used, budget, world, minw, scale, relaunch, rq_used, rq_max, failed in itertools.product(
+            (0, 1, 2), (0, 2, 3), (0, 3), (1, 2, 4), (1, 3), (True, False), (True, False),
+            (0, 1), (0, 1), FAILED_SETS):
+        inp = LadderInput(fault=fault, spares_left=spares, restarts_used=used, retry_budget=budget,
+                          world_size=world, min_world_size=minw, scale_in=scale, relaunch=relaunch,
+                          requeues_used=rq_used, max_requeues=rq_max, failed=failed)
+        d = choose_level(inp)
+        assert d.level is expected(inp), inp
+        assert d.reason
+        n += 1
+    assert n > 1000
+
+
+def test_fail_reason_names_every_level_it_skipped():
+    d = choose_level(LadderInput(fault=FaultKind.NODE_LOST, spares_left=0, restarts_used=0, retry_budget=3,
+                                 world_size=4, scale_in=False, max_requeues=0))
+    assert d.level is Level.FAIL
+    assert "no spare left" in d.reason and "scale-in disabled" in d.reason and "requeue" in d.reason
+
+
+def test_incident_hands_out_spares_in_order_then_scales_in():
+    cases = [FaultCase(1, "n2", FaultKind.NODE_LOST), FaultCase(2, "n3", FaultKind.NODE_LOST),
+             FaultCase(3, "n4", FaultKind.PROCESS_DIED, 0)]
+    p = plan_recovery(cases, spares=["n6"], world_size=5, retry_budget=3)
+    assert p.level is Level.SCALE_IN
+    assert p.spares == ((1, "n6"),) and p.lost == (2,) and p.restarts == (3,)
+    assert p.isolate == ("n2", "n3")
+
+
+def test_incident_needing_requeue_requeues_as_a_whole():
+    cases = [FaultCase(1, "n2", FaultKind.NODE_LOST), FaultCase(2, "n3", FaultKind.NODE_LOST)]
+    p = plan_recovery(cases, spares=["n6"], world_size=2, retry_budget=3, scale_in=True,
+                      min_world_size=2, max_requeues=1)
+    assert p.level is Level.REQUEUE and not p.spares and not p.lost
+
+
+def test_budget_spent_treats_node_as_bad():
+    p = plan_recovery([FaultCase(0, "n2", FaultKind.PROCESS_DIED, restarts_used=3)], spares=["n6"],
+                      world_size=4, retry_budget=3)
+    assert p.level is Level.NODE_REPLACEMENT and p.isolate == ("n2",) and p.spares == ((0, "n6"),)
