@@ -17,9 +17,11 @@ __all__ = ["EventLog", "read_events", "format_timeline"]
 class EventLog:
     """Append-only JSONL log; use as a context manager or call ``close()``."""
 
-    def __init__(self, path: str, *, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, path: str, *, clock: Callable[[], float] = time.time,
+                 on_event: Callable[[dict[str, Any]], None] | None = None) -> None:
         self.path = path
         self._clock = clock
+        self._on_event = on_event
         parent = os.path.dirname(path)
         if parent:
             os.makedirs(parent, exist_ok=True)
@@ -33,6 +35,8 @@ class EventLog:
         self._file.write(line + "\n")
         self._file.flush()
         os.fsync(self._file.fileno())
+        if self._on_event is not None:
+            self._on_event(event)
         return event
 
     def close(self) -> None:

@@ -44,6 +44,7 @@ from .classify import UNHEALTHY_FLAGS, classify_fault, is_node_fault
 from .detect import LivenessServer, NodeWatcher, Observation, read_heartbeats, stale_workers
 from .launcher import Launcher, StepHandle
 from .ladder import FaultCase, Level, plan_recovery
+from .metrics import Metrics
 from .report import Recovery, recovery_phases, status_dict
 from .straggler import StragglerPolicy, StragglerWatch
 from .ranktable import Replacement, initial_table, regenerate, shrink
@@ -112,7 +113,8 @@ class Supervisor:
         write_token(self.job_dir, self.token)
         self.config_path = os.path.join(self.job_dir, "config.yaml")
         write_private(self.config_path, yaml.safe_dump(config_to_dict(self.cfg)))
-        self.events = EventLog(os.path.join(self.job_dir, "events.jsonl"))
+        self.metrics = Metrics()
+        self.events = EventLog(os.path.join(self.job_dir, "events.jsonl"), on_event=self.metrics.observe)
         self._raw_store = dist.TCPStore(self.store_host, 0, None, True, timedelta(seconds=30),
                                         wait_for_workers=False)
         self.store = dist.PrefixStore(self.token + "/", self._raw_store)
@@ -548,6 +550,7 @@ class Supervisor:
     def _write_status(self) -> None:
         status = status_dict(self, self.workers)
         write_private(os.path.join(self.job_dir, "status.json"), json.dumps(status))
+        write_private(os.path.join(self.job_dir, "metrics.prom"), self.metrics.render(status))
 
 
 def _unhealthy(state: str) -> bool:

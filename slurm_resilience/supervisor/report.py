@@ -49,6 +49,8 @@ def status_dict(sup: Any, workers: Mapping[str, Any]) -> dict[str, Any]:
         "job_id": sup.job_id, "restart_count": sup.restart_count, "supervisor_pid": os.getpid(),
         "phase": sup.lifecycle.phase.name, "generation": sup.table.generation,
         "recoveries": sup.recoveries, "excluded": sorted(sup.excluded),
+        "restarts": {str(r): n for r, n in sup.restarts.items()},
+        "retry_budget": sup.cfg.recovery.fault_retry_times,
         "ranks": [{"rank": s.rank, "node": s.node, "worker_id": s.worker_id,
                    "pid": workers[s.worker_id].pid, "step": workers[s.worker_id].step}
                   for s in sup.table.slots],
