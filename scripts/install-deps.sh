@@ -36,7 +36,8 @@ if ! python3 -c 'import torch' >/dev/null 2>&1; then
     python3 -m pip install -q torch==2.13.0
 fi
 
-# The project itself, editable, with the test extras, into the system python3
-# (no venv: the Slurm tasks run this same interpreter on every emulated node).
-python3 -m pip install -q -e "$REPO[test]"
+# The project itself, editable, with the test and MPI extras (mpi4py: a binary
+# wheel on the system Open MPI), into the system python3 (no venv: the Slurm tasks
+# run this same interpreter on every emulated node).
+python3 -m pip install -q -e "$REPO[test,mpi]"
 echo "install-deps.sh: done"

@@ -1,4 +1,4 @@
-"""`slurm-resilience …`: submit, supervise (inside the allocation), local, timeline, status.
+"""`slurm-resilience …`: submit, run, supervise (inside the allocation), local, timeline, status.
 
 User mistakes end with one line on stderr and exit code 2, never a traceback.
 """
@@ -92,6 +92,25 @@ def cmd_submit(args) -> int:
         raise ResilienceError(f"job {job_id} ended without a result: see {job_dir}/supervisor.log") from None
 
 
+def cmd_run(args) -> int:
+    """Submit an unmodified program with job-level recovery (relaunch on a spare)."""
+    from .launch.restart import submit_restart, wait_result
+
+    cfg, command = _load(args)
+    job_dir = os.path.abspath(args.job_dir or cfg.job.job_dir.format(job_id=f"{int(time.time())}"))
+    job_id = submit_restart(cfg, command, job_dir, mpi=args.mpi)
+    print(f"submitted job {job_id}; job dir {job_dir}", flush=True)
+    return wait_result(job_id, job_dir) if args.wait else 0
+
+
+def cmd_restart_supervise(args) -> int:
+    """Inside the allocation: the batch host relaunches the program's step on faults."""
+    from .launch.restart import supervise_restart
+
+    cfg, command = _load(args)
+    return supervise_restart(cfg, command, args.job_dir, mpi=args.mpi)
+
+
 def cmd_timeline(args) -> int:
     from .events import format_timeline, read_events
 
@@ -129,6 +148,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("local", help="run the supervisor with local processes instead of Slurm")
     _common(p)
     p.set_defaults(func=cmd_local)
+    p = sub.add_parser("run", help="submit an unmodified (torchrun-style or MPI) program; relaunch on faults")
+    _common(p)
+    p.add_argument("--wait", action="store_true", help="wait for the job; exit with its code")
+    p.add_argument("--mpi", action="store_true", help="MPI program: srun --mpi=pmix, no torch env wrapper")
+    p.set_defaults(func=cmd_run)
+    p = sub.add_parser("restart-supervise", help="(inside an allocation) the supervisor of `run`")
+    _common(p)
+    p.add_argument("--mpi", action="store_true")
+    p.set_defaults(func=cmd_restart_supervise)
     from .checkpoint.inspect import add_parser as add_ckpt
 
     add_ckpt(sub)

@@ -1,0 +1,130 @@
+"""End to end on the real local Slurm: unmodified programs, job-level recovery.
+
+`slurm-resilience run` (3 nodes + 1 spare) with a node killed mid-run: the step
+is relaunched with the spare in the lost node's slot, the program resumes from its
+own snapshot, and its final weights equal those of a fault-free run of the same
+program (torchrun-style on gloo: torch.equal; mpi4py: np.array_equal).
+"""
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from slurm_resilience import lab
+from slurm_resilience.events import read_events
+from slurm_resilience.slurm import commands
+
+pytestmark = [pytest.mark.slurm, pytest.mark.timeout(300)]
+
+TORCH_EXAMPLE = lab.REPO / "examples" / "train_torchrun.py"
+MPI_EXAMPLE = lab.REPO / "examples" / "mpi_train.py"
+# Loopback cluster: every node is 127.0.0.1 (gloo on lo; Open MPI over TCP, as root).
+ENV = {"GLOO_SOCKET_IFNAME": "lo", "OMPI_MCA_btl": "self,tcp",
+       "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+
+
+def _run(root: Path, example: Path, steps: int, *, mpi: bool, spares: int = 1) -> tuple[subprocess.Popen, Path]:
+    out = root / ("final.npy" if mpi else "final.pt")
+    argv = [sys.executable, "-m", "slurm_resilience.cli", "run", "--wait", "--nodes", "3",
+            "--spares", str(spares), "--job-dir", str(root / "job"), *(["--mpi"] if mpi else []),
+            "--", sys.executable, str(example), "--steps", str(steps), "--ckpt", str(root / "ckpt"),
+            "--out", str(out)]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, **ENV})
+    return proc, out
+
+
+def _finish(proc: subprocess.Popen, root: Path) -> int:
+    code = proc.wait(timeout=240)
+    log = root / "job" / "supervisor.log"
+    proc.output = proc.stdout.read() + (log.read_text() if log.exists() else "")
+    return code
+
+
+def _kill_after_first_snapshot(root: Path, snapshot: str, index: int = 1) -> str:
+    """Once the program's first snapshot exists, kill the node of worker ``index``."""
+    deadline = time.time() + 120
+    while not (root / "ckpt" / snapshot).exists():
+        assert time.time() < deadline, "no snapshot within 120 s"
+        time.sleep(0.05)
+    import json
+
+    victim = json.loads((root / "job" / "status.json").read_text())["nodes"][index]
+    lab.kill_node(victim)
+    return victim
+
+
+def _kinds(root: Path) -> list[str]:
+    return [e["kind"] for e in read_events(str(root / "job" / "events.jsonl"))]
+
+
+def _check_recovered(root: Path, victim: str) -> None:
+    events = read_events(str(root / "job" / "events.jsonl"))
+    assert [e["kind"] for e in events if e["kind"] != "isolated"] == [
+        "job_start", "fault_detected", "relaunch", "job_done"]
+    fault = next(e for e in events if e["kind"] == "fault_detected")
+    assert [f["node"] for f in fault["faults"]] == [victim] and fault["faults"][0]["kind"] == "node_lost"
+    relaunch = next(e for e in events if e["kind"] == "relaunch")
+    assert victim not in relaunch["nodes"] and "n5" in relaunch["nodes"]
+    assert "from step 0" not in (root / "job" / "step-001.log").read_text()  # resumed from its snapshot
+    node = commands.show_nodes([victim])[victim]
+    assert "DOWN" in node["State"] and "slurm_resilience" in node.get("Reason", "")
+
+
+@pytest.fixture(scope="module")
+def torch_reference(slurm_cluster, jobs_root) -> Path:
+    lab.cluster("reset")
+    proc, out = _run(jobs_root / "torchrun-ref", TORCH_EXAMPLE, 40, mpi=False)
+    assert _finish(proc, jobs_root / "torchrun-ref") == 0, proc.output
+    return out
+
+
+@pytest.fixture(scope="module")
+def mpi_reference(slurm_cluster, jobs_root) -> Path:
+    lab.cluster("reset")
+    proc, out = _run(jobs_root / "mpi-ref", MPI_EXAMPLE, 60, mpi=True)
+    assert _finish(proc, jobs_root / "mpi-ref") == 0, proc.output
+    return out
+
+
+def test_torchrun_script_node_loss_relaunches_on_spare_identical(cluster, jobs_root, torch_reference):
+    import torch
+
+    root = jobs_root / "torchrun-node-loss"
+    proc, out = _run(root, TORCH_EXAMPLE, 40, mpi=False)
+    victim = _kill_after_first_snapshot(root, "snapshot.pt")
+    assert _finish(proc, root) == 0, proc.output
+    _check_recovered(root, victim)
+    ref, got = torch.load(torch_reference, weights_only=False), torch.load(out, weights_only=False)
+    assert got["step"] == ref["step"] == 40
+    for name, tensor in ref["model"].items():
+        assert torch.equal(tensor, got["model"][name]), name
+    for a, b in zip(ref["optimizer"]["state"].values(), got["optimizer"]["state"].values()):
+        assert torch.equal(a["momentum_buffer"], b["momentum_buffer"])
+
+
+def test_mpi_program_node_loss_relaunches_on_spare_identical(cluster, jobs_root, mpi_reference):
+    root = jobs_root / "mpi-node-loss"
+    proc, out = _run(root, MPI_EXAMPLE, 60, mpi=True)
+    victim = _kill_after_first_snapshot(root, "snapshot.npz", index=2)
+    assert _finish(proc, root) == 0, proc.output
+    _check_recovered(root, victim)
+    assert np.array_equal(np.load(mpi_reference), np.load(out))
+
+
+def test_no_spare_left_fails_with_one_line(cluster, jobs_root):
+    root = jobs_root / "torchrun-no-spare"
+    proc, _ = _run(root, TORCH_EXAMPLE, 40, mpi=False, spares=0)
+    _kill_after_first_snapshot(root, "snapshot.pt")
+    code = _finish(proc, root)
+    assert code == 3, proc.output
+    errors = [ln for ln in proc.output.splitlines() if ln.startswith("slurm-resilience: error:")]
+    assert len(errors) == 1 and "no spare left" in errors[0], proc.output
+    assert "Traceback" not in (root / "job" / "supervisor.log").read_text()
+    assert _kinds(root)[-2:] == ["job_failed", "isolated"]
+    assert (root / "ckpt" / "snapshot.pt").exists()  # the program's own state is kept

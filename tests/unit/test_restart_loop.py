@@ -1,0 +1,283 @@
+"""Job-level recovery: the pure parts (layout, spare choice, faults, plan, argv, env), then
+the loop itself against a fake srun and a fake launcher."""
+
+import json
+import os
+import stat
+import sys
+import threading
+
+import pytest
+
+from slurm_resilience.config import load_config
+from slurm_resilience.errors import ResilienceError
+from slurm_resilience.events import read_events
+from slurm_resilience.launch.rankenv import rank_env
+from slurm_resilience.model import FaultKind
+from slurm_resilience.supervisor.restart_loop import (
+    Action,
+    RestartSupervisor,
+    find_faults,
+    layout,
+    master_node,
+    master_port,
+    next_nodes,
+    plan_restart,
+    srun_argv,
+)
+
+ALLOC = ["n1", "n2", "n3", "n4", "n5", "n6"]
+
+
+def test_layout_batch_host_supervises_only():
+    lay = layout(ALLOC, "n1", 3)
+    assert lay.supervisor == "n1" and lay.workers == ("n2", "n3", "n4") and lay.spares == ("n5", "n6")
+
+
+def test_layout_without_supervisor_node_uses_every_node():
+    lay = layout(ALLOC[:4], "n1", 3, supervisor_node=False)
+    assert lay.supervisor is None and lay.workers == ("n1", "n2", "n3") and lay.spares == ("n4",)
+
+
+def test_layout_too_few_nodes():
+    with pytest.raises(ResilienceError, match="2 node\\(s\\) for 3 worker"):
+        layout(["n1", "n2", "n3"], "n1", 3)
+
+
+@pytest.mark.parametrize("current,lost,spares,excluded,expected", [
+    (["n2", "n3", "n4"], {"n3"}, ["n5"], set(), ["n2", "n5", "n4"]),           # slot kept
+    (["n2", "n3", "n4"], {"n2", "n4"}, ["n5", "n6"], set(), ["n5", "n3", "n6"]),
+    (["n2", "n5", "n4"], {"n4"}, ["n5", "n6"], set(), ["n2", "n5", "n6"]),     # n5 in use
+    (["n2", "n3", "n4"], {"n3"}, ["n5", "n6"], {"n5"}, ["n2", "n6", "n4"]),    # n5 excluded
+    (["n2", "n3", "n4"], {"n3"}, [], set(), None),
+    (["n2", "n3", "n4"], {"n2", "n3"}, ["n5"], set(), None),                   # one spare, two lost
+    (["n2", "n3", "n4"], set(), ["n5"], set(), ["n2", "n3", "n4"]),
+])
+def test_next_nodes(current, lost, spares, excluded, expected):
+    assert next_nodes(current, lost, spares, excluded) == expected
+
+
+def test_next_nodes_never_reuses_a_node():
+    new = next_nodes(["a", "b", "c"], {"a", "b", "c"}, ["d", "e", "f", "g"], {"e"})
+    assert new == ["d", "f", "g"] and len(set(new)) == 3
+
+
+NODES = ["n2", "n3", "n4"]
+UP = {n: True for n in NODES}
+
+
+def test_no_fault_while_running_or_after_clean_exit():
+    assert find_faults(NODES, exit_code=None, reachable=UP, states={}, now=1.0) == []
+    assert find_faults(NODES, exit_code=0, reachable=UP, states={"n2": "MIXED"}, now=1.0) == []
+
+
+def test_unreachable_node_is_lost_even_while_running():
+    faults = find_faults(NODES, exit_code=None, reachable={**UP, "n3": False}, states={}, now=1.0)
+    assert [(f.kind, f.node) for f in faults] == [(FaultKind.NODE_LOST, "n3")]
+
+
+def test_down_node_is_unhealthy():
+    faults = find_faults(NODES, exit_code=137, reachable=UP, states={"n4": "DOWN*"}, now=1.0)
+    assert [(f.kind, f.node) for f in faults] == [(FaultKind.NODE_UNHEALTHY, "n4")]
+
+
+def test_nonzero_exit_on_healthy_nodes_is_one_process_fault():
+    faults = find_faults(NODES, exit_code=1, reachable=UP, states={}, now=1.0)
+    assert len(faults) == 1 and faults[0].kind is FaultKind.PROCESS_DIED
+    assert faults[0].node == "n[2-4]" and "exit code 1" in faults[0].detail
+
+
+def test_exit_zero_with_a_lost_node_is_still_a_fault():
+    # srun's exit code after a node failure is unreliable (0 seen): the node decides
+    faults = find_faults(NODES, exit_code=0, reachable={**UP, "n2": False}, states={}, now=1.0)
+    assert [f.kind for f in faults] == [FaultKind.NODE_LOST]
+
+
+def _plan(faults, **kw):
+    args = dict(current=NODES, spares=["n5"], excluded=set(), restarts_used=0, budget=3)
+    args.update(kw)
+    return plan_restart(faults, **args)
+
+
+def _lost(node):
+    return find_faults(NODES, exit_code=None, reachable={**UP, node: False}, states={}, now=1.0)
+
+
+def test_plan_done():
+    assert _plan([]).action is Action.DONE
+
+
+def test_plan_node_lost_goes_to_spare_and_isolates():
+    plan = _plan(_lost("n3"))
+    assert plan.action is Action.RELAUNCH and plan.nodes == ("n2", "n5", "n4")
+    assert plan.isolate == ("n3",) and "n3->n5" in plan.reason
+
+
+def test_plan_process_death_relaunches_in_place():
+    plan = _plan(find_faults(NODES, exit_code=1, reachable=UP, states={}, now=1.0))
+    assert plan.action is Action.RELAUNCH and plan.nodes == tuple(NODES) and plan.isolate == ()
+
+
+def test_plan_no_spare_left_fails_with_one_clear_reason():
+    plan = _plan(_lost("n3"), spares=[])
+    assert plan.action is Action.FAIL and plan.isolate == ("n3",)
+    assert plan.reason.startswith("node n3 lost and no spare left")
+
+
+def test_plan_budget_spent_fails():
+    plan = _plan(_lost("n3"), restarts_used=3)
+    assert plan.action is Action.FAIL and "budget spent (3/3" in plan.reason
+
+
+def test_master_is_first_in_allocation_order_not_list_order():
+    assert master_node(["n5", "n3", "n4"], ALLOC) == "n3"
+
+
+def test_master_port_range_and_changes_per_relaunch():
+    ports = {master_port("123456", r) for r in range(5)}
+    assert len(ports) == 5 and all(20000 <= p < 30000 for p in ports)
+    assert master_port("7", 0) == master_port("7", 0)
+
+
+def test_srun_argv_torch_mode_wraps_command():
+    argv = srun_argv(job_id="42", name="sr-restart-1", nodes=["n2", "n5", "n4"], command=["python", "t.py"],
+                     mpi=False, master_addr="10.0.0.2", port=20042, restart=1, python="/usr/bin/python3")
+    assert argv[:9] == ["srun", "--no-kill", "--overlap", "-N", "3", "-n", "3", "--ntasks-per-node=1", "-w"]
+    assert argv[9] == "n2,n5,n4" and "--jobid=42" in argv and "--mpi=pmix" not in argv
+    tail = argv[argv.index("--") + 1:]
+    assert tail == ["/usr/bin/python3", "-m", "slurm_resilience.launch.rankenv", "--master-addr", "10.0.0.2",
+                    "--master-port", "20042", "--restart", "1", "--", "python", "t.py"]
+
+
+def test_srun_argv_mpi_mode_runs_command_directly():
+    argv = srun_argv(job_id="42", name="s", nodes=["n2"], command=["python", "m.py"], mpi=True,
+                     master_addr="x", port=1, restart=0)
+    assert argv[-4:] == ["--mpi=pmix", "--", "python", "m.py"]
+
+
+def test_srun_argv_rejects_hostile_node_name():
+    with pytest.raises(ValueError):
+        srun_argv(job_id="1", name="s", nodes=["n2;rm -rf /"], command=["x"], mpi=True, master_addr="x",
+                  port=1, restart=0)
+
+
+SLURM = {"SLURM_PROCID": "2", "SLURM_LOCALID": "0", "SLURM_NTASKS": "3", "SLURM_NODEID": "2",
+         "SLURM_NTASKS_PER_NODE": "1(x3)"}
+
+
+def test_rank_env_maps_slurm_to_torchrun():
+    env = rank_env(SLURM, master_addr="10.0.0.2", master_port=20042, restart=2)
+    assert env == {"RANK": "2", "LOCAL_RANK": "0", "WORLD_SIZE": "3", "GROUP_RANK": "2", "LOCAL_WORLD_SIZE": "1",
+                   "MASTER_ADDR": "10.0.0.2", "MASTER_PORT": "20042", "SR_RESTART": "2"}
+
+
+def test_rank_env_outside_slurm_is_a_clear_error():
+    with pytest.raises(ValueError, match="missing SLURM_PROCID"):
+        rank_env({}, master_addr="a", master_port=1, restart=0)
+
+
+# ---------------------------------------------------------------- the loop, with a fake srun and launcher
+
+FAKE_SRUN = f"""#!{sys.executable}
+import json, os, sys, time
+d = os.environ["FAKE_SRUN_DIR"]
+n = len(os.listdir(d))
+open(os.path.join(d, f"{{n}}.json"), "w").write(json.dumps({{"argv": sys.argv[1:], "restart": os.environ["SR_RESTART"]}}))
+codes = os.environ["FAKE_SRUN_CODES"].split(",")
+code = codes[min(n, len(codes) - 1)]
+if code == "hang":
+    time.sleep(60)
+sys.exit(int(code))
+"""
+
+
+class FakeLauncher:
+    def __init__(self):
+        self.down: set[str] = set()
+        self.isolated: list[tuple[str, str, str]] = []
+        self.killed: list[str] = []
+
+    def node_reachable(self, node, timeout_s):
+        return node not in self.down
+
+    def node_states(self, nodes):
+        return {n: "MIXED" for n in nodes}
+
+    def isolate(self, node, state, reason):
+        self.isolated.append((node, state, reason))
+
+    def address(self, node):
+        return "127.0.0.1"
+
+    def kill(self, step):
+        self.killed.append(step.name)
+        if step.process.poll() is None:
+            step.process.kill()
+
+
+@pytest.fixture
+def fake_srun(tmp_path, monkeypatch):
+    bindir, calls = tmp_path / "bin", tmp_path / "calls"
+    bindir.mkdir()
+    calls.mkdir()
+    srun = bindir / "srun"
+    srun.write_text(FAKE_SRUN)
+    srun.chmod(stat.S_IRWXU)
+    monkeypatch.setenv("PATH", f"{bindir}:{os.environ['PATH']}")
+    monkeypatch.setenv("FAKE_SRUN_DIR", str(calls))
+
+    def launches():
+        return [json.loads((calls / f"{i}.json").read_text()) for i in range(len(list(calls.iterdir())))]
+    return launches
+
+
+def _supervisor(tmp_path, launcher, spares=("n5",), retries=3):
+    cfg = load_config({"recovery": {"fault_retry_times": retries}, "detect": {"node_poll_s": 0.1}})
+    lay = layout(["n1", "n2", "n3", "n4", *spares], "n1", 3)
+    return RestartSupervisor(config=cfg, command=["python", "t.py"], job_dir=str(tmp_path / "job"), job_id="77",
+                             layout=lay, allocation=["n1", "n2", "n3", "n4", *spares], launcher=launcher,
+                             poll_s=0.02, probe_every_s=0.05)
+
+
+def _kinds(tmp_path):
+    return [e["kind"] for e in read_events(str(tmp_path / "job" / "events.jsonl"))]
+
+
+@pytest.mark.timeout(30)
+def test_loop_node_lost_relaunches_on_spare(tmp_path, fake_srun, monkeypatch):
+    monkeypatch.setenv("FAKE_SRUN_CODES", "hang,0")
+    launcher = FakeLauncher()
+    threading.Timer(0.3, launcher.down.add, ["n3"]).start()
+    assert _supervisor(tmp_path, launcher).run() == 0
+    first, second = fake_srun()
+    assert first["argv"][first["argv"].index("-w") + 1] == "n2,n3,n4" and first["restart"] == "0"
+    assert second["argv"][second["argv"].index("-w") + 1] == "n2,n5,n4" and second["restart"] == "1"
+    assert "--restart" in second["argv"] and second["argv"][second["argv"].index("--restart") + 1] == "1"
+    assert launcher.killed == ["sr-restart-0"]
+    assert [i[:2] for i in launcher.isolated] == [("n3", "DOWN")]
+    assert _kinds(tmp_path) == ["job_start", "fault_detected", "relaunch", "job_done", "isolated"]
+    status = json.loads((tmp_path / "job" / "status.json").read_text())
+    assert status["phase"] == "succeeded" and status["nodes"] == ["n2", "n5", "n4"]
+
+
+@pytest.mark.timeout(30)
+def test_loop_no_spare_left_exits_3_with_one_line(tmp_path, fake_srun, monkeypatch, capsys):
+    monkeypatch.setenv("FAKE_SRUN_CODES", "hang")
+    launcher = FakeLauncher()
+    threading.Timer(0.2, launcher.down.add, ["n2"]).start()
+    assert _supervisor(tmp_path, launcher, spares=()).run() == 3
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("slurm-resilience: error: node n2 lost and no spare left")
+    assert _kinds(tmp_path) == ["job_start", "fault_detected", "job_failed", "isolated"]
+
+
+@pytest.mark.timeout(30)
+def test_loop_process_death_restarts_in_place_within_budget(tmp_path, fake_srun, monkeypatch):
+    monkeypatch.setenv("FAKE_SRUN_CODES", "1")
+    launcher = FakeLauncher()
+    assert _supervisor(tmp_path, launcher, retries=2).run() == 3
+    launches = fake_srun()
+    assert len(launches) == 3  # first try + 2 relaunches
+    assert {tuple(c["argv"][c["argv"].index("-w") + 1:][:1]) for c in launches} == {("n2,n3,n4",)}
+    assert launcher.isolated == []
+    assert _kinds(tmp_path).count("relaunch") == 2 and _kinds(tmp_path)[-1] == "job_failed"
