@@ -276,7 +276,8 @@ class Supervisor:
         threading.Thread(target=self._isolate_quietly, args=(slot.node, "straggler"), daemon=True).start()
         table = regenerate(self.table, [move], self.addresses)
         marks = {"classified": time.time(), "replaced": time.time()}
-        self.lifecycle.transition(JobPhase.RECOVERING, f"migrating straggler rank {rank}")
+        if self.lifecycle.phase is JobPhase.RUNNING:
+            self.lifecycle.transition(JobPhase.RECOVERING, f"migrating straggler rank {rank}")
         self._publish(Plan(generation=table.generation, action=PlanAction.RUN, table=table,
                            joining=(rank,), reason=f"straggler rank {rank} on {slot.node}"))
         marks["published"] = time.time()
@@ -365,7 +366,7 @@ class Supervisor:
             new_table = shrink(new_table, plan.lost)
             new_table = dataclasses.replace(new_table, generation=self.table.generation + 1)
         replaced = time.time()
-        if self.recovery is None:
+        if self.lifecycle.phase is JobPhase.RUNNING:
             self.lifecycle.transition(JobPhase.RECOVERING, faults[0].detail)
         gen = new_table.generation
         joining = tuple(s.rank for s in new_table.slots
@@ -451,7 +452,8 @@ class Supervisor:
                            joining=tuple(range(new_table.world_size)), reason="fallback relaunch"))
         for m in moves:
             self._launch(m.new_node, Role.RANK, new_table.generation, m.new_worker_id)
-        self.lifecycle.transition(JobPhase.FALLBACK_RELAUNCH, "online recovery timed out")
+        if self.lifecycle.phase is not JobPhase.FALLBACK_RELAUNCH:
+            self.lifecycle.transition(JobPhase.FALLBACK_RELAUNCH, "online recovery timed out")
         rec.level, rec.generation = Level.PROCESS_RESTART.value, new_table.generation
         rec.worker_marks.clear()
         rec.marks["published"] = time.time()

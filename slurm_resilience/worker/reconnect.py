@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from datetime import timedelta
 from typing import Callable
@@ -70,10 +71,33 @@ class Generation:
             torch.cuda.set_device(self.device)
             opts = dist.ProcessGroupNCCL.Options()
             opts._timeout = timeout
-            self.pg = dist.ProcessGroupNCCL(prefixed, rank, self.world_size, opts)
+            self.pg = self._join(lambda: dist.ProcessGroupNCCL(prefixed, rank, self.world_size, opts))
         else:
             self.device = torch.device("cpu")
-            self.pg = dist.ProcessGroupGloo(prefixed, rank, self.world_size, timeout)
+            self.pg = self._join(lambda: dist.ProcessGroupGloo(prefixed, rank, self.world_size, timeout))
+
+    def _join(self, build: Callable[[], object]) -> object:
+        """Build the group in a thread and wait in slices: a peer that dies while the
+        group forms would otherwise hold every survivor in the constructor until the
+        group timeout. A newer plan abandons the join (the thread is left to time out)."""
+        result: dict[str, object] = {}
+
+        def run() -> None:
+            try:
+                result["pg"] = build()
+            except Exception as exc:  # handed to the joining thread below
+                result["error"] = exc
+
+        th = threading.Thread(target=run, name=f"sr-join-gen{self.generation}", daemon=True)
+        th.start()
+        while th.is_alive():
+            th.join(self._poll.total_seconds())
+            if th.is_alive() and self._interrupted():
+                self._parked.append(th)
+                raise StepAborted(f"joining generation {self.generation} abandoned: a newer plan exists")
+        if "error" in result:
+            raise StepAborted(f"joining generation {self.generation} failed: {_short(result['error'])}")
+        return result["pg"]
 
     # -- collectives ---------------------------------------------------------
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:

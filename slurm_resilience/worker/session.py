@@ -87,7 +87,10 @@ class Session:
         self._objects: dict[str, Any] = {}
         self.step = 0
         self.position = 0  # global samples consumed by completed steps: the rollback point
-        self._live_state = self._env.role is Role.RANK and self._env.generation == 0
+        # Every process starts holding a valid state: the (seeded) step-0 state. A
+        # relaunch with no checkpoint yet therefore restarts from step 0 instead of
+        # failing; survivors and checkpoints always offer a newer step.
+        self._live_state = True
         self._plan: Plan | None = None
         self._gen: Generation | None = None
         self._parked: list[object] = []
@@ -260,8 +263,11 @@ class Session:
         cfg = self.config.reconnect
         nxt, persist = plan_key(plan.generation + 1), persist_key(plan.generation)
         self._plan = plan
+        # Each generation rendezvous through its own store client: an abandoned join
+        # may still be blocked in a store wait, and a shared client would hold every
+        # later request (plan checks included) behind it until its timeout.
         self._gen = Generation(
-            self._store, plan.table, slot.rank, backend=cfg.backend,
+            open_store(self._env), plan.table, slot.rank, backend=cfg.backend,
             timeout_s=cfg.pg_timeout_s, poll_ms=cfg.poll_interval_ms,
             interrupted=lambda: self._store.check([nxt]) or self._store.check([persist]),
         )

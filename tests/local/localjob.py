@@ -7,6 +7,8 @@ import threading
 import time
 from pathlib import Path
 
+import torch
+
 from slurm_resilience.config import load_config
 from slurm_resilience.launch.localhost import LocalLauncher
 from slurm_resilience.supervisor.loop import Supervisor
@@ -14,6 +16,7 @@ from slurm_resilience.supervisor.loop import Supervisor
 TRAIN = Path(__file__).resolve().parents[2] / "examples" / "train_mlp.py"
 STEPS = 40
 STEP_TIME = 0.1
+INJECT_AFTER = 5  # fault once every rank has reported this step
 
 
 class LocalJob:
@@ -96,3 +99,29 @@ class LocalJob:
             if step.process.poll() is None:
                 step.process.kill()
                 step.process.wait(timeout=10)
+
+
+def final_state(job: LocalJob) -> dict:
+    return torch.load(job.job_dir / "final.pt", weights_only=False)
+
+
+def assert_bit_identical(a, b, where="state") -> None:
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys(), where
+        for k in a:
+            assert_bit_identical(a[k], b[k], f"{where}[{k!r}]")
+    elif isinstance(a, (list, tuple)):
+        assert isinstance(b, (list, tuple)) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_bit_identical(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, where
+
+
+def assert_same_training(got: dict, ref: dict) -> None:
+    assert got["step"] == ref["step"] == STEPS
+    assert_bit_identical(got["objects"]["model"], ref["objects"]["model"], "model")
+    assert_bit_identical(got["objects"]["optimizer"], ref["objects"]["optimizer"], "optimizer")
+    assert ref["objects"]["optimizer"]["state"], "the optimizer has momentum buffers to compare"

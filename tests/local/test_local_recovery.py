@@ -12,62 +12,8 @@ import signal
 import pytest
 import torch
 
-from .localjob import STEPS, LocalJob
+from .localjob import INJECT_AFTER, STEPS, assert_same_training as _assert_same_training, final_state as _final
 
-INJECT_AFTER = 5  # fault once every rank has reported this step
-
-
-@pytest.fixture
-def job_factory(tmp_path):
-    jobs = []
-
-    def make(**kw) -> LocalJob:
-        job = LocalJob(tmp_path, **kw).start()
-        jobs.append(job)
-        return job
-
-    yield make
-    for job in jobs:
-        job.kill_leftovers()
-
-
-def _final(job: LocalJob) -> dict:
-    return torch.load(job.job_dir / "final.pt", weights_only=False)
-
-
-def _assert_bit_identical(a, b, where="state") -> None:
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
-    elif isinstance(a, dict):
-        assert isinstance(b, dict) and a.keys() == b.keys(), where
-        for k in a:
-            _assert_bit_identical(a[k], b[k], f"{where}[{k!r}]")
-    elif isinstance(a, (list, tuple)):
-        assert isinstance(b, (list, tuple)) and len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            _assert_bit_identical(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, where
-
-
-def _assert_same_training(got: dict, ref: dict) -> None:
-    assert got["step"] == ref["step"] == STEPS
-    _assert_bit_identical(got["objects"]["model"], ref["objects"]["model"], "model")
-    _assert_bit_identical(got["objects"]["optimizer"], ref["objects"]["optimizer"], "optimizer")
-    assert ref["objects"]["optimizer"]["state"], "the optimizer has momentum buffers to compare"
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """final.pt of a fault-free run."""
-    job = LocalJob(tmp_path_factory.mktemp("reference")).start()
-    try:
-        code = job.wait(150)
-        assert code == 0, job.diag()
-        assert not any(e["kind"] == "fault_detected" for e in job.events()), job.diag()
-        return _final(job)
-    finally:
-        job.kill_leftovers()
 
 
 @pytest.mark.timeout(240)
