@@ -38,6 +38,7 @@ def plot_timeline(events: list[dict[str, Any]], path: str) -> str:
     uniq = dict(zip(labels, handles))
     if uniq:
         ax.legend(uniq.values(), uniq.keys(), loc="upper right", fontsize=7, ncol=3)
+    ax.set_xlim(0, max(e["t"] for e in events) - t0)
     ax.set_yticks(range(len(rows)), rows)
     ax.set_xlabel("seconds since job start (red: fault detected)")
     ax.set_title("slurm_resilience timeline")

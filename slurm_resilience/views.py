@@ -1,0 +1,73 @@
+"""What `slurm-resilience status | timeline | inject` show: pure renderers + thin I/O."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any
+
+from .errors import ResilienceError
+
+
+def load_status(job_dir: str) -> dict[str, Any]:
+    path = os.path.join(job_dir, "status.json")
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        raise ResilienceError(f"no status at {path}: is {job_dir} a job directory?") from None
+
+
+def checkpoint_latest(job_dir: str) -> dict[str, int]:
+    """Newest committed step per tier as the ranks reported it (L1 is node-local)."""
+    out: dict[str, int] = {}
+    path = os.path.join(job_dir, "events.jsonl")
+    if not os.path.exists(path):
+        return out
+    from .events import read_events
+
+    for e in read_events(path):
+        if e["kind"] == "rank_checkpoint_durable" and e.get("rank") == 0:
+            out[e["tier"]] = max(out.get(e["tier"], -1), int(e["step"]))
+    return out
+
+
+def render_status(st: dict[str, Any], *, rate: float | None, tiers: dict[str, int]) -> str:
+    """Pure: the status screen."""
+    budget = st.get("retry_budget")
+    used = st.get("restarts", {})
+    lines = [
+        f"job {st.get('job_id')}  phase {st['phase']}  generation {st['generation']}  "
+        f"recoveries {st['recoveries']}  restarts of the job {st.get('restart_count', 0)}",
+        f"throughput {rate:.2f} steps/s" if rate is not None else "throughput -",
+        "checkpoints: " + (", ".join(f"{t} step {s}" for t, s in sorted(tiers.items())) or "none yet"),
+        f"{'rank':>6}  {'node':<10} {'pid':>8} {'step':>7}  restarts left",
+    ]
+    for r in st["ranks"]:
+        left = "-" if budget is None else budget - used.get(str(r["rank"]), 0)
+        lines.append(f"{r['rank']:>6}  {r['node']:<10} {str(r['pid']):>8} {r['step']:>7}  {left}")
+    lines.append(f"spares left: {len(st['spares'])}" + (
+        "  (" + ", ".join(s["node"] for s in st["spares"]) + ")" if st["spares"] else ""))
+    if st.get("excluded"):
+        lines.append("isolated nodes: " + ", ".join(st["excluded"]))
+    return "\n".join(lines)
+
+
+def watch_status(job_dir: str, *, interval: float, once: bool, out) -> int:
+    prev: tuple[float, int] | None = None
+    while True:
+        st = load_status(job_dir)
+        step = min((r["step"] for r in st["ranks"]), default=0)
+        rate = None
+        if prev is not None and st["t"] > prev[0]:
+            rate = (step - prev[1]) / (st["t"] - prev[0])
+        prev = (st["t"], step)
+        text = render_status(st, rate=rate, tiers=checkpoint_latest(job_dir))
+        if once:
+            print(text, file=out)
+            return 0
+        print("\033[2J\033[H" + text, file=out, flush=True)
+        if st["phase"] in ("SUCCEEDED", "FAILED"):
+            return 0
+        time.sleep(interval)
