@@ -51,6 +51,8 @@ def status_dict(sup: Any, workers: Mapping[str, Any]) -> dict[str, Any]:
         "recoveries": sup.recoveries, "excluded": sorted(sup.excluded),
         "restarts": {str(r): n for r, n in sup.restarts.items()},
         "retry_budget": sup.cfg.recovery.fault_retry_times,
+        "endpoints": {"host": sup.store_host, "store_port": sup._raw_store.port,
+                      "liveness_port": sup.liveness.port, "rejected_connections": sup.liveness.rejected},
         "ranks": [{"rank": s.rank, "node": s.node, "worker_id": s.worker_id,
                    "pid": workers[s.worker_id].pid, "step": workers[s.worker_id].step}
                   for s in sup.table.slots],
