@@ -40,7 +40,7 @@ Guarantees
 
 __version__ = "0.1.0"
 
-__all__ = ["Session", "Step", "ResumableSampler", "load_config", "ResilienceError"]
+__all__ = ["Session", "Step", "ResumableSampler", "load_config", "ResilienceError", "ResilientExecutor"]
 
 
 def __getattr__(name):  # lazy: the supervisor CLI must not pay for torch on import
@@ -60,4 +60,8 @@ def __getattr__(name):  # lazy: the supervisor CLI must not pay for torch on imp
         from .errors import ResilienceError
 
         return ResilienceError
+    if name == "ResilientExecutor":
+        from .launch.executor import ResilientExecutor
+
+        return ResilientExecutor
     raise AttributeError(name)

@@ -77,7 +77,7 @@ def cmd_submit(args) -> int:
 
     cfg_path = write_private(os.path.join(job_dir, "submitted-config.yaml"),
                              yaml.safe_dump(config_to_dict(cfg)))
-    script = render(cfg, command=command, config_path=cfg_path, job_dir=job_dir)
+    script = render(cfg, command=command, config_path=cfg_path, job_dir=job_dir, hetjob=args.hetjob)
     script_path = write_private(os.path.join(job_dir, "job.sbatch"), script, mode=0o700)
     job_id = commands.sbatch(script_path)
     print(f"submitted job {job_id}; job dir {job_dir}", flush=True)
@@ -141,6 +141,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("submit", help="submit a resilient job with sbatch")
     _common(p)
     p.add_argument("--wait", action="store_true", help="wait for the job; exit with its code")
+    p.add_argument("--hetjob", action="store_true",
+                   help="heterogeneous job: the supervisor on component 0, workers and spares on component 1")
     p.set_defaults(func=cmd_submit)
     p = sub.add_parser("supervise", help="(inside an allocation) run the supervisor")
     _common(p)

@@ -42,10 +42,11 @@ def kill_node(node: str) -> float:
 
 @dataclasses.dataclass
 class JobRun:
-    """A job submitted with ``slurm-resilience submit --wait`` in the background."""
+    """A job submitted with ``slurm-resilience submit --wait`` in the background
+    (``process`` None: submitted otherwise, e.g. by an executor; only watched here)."""
 
     job_dir: Path
-    process: subprocess.Popen
+    process: subprocess.Popen | None
 
     @property
     def status(self) -> dict[str, Any] | None:
@@ -61,7 +62,7 @@ class JobRun:
             st = self.status
             if st and st["ranks"] and min(r["step"] for r in st["ranks"]) >= step:
                 return st
-            if self.process.poll() is not None:
+            if self.process is not None and self.process.poll() is not None:
                 raise RuntimeError(f"job ended before step {step}: {self.output()}")
             time.sleep(0.1)
         raise TimeoutError(f"no step {step} within {timeout}s; status {self.status}")
@@ -70,16 +71,20 @@ class JobRun:
         return self.process.wait(timeout=timeout)
 
     def output(self) -> str:
-        out = self.process.stdout.read() if self.process.stdout and self.process.poll() is not None else ""
+        proc = self.process
+        out = proc.stdout.read() if proc is not None and proc.stdout and proc.poll() is not None else ""
         log = self.job_dir / "supervisor.log"
         return out + (log.read_text() if log.exists() else "")
 
 
 def submit(job_dir: Path, *, nodes: int = 4, spares: int = 1, steps: int = 40,
            step_time: float = 0.05, config: Path | None = LOCAL_CONFIG,
-           extra_args: Sequence[str] = ()) -> JobRun:
+           extra_args: Sequence[str] = (), hetjob: bool = False) -> JobRun:
+    """``hetjob``: submit as a heterogeneous job (supervisor component + worker component)."""
     argv = [sys.executable, "-m", "slurm_resilience.cli", "submit", "--wait",
             "--nodes", str(nodes), "--spares", str(spares), "--job-dir", str(job_dir)]
+    if hetjob:
+        argv.append("--hetjob")
     if config is not None:
         argv += ["--config", str(config)]
     argv += ["--", sys.executable, str(EXAMPLE), "--steps", str(steps),

@@ -1,6 +1,8 @@
 """Run the supervisor inside a Slurm allocation (the batch step).
 
 Used by ``slurm-resilience supervise`` (sbatch path) and by the submitit path alike.
+In a heterogeneous job (``submit --hetjob``) the supervisor is component 0 and the
+workers and spares come from component 1; every step carries ``--het-group=1``.
 """
 
 from __future__ import annotations
@@ -8,19 +10,57 @@ from __future__ import annotations
 import json
 import os
 import time
-from typing import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Mapping, Sequence
 
 from ..config import ResilienceConfig
 from ..errors import ResilienceError
 from ..files import write_private
+
+if TYPE_CHECKING:
+    from ..slurm.parse import SlurmEnv
+
+WORKER_HET_GROUP = 1  # hetjob.sbatch.tmpl: component 0 = supervisor, 1 = workers + spares
+
+
+@dataclass(frozen=True)
+class WorkerPool:
+    """Where ranks and standbys may run: ``nodes``; in a hetjob, of component
+    ``het_group`` whose own job id is ``het_job_id`` (both None otherwise)."""
+
+    nodes: tuple[str, ...]
+    het_group: int | None = None
+    het_job_id: str | None = None
+
+
+def worker_pool(env: "SlurmEnv", supervisor_node: bool) -> WorkerPool:
+    """Pure: the worker/spare nodes of this allocation, never the supervisor's own.
+
+    Raises:
+        ResilienceError: a heterogeneous job without a worker component.
+    """
+    me = env.node_name
+    if env.is_hetjob:
+        if env.het_size <= WORKER_HET_GROUP:
+            raise ResilienceError(f"heterogeneous job {env.job_id} has {env.het_size} component(s): "
+                                  f"workers need component {WORKER_HET_GROUP} (submit with --hetjob)")
+        nodes = env.het_nodelists[WORKER_HET_GROUP]
+        return WorkerPool(tuple(n for n in nodes if n != me), WORKER_HET_GROUP,
+                          env.het_job_ids[WORKER_HET_GROUP])
+    if supervisor_node:
+        return WorkerPool(tuple(n for n in env.nodelist if n != me))
+    return WorkerPool(tuple(env.nodelist))
 
 
 def supervise_allocation(cfg: ResilienceConfig, command: Sequence[str], job_dir: str | None,
                          environ: Mapping[str, str] = os.environ) -> int:
     """Supervise ``command`` on this allocation; returns the job's exit code.
 
+    ``job_dir`` may hold ``%j`` (the job id, as in sbatch and submitit paths).
+
     Raises:
-        ResilienceError: not inside an allocation, or too few nodes for the config.
+        ResilienceError: not inside an allocation, too few nodes for the config, or a
+            heterogeneous job without a worker component.
     """
     from ..slurm.parse import SlurmEnv
     from ..slurm.steps import SrunLauncher
@@ -30,9 +70,11 @@ def supervise_allocation(cfg: ResilienceConfig, command: Sequence[str], job_dir:
     if env.job_id is None:
         raise ResilienceError("not inside a Slurm allocation (no SLURM_JOB_ID): use `slurm-resilience submit`")
     me = env.node_name
-    pool = [n for n in env.nodelist if n != me] if cfg.job.supervisor_node else list(env.nodelist)
-    launcher = SrunLauncher(env.job_id, [*pool, me] if me else pool)
-    job_dir = os.path.abspath(job_dir or cfg.job.job_dir.format(job_id=env.job_id))
+    workers = worker_pool(env, cfg.job.supervisor_node)
+    pool = list(workers.nodes)
+    launcher = SrunLauncher(env.job_id, [*pool, me] if me else pool, het_group=workers.het_group,
+                            het_job_id=workers.het_job_id)
+    job_dir = os.path.abspath((job_dir or cfg.job.job_dir.format(job_id=env.job_id)).replace("%j", env.job_id))
     sup = Supervisor(config=cfg, command=command, job_dir=job_dir, nodes=pool, launcher=launcher,
                      store_host=launcher.address(me) if me else "127.0.0.1", job_id=env.job_id,
                      restart_count=env.restart_count)

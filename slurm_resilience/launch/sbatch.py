@@ -3,6 +3,9 @@
 The allocation holds 1 + nodes + spares nodes: the batch host (first node) runs
 only the supervisor and the store, so losing a worker node never loses the job's
 brain; workers and standbys are ``srun --no-kill`` steps on the others.
+
+``hetjob=True`` renders the same job as a heterogeneous job (docs/hetjob.md):
+component 0 is the supervisor's one node, component 1 the nodes + spares.
 """
 
 from __future__ import annotations
@@ -22,10 +25,25 @@ _PARTITION = re.compile(r"[A-Za-z0-9_.,-]+")
 TEMPLATE_DIR = Path(os.environ.get("SR_TEMPLATE_DIR", Path(__file__).resolve().parents[2] / "sbatch_templates"))
 
 
+TEMPLATES = {False: "resilient.sbatch.tmpl", True: "hetjob.sbatch.tmpl"}
+
+
 def render(cfg: ResilienceConfig, *, command: Sequence[str], config_path: str, job_dir: str,
            job_name: str = "resilient", python: str = sys.executable,
-           template: str = "resilient.sbatch.tmpl") -> str:
-    """Pure: the sbatch script text. Every user value is shell-quoted."""
+           hetjob: bool = False, template: str | None = None) -> str:
+    """Pure: the sbatch script text. Every user value is shell-quoted.
+
+    ``hetjob``: component 0 = the supervisor's node, component 1 = nodes + spares
+    (template ``hetjob.sbatch.tmpl`` unless ``template`` names another).
+
+    Raises:
+        ConfigError: empty command, missing template, a line break in a value, a bad
+            partition name, or ``hetjob`` with ``job.supervisor_node`` false.
+    """
+    if hetjob and not cfg.job.supervisor_node:
+        raise ConfigError("job.supervisor_node=false contradicts --hetjob: a heterogeneous job "
+                          "always gives the supervisor a component of its own")
+    template = template or TEMPLATES[hetjob]
     if not command:
         raise ConfigError("no training command given: add `-- python train.py ...`")
     path = TEMPLATE_DIR / template
@@ -46,6 +64,7 @@ def render(cfg: ResilienceConfig, *, command: Sequence[str], config_path: str, j
     return string.Template(text).substitute(
         job_name=shlex.quote(job_name),
         total_nodes=cfg.job.nodes + cfg.job.spares + extra,
+        worker_nodes=cfg.job.nodes + cfg.job.spares,
         time_limit=cfg.job.time_limit,
         output=shlex.quote(os.path.join(job_dir, "supervisor.log")),
         partition_line=partition,

@@ -6,6 +6,8 @@
 submitit runs the supervisor once, in the batch step (``slurm_use_srun=False``), on
 an ``sbatch --no-kill`` allocation of 1 + nodes + spares nodes; the supervisor then
 starts the ranks and warm standbys as ``srun`` steps, exactly as on the sbatch path.
+``job_dir`` may hold ``%j`` (as submitit's folder does): it becomes the job id in
+the batch step. ``launch/executor.py`` wraps this in a submitit-like executor.
 """
 
 from __future__ import annotations
@@ -35,7 +37,9 @@ def submit(command: Sequence[str], *, nodes: int, spares: int = 1, job_dir: str,
     cfg["job"].update(nodes=nodes, spares=spares)
     resolved = load_config(cfg)  # validates the counts before anything is submitted
     job_dir = os.path.abspath(job_dir)
-    makedirs_private(job_dir)
+    # "%j" is filled in by submitit (its folder) and by the batch step (the job dir):
+    # only the levels above it can exist before the job id does.
+    makedirs_private(os.path.dirname(job_dir.split("%j", 1)[0]) if "%j" in job_dir else job_dir)
     executor = submitit.AutoExecutor(folder=os.path.join(job_dir, "submitit"), cluster="slurm")
     total = nodes + spares + (1 if resolved.job.supervisor_node else 0)
     # submitit counts one result per task: it sees a 1-task job (the supervisor); the

@@ -10,8 +10,10 @@ from typing import Mapping, Sequence
 
 from slurm_resilience.errors import SlurmCommandError
 from slurm_resilience.slurm.parse import (
+    compress_hostlist,
     expand_hostlist,
     parse_sbatch_job_id,
+    parse_scontrol_jobs,
     parse_scontrol_nodes,
     validate_node_name,
 )
@@ -25,6 +27,8 @@ __all__ = [
     "sbatch",
     "job_state",
     "node_address",
+    "show_job",
+    "set_job_nodes",
 ]
 
 _NODE_STATES = frozenset({"DOWN", "DRAIN", "RESUME", "UNDRAIN", "IDLE", "FAIL", "POWER_DOWN", "POWER_UP"})
@@ -102,6 +106,40 @@ def cancel_step(job_id: str, step_id: str, signal: str | None = None) -> None:
         argv.append(f"--signal={signal}")
     argv.append(f"{job_id}.{step_id}")
     run(argv)
+
+
+def show_job(job_id: str) -> dict[str, str]:
+    """``scontrol -o show job ID`` parsed into ``{key: value}`` (one record: for a
+    heterogeneous job component, pass the component's own job id).
+
+    Raises:
+        SlurmCommandError: scontrol failed or printed no record for ``job_id``.
+        ValueError: a non-numeric job id.
+    """
+    if not str(job_id).isdigit():
+        raise ValueError(f"invalid job id {job_id!r}: must be numeric")
+    argv = ["scontrol", "-o", "show", "job", str(job_id)]
+    jobs = parse_scontrol_jobs(run(argv).stdout)
+    if str(job_id) not in jobs:
+        raise SlurmCommandError(argv, 0, f"no record for job {job_id} in the output")
+    return jobs[str(job_id)]
+
+
+def set_job_nodes(job_id: str, nodes: Sequence[str]) -> None:
+    """Shrink a running job to ``nodes``: ``scontrol update JobId=ID NodeList=…``.
+
+    Slurm kills the job's steps on the nodes left out and frees them; it refuses to
+    leave out the job's BatchHost.
+
+    Raises:
+        SlurmCommandError, ValueError (non-numeric job id, no nodes, invalid node name).
+    """
+    if not str(job_id).isdigit():
+        raise ValueError(f"invalid job id {job_id!r}: must be numeric")
+    if not nodes:
+        raise ValueError(f"job {job_id}: a running job keeps at least one node")
+    nodelist = compress_hostlist(validate_node_name(n) for n in nodes)
+    run(["scontrol", "update", f"JobId={job_id}", f"NodeList={nodelist}"])
 
 
 def hostnames(hostlist: str) -> list[str]:

@@ -14,6 +14,7 @@ __all__ = [
     "expand_hostlist",
     "compress_hostlist",
     "parse_scontrol_nodes",
+    "parse_scontrol_jobs",
     "node_state_flags",
     "SlurmEnv",
     "parse_sbatch_job_id",
@@ -182,15 +183,35 @@ def parse_scontrol_nodes(text: str) -> dict[str, dict[str, str]]:
         if idx >= 0:
             reason = line[idx + len(" Reason="):]
             line = line[:idx]
-        fields: dict[str, str] = {}
-        for token in _TOKEN_START.split(line):
-            key, sep, value = token.partition("=")
-            if sep:
-                fields[key] = value.strip()
+        fields = _fields(line)
         if reason is not None:
             fields["Reason"] = reason.strip()
         nodes[fields["NodeName"]] = fields
     return nodes
+
+
+def _fields(line: str) -> dict[str, str]:
+    fields: dict[str, str] = {}
+    for token in _TOKEN_START.split(line):
+        key, sep, value = token.partition("=")
+        if sep:
+            fields[key] = value.strip()
+    return fields
+
+
+def parse_scontrol_jobs(text: str) -> dict[str, dict[str, str]]:
+    """Parse ``scontrol -o show job`` output into ``{JobId: {key: value}}``.
+
+    A heterogeneous job's components are separate records (``JobId=76
+    HetJobId=75 HetJobOffset=1 … NodeList=n[2,4-5] BatchHost=n2 …``).
+    """
+    jobs: dict[str, dict[str, str]] = {}
+    for line in text.splitlines():
+        line = line.strip()
+        if line.startswith("JobId="):
+            fields = _fields(line)
+            jobs[fields["JobId"]] = fields
+    return jobs
 
 
 _STATE_SUFFIX_FLAGS = {
@@ -241,12 +262,19 @@ _ENV_MAP: dict[str, tuple[str, Callable[[str | None], object]]] = {
     "step_id": ("SLURM_STEP_ID", _opt),
     "restart_count": ("SLURM_RESTART_COUNT", _count),
     "submit_dir": ("SLURM_SUBMIT_DIR", _opt),
+    "het_size": ("SLURM_HET_SIZE", _count),
 }
 
 
 @dataclass(frozen=True)
 class SlurmEnv:
-    """The ``SLURM_*`` variables this package uses, read once."""
+    """The ``SLURM_*`` variables this package uses, read once.
+
+    In a heterogeneous job (``SLURM_HET_SIZE`` set) the plain variables describe
+    component 0 (the batch host's); each component ``i`` has its own job id and
+    node list in ``SLURM_JOB_ID_HET_GROUP_i`` / ``SLURM_JOB_NODELIST_HET_GROUP_i``,
+    gathered here in ``het_job_ids`` and ``het_nodelists`` (index = component).
+    """
 
     job_id: str | None
     nodelist: tuple[str, ...]
@@ -254,21 +282,48 @@ class SlurmEnv:
     step_id: str | None
     restart_count: int
     submit_dir: str | None
+    het_size: int = 0
+    het_job_ids: tuple[str, ...] = ()
+    het_nodelists: tuple[tuple[str, ...], ...] = ()
+
+    @property
+    def is_hetjob(self) -> bool:
+        return self.het_size > 0
 
     @classmethod
     def from_environ(cls, env: Mapping[str, str]) -> "SlurmEnv":
         """Build from a mapping (pass ``os.environ`` at the edge).
 
         Raises:
-            ValueError: malformed SLURM_JOB_NODELIST or SLURM_RESTART_COUNT.
+            ValueError: malformed SLURM_JOB_NODELIST or SLURM_RESTART_COUNT; a
+                heterogeneous job's SLURM_HET_SIZE without the per-component
+                SLURM_JOB_ID_HET_GROUP_i / SLURM_JOB_NODELIST_HET_GROUP_i.
         """
         values = {}
         for field, (var, conv) in _ENV_MAP.items():
-            try:
-                values[field] = conv(env.get(var))
-            except ValueError as exc:
-                raise ValueError(f"bad {var}={env.get(var)!r}: {exc}") from None
+            values[field] = _convert(env, var, conv)
+        values.update(_het_components(env, values["het_size"]))  # type: ignore[arg-type]
         return cls(**values)  # type: ignore[arg-type]
+
+
+def _convert(env: Mapping[str, str], var: str, conv: Callable[[str | None], object]) -> object:
+    try:
+        return conv(env.get(var))
+    except ValueError as exc:
+        raise ValueError(f"bad {var}={env.get(var)!r}: {exc}") from None
+
+
+def _het_components(env: Mapping[str, str], size: int) -> dict[str, tuple]:
+    """Per-component job ids and node lists of a heterogeneous job (size 0: none)."""
+    ids, nodelists = [], []
+    for group in range(size):
+        id_var, list_var = f"SLURM_JOB_ID_HET_GROUP_{group}", f"SLURM_JOB_NODELIST_HET_GROUP_{group}"
+        for var in (id_var, list_var):
+            if not env.get(var):
+                raise ValueError(f"SLURM_HET_SIZE={size} but {var} is not set: not a hetjob batch environment")
+        ids.append(env[id_var])
+        nodelists.append(_convert(env, list_var, _nodelist))
+    return {"het_job_ids": tuple(ids), "het_nodelists": tuple(nodelists)}
 
 
 def parse_sbatch_job_id(stdout: str) -> str:

@@ -3,6 +3,12 @@
 ``--no-kill`` keeps a step alive when another node of the job fails; ``--overlap``
 lets a restarted step share a node with a dead step that Slurm has not reaped yet
 (otherwise ``srun`` loops on "Requested nodes are busy").
+
+In a heterogeneous job (docs/hetjob.md) every step names its component
+(``--jobid=LEADER --het-group=1``; srun refuses the component's own job id), the
+steps are listed and cancelled under the component's job id, and an isolated node
+is first released from the component: Slurm 22.05 requeues the *whole* hetjob when
+a node still in any component fails, ``--no-kill`` notwithstanding.
 """
 
 from __future__ import annotations
@@ -11,10 +17,12 @@ import dataclasses
 import os
 import socket
 import subprocess
+import threading
 from typing import Mapping, Sequence
 
+from ..errors import RecoveryError
 from . import commands
-from .parse import validate_node_name
+from .parse import expand_hostlist, validate_node_name
 
 
 @dataclasses.dataclass
@@ -27,37 +35,82 @@ class SrunStep:
         return self.process.poll()
 
 
-class SrunLauncher:
-    """Launch workers as job steps of ``job_id``; probe and isolate nodes through Slurm."""
+def srun_argv(job_id: str, node: str, name: str, het_group: int | None = None) -> list[str]:
+    """Pure: the ``srun`` prefix of one worker step on ``node``.
 
-    def __init__(self, job_id: str, nodes: Sequence[str]) -> None:
+    Raises:
+        ValueError: invalid node name or a negative ``het_group``.
+    """
+    validate_node_name(node)
+    argv = ["srun", "--no-kill", "--overlap", "-N1", "-n1", "-w", node, f"--jobid={job_id}"]
+    if het_group is not None:
+        if het_group < 0:
+            raise ValueError(f"het_group={het_group} must be >= 0")
+        argv.append(f"--het-group={het_group}")
+    return [*argv, f"--job-name={name}", "--kill-on-bad-exit=0"]
+
+
+def nodes_after_release(job: Mapping[str, str], node: str) -> list[str] | None:
+    """Pure: the node list that releases ``node`` from a running job (``scontrol show
+    job`` fields), or None when ``node`` is no longer in it.
+
+    Raises:
+        RecoveryError: ``node`` is the job's BatchHost, which Slurm never releases
+            (for a hetjob component: its first node).
+    """
+    nodelist = job.get("NodeList", "")
+    nodes = [] if nodelist in ("", "(null)") else expand_hostlist(nodelist)
+    if node not in nodes:
+        return None
+    if node == job.get("BatchHost"):
+        raise RecoveryError(f"{node} is the first node (BatchHost) of job {job.get('JobId')}: Slurm cannot "
+                            "release it, so its loss ends the heterogeneous job (docs/hetjob.md)")
+    return [n for n in nodes if n != node]
+
+
+class SrunLauncher:
+    """Launch workers as job steps of ``job_id``; probe and isolate nodes through Slurm.
+
+    ``het_group``/``het_job_id``: in a heterogeneous job, the worker component every
+    step runs on and that component's own job id; None for an ordinary job.
+    """
+
+    def __init__(self, job_id: str, nodes: Sequence[str], het_group: int | None = None,
+                 het_job_id: str | None = None) -> None:
+        if (het_group is None) != (het_job_id is None):
+            raise ValueError("het_group and het_job_id go together (a hetjob's worker component)")
         self.job_id = job_id
+        self.het_group = het_group
+        self.het_job_id = het_job_id
+        self._steps_job = het_job_id or job_id  # the job record that holds our steps
+        self._release_lock = threading.Lock()
+        self._launched: list[SrunStep] = []  # srun clients still running (hetjob release ends them)
         info = commands.show_nodes(list(nodes))
         self._addr = {n: commands.node_address(info[n]) for n in nodes}
 
     def launch(self, *, name: str, node: str, argv: Sequence[str],
                env: Mapping[str, str], log_path: str) -> SrunStep:
-        validate_node_name(node)
-        srun = ["srun", "--no-kill", "--overlap", "-N1", "-n1", "-w", node,
-                f"--jobid={self.job_id}", f"--job-name={name}", "--kill-on-bad-exit=0"]
+        srun = srun_argv(self.job_id, node, name, self.het_group)
         fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         with os.fdopen(fd, "ab") as log:
             proc = subprocess.Popen([*srun, *argv], env={**os.environ, **env},
                                     stdout=log, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, start_new_session=True)
-        return SrunStep(name=name, node=node, process=proc)
+        step = SrunStep(name=name, node=node, process=proc)
+        self._launched = [s for s in self._launched if s.exit_code() is None] + [step]
+        return step
 
     def kill(self, handle: SrunStep) -> None:
         for step_id in self._step_ids(handle.name):
             try:
-                commands.cancel_step(self.job_id, step_id, signal="KILL")
+                commands.cancel_step(self._steps_job, step_id, signal="KILL")
             except commands.SlurmCommandError:
                 pass  # the step already ended
         if handle.process.poll() is None:
             handle.process.kill()  # the srun client we started, by its Popen
 
     def _step_ids(self, name: str) -> list[str]:
-        out = commands.run(["squeue", "-h", "-s", "-j", self.job_id, "-o", "%i %j"], timeout=5).stdout
+        out = commands.run(["squeue", "-h", "-s", "-j", self._steps_job, "-o", "%i %j"], timeout=5).stdout
         ids = []
         for line in out.splitlines():
             parts = line.split()
@@ -78,7 +131,28 @@ class SrunLauncher:
         return {n: info[n].get("State", "UNKNOWN") for n in nodes if n in info}
 
     def isolate(self, node: str, state: str, reason: str) -> None:
+        """Take ``node`` out of service. In a hetjob it is first released from the
+        worker component, so that Slurm never sees a failed node inside the job.
+
+        Raises:
+            SlurmCommandError; RecoveryError (the component's first node, which Slurm
+            cannot release). If the release fails the node is left unmarked: marking
+            a node that is still in a component DOWN would requeue the whole hetjob.
+        """
+        if self.het_job_id is not None:
+            self._release(node)
         commands.set_node_state(node, state, reason)
+
+    def _release(self, node: str) -> None:
+        with self._release_lock:  # two isolations at once must not resurrect each other's node
+            remaining = nodes_after_release(commands.show_job(self.het_job_id), node)
+            if remaining is not None:
+                commands.set_job_nodes(self.het_job_id, remaining)
+        # A resize, unlike a node failure, does not tell the step's srun client: it
+        # would wait for the lost task forever. End the clients of steps on the node.
+        for step in list(self._launched):
+            if step.node == node and step.exit_code() is None:
+                step.process.kill()
 
     def address(self, node: str) -> str:
         return self._addr[node][0]

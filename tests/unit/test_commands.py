@@ -115,3 +115,35 @@ def test_hostnames_and_address():
     assert commands.hostnames("n[1-2]") == ["n1", "n2"]
     assert commands.node_address({"NodeName": "n1", "NodeAddr": "10.0.0.1", "Port": "17001"}) == ("10.0.0.1", 17001)
     assert commands.node_address({"NodeName": "n1"}) == ("n1", None)
+
+
+HET_COMPONENT = (  # `scontrol -o show job 76` of a hetjob's worker component, after a resize
+    "JobId=76 HetJobId=75 HetJobOffset=1 JobName=hetprobe HetJobIdSet=75-76 UserId=root(0) GroupId=root(0) "
+    "MCS_label=N/A Priority=4294901689 Nice=0 Account=(null) QOS=(null) JobState=RUNNING Reason=None "
+    "Dependency=(null) Requeue=1 Restarts=0 BatchFlag=1 Reboot=0 ExitCode=0:0 RunTime=00:00:18 "
+    "TimeLimit=00:05:00 TimeMin=N/A ResizeTime=2026-11-26T00:39:07 Partition=debug AllocNode:Sid=localhost:4071 "
+    "ReqNodeList=(null) ExcNodeList=(null) NodeList=n[2,4-5] BatchHost=n2 NumNodes=3 NumCPUs=3 NumTasks=4 "
+    "CPUs/Task=1 ReqB:S:C:T=0:0:*:* TRES=cpu=4,mem=8000M,node=4,billing=3 Socks/Node=* "
+    "Command=/tmp/het probe/probe.sbatch WorkDir=/tmp/hetprobe2 Power= \n"
+)
+
+
+def test_show_job(fake):
+    fake.result = (HET_COMPONENT, 0, "")
+    job = commands.show_job("76")
+    assert fake.calls == [["scontrol", "-o", "show", "job", "76"]]
+    assert (job["NodeList"], job["BatchHost"], job["HetJobId"], job["HetJobOffset"]) == ("n[2,4-5]", "n2", "75", "1")
+    assert job["Command"] == "/tmp/het probe/probe.sbatch" and job["Power"] == ""
+    with pytest.raises(SlurmCommandError, match="no record for job 77"):
+        commands.show_job("77")
+    with pytest.raises(ValueError):
+        commands.show_job("76 --all")
+
+
+def test_set_job_nodes(fake):
+    commands.set_job_nodes("76", ["n2", "n4", "n5"])
+    assert fake.calls == [["scontrol", "update", "JobId=76", "NodeList=n[2,4-5]"]]
+    for job_id, nodes in (("76;x", ["n2"]), ("76", []), ("76", ["n2", "-x"])):
+        with pytest.raises(ValueError):
+            commands.set_job_nodes(job_id, nodes)
+    assert len(fake.calls) == 1

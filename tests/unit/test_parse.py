@@ -136,3 +136,38 @@ def test_node_name_ok(ok):
 def test_node_name_bad(bad):
     with pytest.raises(ValueError):
         validate_node_name(bad)
+
+
+HETJOB_ENV = {  # the batch step of `sbatch hetjob.sbatch` (component 0 = n1, 1 = n[2-5])
+    "SLURM_JOB_ID": "40", "SLURM_JOB_NODELIST": "n1", "SLURMD_NODENAME": "n1", "SLURM_HET_SIZE": "2",
+    "SLURM_JOB_ID_HET_GROUP_0": "40", "SLURM_JOB_ID_HET_GROUP_1": "41",
+    "SLURM_JOB_NODELIST_HET_GROUP_0": "n1", "SLURM_JOB_NODELIST_HET_GROUP_1": "n[2-5]",
+}
+
+
+def test_slurm_env_hetjob():
+    env = SlurmEnv.from_environ(HETJOB_ENV)
+    assert env.is_hetjob and env.het_size == 2
+    assert env.het_job_ids == ("40", "41")
+    assert env.het_nodelists == (("n1",), ("n2", "n3", "n4", "n5"))
+    assert env.job_id == "40" and env.nodelist == ("n1",)
+
+
+def test_slurm_env_not_hetjob_has_no_components():
+    env = SlurmEnv.from_environ({"SLURM_JOB_ID": "42", "SLURM_JOB_NODELIST": "n[1-3]",
+                                 "SLURM_JOB_NODELIST_HET_GROUP_1": "n9"})  # stray: ignored
+    assert not env.is_hetjob and env.het_size == 0 and env.het_nodelists == () and env.het_job_ids == ()
+
+
+@pytest.mark.parametrize("missing", ["SLURM_JOB_NODELIST_HET_GROUP_1", "SLURM_JOB_ID_HET_GROUP_0"])
+def test_slurm_env_hetjob_missing_component(missing):
+    env = {k: v for k, v in HETJOB_ENV.items() if k != missing}
+    with pytest.raises(ValueError, match=missing):
+        SlurmEnv.from_environ(env)
+
+
+def test_slurm_env_hetjob_malformed():
+    with pytest.raises(ValueError, match="SLURM_JOB_NODELIST_HET_GROUP_1"):
+        SlurmEnv.from_environ({**HETJOB_ENV, "SLURM_JOB_NODELIST_HET_GROUP_1": "n[2-"})
+    with pytest.raises(ValueError, match="SLURM_HET_SIZE"):
+        SlurmEnv.from_environ({**HETJOB_ENV, "SLURM_HET_SIZE": "two"})

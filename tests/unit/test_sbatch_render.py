@@ -14,20 +14,22 @@ from slurm_resilience.errors import ConfigError
 from slurm_resilience.launch.sbatch import render
 
 GOLDEN = Path(__file__).parent / "golden" / "resilient.sbatch"
+HET_GOLDEN = Path(__file__).parent / "golden" / "hetjob.sbatch"
 
 
-def _golden_render():
+def _golden_render(hetjob=False):
     cfg = load_config({"job": {"nodes": 3, "spares": 2, "partition": "debug", "time_limit": "01:30:00"}})
     return render(cfg, command=["python", "train.py", "--steps", "100"],
                   config_path="/home/u/run/config.yaml", job_dir="/home/u/sr-jobs/42",
-                  job_name="resilient", python="/usr/bin/python3")
+                  job_name="resilient", python="/usr/bin/python3", hetjob=hetjob)
 
 
-def test_matches_golden():
-    text = _golden_render()
+@pytest.mark.parametrize("hetjob,golden", [(False, GOLDEN), (True, HET_GOLDEN)])
+def test_matches_golden(hetjob, golden):
+    text = _golden_render(hetjob)
     if os.environ.get("SR_UPDATE_GOLDEN") == "1":
-        GOLDEN.write_text(text)
-    assert text == GOLDEN.read_text()
+        golden.write_text(text)
+    assert text == golden.read_text()
 
 
 def test_golden_essentials():
@@ -38,6 +40,47 @@ def test_golden_essentials():
     assert "#SBATCH --partition=debug" in lines
     assert "#SBATCH --requeue" in lines and "#SBATCH --signal=B:USR2@60" in lines
     assert lines[-1].startswith("exec /usr/bin/python3 -m slurm_resilience.cli supervise ")
+
+
+def _components(text):
+    """#SBATCH lines per hetjob component (split at ``#SBATCH hetjob``)."""
+    sbatch = [ln for ln in text.splitlines() if ln.startswith("#SBATCH")]
+    cut = sbatch.index("#SBATCH hetjob")
+    return sbatch[:cut], sbatch[cut + 1:]
+
+
+def test_hetjob_golden_essentials():
+    text = HET_GOLDEN.read_text()
+    lines = text.splitlines()
+    assert lines[0] == "#!/bin/bash" and lines.count("#SBATCH hetjob") == 1
+    sup, workers = _components(text)
+    assert "#SBATCH --nodes=1" in sup  # the supervisor's component: one node
+    assert "#SBATCH --nodes=5" in workers  # 3 nodes + 2 spares
+    for comp in (sup, workers):
+        for opt in ("--no-kill", "--requeue", "--partition=debug", "--time=01:30:00", "--ntasks-per-node=1"):
+            assert f"#SBATCH {opt}" in comp, (opt, comp)
+    assert "#SBATCH --signal=B:USR2@60" in sup  # B: the batch shell lives in component 0
+    assert "#SBATCH --output=/home/u/sr-jobs/42/supervisor.log" in sup
+    assert lines[-1] == _golden_render().splitlines()[-1]  # the same supervisor command
+
+
+@pytest.mark.parametrize("nodes,spares", [(1, 0), (4, 1), (16, 3)])
+def test_hetjob_worker_component_size(nodes, spares):
+    cfg = load_config({"job": {"nodes": nodes, "spares": spares}})
+    sup, workers = _components(render(cfg, command=["x"], config_path="c", job_dir="d", hetjob=True))
+    assert "#SBATCH --nodes=1" in sup and f"#SBATCH --nodes={nodes + spares}" in workers
+    assert not any("--partition" in ln for ln in sup + workers)
+
+
+def test_hetjob_needs_the_supervisor_component():
+    cfg = load_config({"job": {"supervisor_node": False}})
+    with pytest.raises(ConfigError, match="supervisor_node"):
+        render(cfg, command=["x"], config_path="c", job_dir="d", hetjob=True)
+
+
+def test_hetjob_without_preempt_signal():
+    cfg = load_config({"job": {"preempt_signal": ""}})
+    assert "--signal" not in render(cfg, command=["x"], config_path="c", job_dir="d", hetjob=True)
 
 
 @pytest.mark.parametrize("nodes,spares,sup,total", [(1, 0, True, 2), (4, 1, True, 6), (4, 1, False, 5),
@@ -101,9 +144,10 @@ def _stub(tmp_path: Path) -> str:
     return str(stub)
 
 
-def test_hostile_values_reach_the_supervisor_verbatim(tmp_path):
+@pytest.mark.parametrize("hetjob", [False, True])
+def test_hostile_values_reach_the_supervisor_verbatim(tmp_path, hetjob):
     text = render(load_config(), command=HOSTILE_CMD, config_path="/c fg/$(touch PWNED).yaml",
-                  job_dir=HOSTILE_DIR, python=_stub(tmp_path))
+                  job_dir=HOSTILE_DIR, python=_stub(tmp_path), hetjob=hetjob)
     argv = _run_script(text, tmp_path)
     assert argv == ["-m", "slurm_resilience.cli", "supervise", "--config", "/c fg/$(touch PWNED).yaml",
                     "--job-dir", HOSTILE_DIR, "--", *HOSTILE_CMD]
@@ -116,7 +160,23 @@ def test_partition_with_newline_cannot_inject(tmp_path):
     assert not (tmp_path / "PWNED").exists()
 
 
-def test_job_name_with_newline_cannot_inject(tmp_path):
+@pytest.mark.parametrize("hetjob", [False, True])
+def test_job_name_with_newline_cannot_inject(tmp_path, hetjob):
     with pytest.raises(ConfigError, match="line break"):
         render(load_config(), command=["train.py"], config_path="c", job_dir="d",
-               job_name="x\ntouch PWNED\n", python=_stub(tmp_path))
+               job_name="x\ntouch PWNED\n", python=_stub(tmp_path), hetjob=hetjob)
+
+
+@pytest.mark.parametrize("flag,het", [([], False), (["--hetjob"], True)])
+def test_cli_submit_hetjob_flag_picks_the_template(tmp_path, monkeypatch, flag, het):
+    from slurm_resilience import cli
+    from slurm_resilience.slurm import commands
+
+    submitted = []
+    monkeypatch.setattr(commands, "sbatch", lambda path, args=(): submitted.append(path) or "7")
+    code = cli.main(["submit", *flag, "--nodes", "2", "--spares", "1", "--job-dir", str(tmp_path / "j"),
+                     "--", "python", "train.py"])
+    assert code == 0
+    text = Path(submitted[0]).read_text()
+    assert ("#SBATCH hetjob" in text) is het
+    assert ("#SBATCH --nodes=3" in text) is het and ("#SBATCH --nodes=4" in text) is not het

@@ -1,0 +1,155 @@
+"""ResilientExecutor: parameters → config and submit() arguments; the job wrapper's
+done/result without accounting. submitit and Slurm are replaced by fakes."""
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+import slurm_resilience
+from slurm_resilience.errors import ConfigError, ResilienceError
+from slurm_resilience.launch import executor as executor_mod
+from slurm_resilience.launch import submitit_launch
+from slurm_resilience.slurm import commands
+
+
+class FakeSubmititJob:
+    def __init__(self, folder: Path, job_id: str = "77") -> None:
+        self.job_id = job_id
+        self.paths = SimpleNamespace(result_pickle=folder / f"{job_id}_result.pkl",
+                                     stderr=folder / f"{job_id}_log.err", folder=folder)
+        self.cancelled = False
+
+    def result(self):
+        return 0
+
+    def cancel(self, check=True):
+        self.cancelled = True
+
+
+@pytest.fixture
+def submitted(monkeypatch, tmp_path):
+    calls = []
+
+    def fake_submit(command, **kwargs):
+        calls.append((command, kwargs))
+        return FakeSubmititJob(tmp_path)
+
+    monkeypatch.setattr(submitit_launch, "submit", fake_submit)
+    return calls
+
+
+def test_exported_lazily():
+    assert slurm_resilience.ResilientExecutor is executor_mod.ResilientExecutor
+    assert "ResilientExecutor" in slurm_resilience.__all__
+
+
+def test_parameters_reach_submit(submitted, tmp_path):
+    ex = slurm_resilience.ResilientExecutor(folder=tmp_path / "jobs")
+    ex.update_parameters(nodes=3, spares=1, tasks_per_node=1, timeout_min=10, slurm_partition="debug",
+                         recovery={"recovery": {"scale_in": False}, "checkpoint": {"local_every": 5}})
+    ex.update_parameters(recovery={"recovery": {"max_requeues": 0}}, name="train", slurm_signal_delay_s=20)
+    job = ex.submit(["python", "train.py"])
+    (command, kw), = submitted
+    assert command == ["python", "train.py"]
+    assert kw["nodes"] == 3 and kw["spares"] == 1 and kw["timeout_min"] == 10
+    assert kw["job_dir"] == str(tmp_path / "jobs" / "%j")
+    cfg = kw["config"]
+    assert cfg.job.partition == "debug" and cfg.checkpoint.local_every == 5
+    assert cfg.recovery.scale_in is False and cfg.recovery.max_requeues == 0  # later calls add up
+    assert kw["executor_params"] == {"slurm_job_name": "train", "slurm_signal_delay_s": 20}
+    assert job.job_id == "77" and job.folder == tmp_path / "jobs" / "77"
+    assert job.paths.folder == tmp_path
+
+
+def test_base_config_file_is_overridden(submitted, tmp_path):
+    base = tmp_path / "base.yaml"
+    base.write_text("job:\n  nodes: 8\n  spares: 2\nrecovery:\n  scale_in: false\n")
+    ex = slurm_resilience.ResilientExecutor(folder=tmp_path, config=str(base))
+    ex.update_parameters(spares=0)
+    ex.submit(["x"])
+    kw = submitted[0][1]
+    assert (kw["nodes"], kw["spares"], kw["config"].recovery.scale_in) == (8, 0, False)
+
+
+@pytest.mark.parametrize("params,match", [
+    ({"gpus_per_node": 1}, "unknown parameter 'gpus_per_node'"),
+    ({"tasks_per_node": 2}, "tasks_per_node"),
+    ({"nodes": 0}, "job.nodes"),
+    ({"recovery": {"scale_in": False}}, "sections"),
+    ({"recovery": {"bogus": {}}}, "unknown section 'bogus'"),
+    ({"recovery": {"recovery": {"bogus_key": 1}}}, "bogus_key"),
+    ({"timeout_min": 0}, "timeout_min"),
+])
+def test_bad_parameters_fail_at_update_and_change_nothing(tmp_path, params, match):
+    ex = slurm_resilience.ResilientExecutor(folder=tmp_path)
+    ex.update_parameters(nodes=2)
+    with pytest.raises(ConfigError, match=match):
+        ex.update_parameters(**params)
+    assert ex.config.job.nodes == 2
+
+
+@pytest.mark.parametrize("command", [[], "python train.py"])
+def test_command_must_be_an_argv_list(submitted, tmp_path, command):
+    with pytest.raises(ConfigError, match="argv list"):
+        slurm_resilience.ResilientExecutor(folder=tmp_path).submit(command)
+    assert submitted == []
+
+
+def test_result_is_the_supervisor_exit_code(submitted, tmp_path, monkeypatch):
+    job = slurm_resilience.ResilientExecutor(folder=tmp_path).submit(["x"])
+    states = iter(["PENDING", "RUNNING"])
+
+    def job_state(job_id):
+        try:
+            return next(states)
+        except StopIteration:
+            job.paths.result_pickle.write_bytes(b"")  # the batch step wrote its result
+            return None
+
+    monkeypatch.setattr(commands, "job_state", job_state)
+    assert not job.done() and not job.done()
+    assert job.result(poll_s=0) == 0 and job.done()
+
+
+def test_job_gone_without_result_is_an_error(submitted, tmp_path, monkeypatch):
+    monkeypatch.setattr(commands, "job_state", lambda job_id: None)
+    job = slurm_resilience.ResilientExecutor(folder=tmp_path).submit(["x"])
+    assert job.done()
+    with pytest.raises(ResilienceError, match="ended without a result"):
+        job.result()
+
+
+def test_result_timeout_and_cancel(submitted, tmp_path, monkeypatch):
+    monkeypatch.setattr(commands, "job_state", lambda job_id: "RUNNING")
+    job = slurm_resilience.ResilientExecutor(folder=tmp_path).submit(["x"])
+    with pytest.raises(TimeoutError):
+        job.result(timeout_s=0.01, poll_s=0.001)
+    job.cancel()
+    assert job._job.cancelled
+
+
+def test_submit_makes_only_the_levels_above_the_job_id(tmp_path, monkeypatch):
+    """``job_dir=folder/%j``: the folder exists (0700) before submission, ``%j`` never does."""
+    seen = {}
+
+    class FakeExecutor:
+        def __init__(self, folder, cluster):
+            seen["folder"] = folder
+
+        def update_parameters(self, **params):
+            seen["params"] = params
+
+        def submit(self, fn, config, command, job_dir):
+            seen["job_dir"] = job_dir
+            return "job"
+
+    import submitit
+
+    monkeypatch.setattr(submitit, "AutoExecutor", FakeExecutor)
+    assert submitit_launch.submit(["x"], nodes=2, spares=1, job_dir=str(tmp_path / "jobs" / "%j")) == "job"
+    assert (tmp_path / "jobs").is_dir() and not (tmp_path / "jobs" / "%j").exists()
+    assert oct((tmp_path / "jobs").stat().st_mode & 0o777) == "0o700"
+    assert seen["folder"] == str(tmp_path / "jobs" / "%j" / "submitit")
+    assert seen["job_dir"] == str(tmp_path / "jobs" / "%j")
+    assert seen["params"]["slurm_additional_parameters"] == {"no_kill": True, "nodes": 4}
