@@ -117,21 +117,26 @@ def cmd_timeline(args) -> int:
     path = os.path.join(args.job_dir, "events.jsonl")
     if not os.path.exists(path):
         raise ResilienceError(f"no event log at {path}: is {args.job_dir} a job directory?")
-    print(format_timeline(read_events(path)))
+    events = read_events(path)
+    print(format_timeline(events))
+    if args.png:
+        from .timeline_plot import plot_timeline
+
+        print(f"plot: {plot_timeline(events, args.png)}")
     return 0
 
 
 def cmd_status(args) -> int:
-    path = os.path.join(args.job_dir, "status.json")
-    if not os.path.exists(path):
-        raise ResilienceError(f"no status at {path}: is {args.job_dir} a job directory?")
-    with open(path) as f:
-        st = json.load(f)
-    print(f"phase {st['phase']}  generation {st['generation']}  recoveries {st['recoveries']}")
-    for r in st["ranks"]:
-        print(f"  rank {r['rank']:>3}  {r['node']:<10} pid {r['pid']}  step {r['step']}")
-    for s in st["spares"]:
-        print(f"  spare     {s['node']:<10} pid {s['pid']}")
+    from .views import watch_status
+
+    return watch_status(args.job_dir, interval=args.interval, once=not args.watch, out=sys.stdout)
+
+
+def cmd_inject(args) -> int:
+    from .inject import inject
+
+    print(json.dumps(inject(args.fault, args.job, rank=args.rank, seconds=args.seconds,
+                            path=args.path)))
     return 0
 
 
@@ -162,10 +167,24 @@ def build_parser() -> argparse.ArgumentParser:
     from .checkpoint.inspect import add_parser as add_ckpt
 
     add_ckpt(sub)
-    for name, fn in (("timeline", cmd_timeline), ("status", cmd_status)):
-        p = sub.add_parser(name)
-        p.add_argument("job_dir")
-        p.set_defaults(func=fn)
+    p = sub.add_parser("timeline", help="events and recovery phases of a job")
+    p.add_argument("job_dir")
+    p.add_argument("--png", help="also draw a Gantt chart of recoveries and checkpoint stalls")
+    p.set_defaults(func=cmd_timeline)
+    p = sub.add_parser("status", help="nodes, ranks, generation, steps, checkpoints, spares")
+    p.add_argument("job_dir")
+    p.add_argument("--watch", action="store_true", help="refresh until the job ends")
+    p.add_argument("--interval", type=float, default=1.0)
+    p.set_defaults(func=cmd_status)
+    from .inject import FAULTS
+
+    p = sub.add_parser("inject", help="inject a fault into a running job (tests, drills)")
+    p.add_argument("fault", choices=FAULTS)
+    p.add_argument("--job", required=True, help="the job directory")
+    p.add_argument("--rank", type=int, default=1)
+    p.add_argument("--seconds", type=float, default=5.0, help="slow-rank: how long")
+    p.add_argument("--path", help="corrupt-checkpoint: tier root; fill-disk: directory to fill")
+    p.set_defaults(func=cmd_inject)
     return ap
 
 
