@@ -47,7 +47,7 @@ from .ladder import FaultCase, Level, plan_recovery
 from .metrics import Metrics
 from .report import Recovery, recovery_phases, status_dict
 from .straggler import StragglerPolicy, StragglerWatch
-from .ranktable import Replacement, initial_table, regenerate, shrink
+from .ranktable import Replacement, grow, initial_table, regenerate, shrink
 from .stop import publish_plan, shut_down_standbys
 from ..slurm.parse import node_state_flags
 
@@ -90,6 +90,8 @@ class Supervisor:
                 f"the allocation has {len(nodes)} node(s) for workers and spares but "
                 f"nodes={config.job.nodes} + spares={config.job.spares} need {need}: "
                 "allocate more nodes or lower the counts")
+        self.target_world = config.job.nodes
+        self.returning: set[str] = set()
         self.worker_nodes = list(nodes[: config.job.nodes])
         self.spare_nodes = list(nodes[config.job.nodes: need])
         self.lifecycle = Lifecycle()
@@ -179,7 +181,7 @@ class Supervisor:
 
     # -- the loop --------------------------------------------------------------
     def _watch(self) -> int:
-        last_hb = last_status = 0.0
+        last_hb = last_status = last_return = 0.0
         while True:
             if self._preempted.is_set():
                 return self._requeue(f"preempted ({self.cfg.job.preempt_signal.split('@')[0]} "
@@ -205,6 +207,9 @@ class Supervisor:
             if now - last_status >= 0.5:
                 last_status = now
                 self._write_status()
+            if now - last_return >= self.cfg.detect.node_poll_s:
+                last_return = now
+                self._check_returned_nodes()
 
     def _drain_observations(self, timeout: float) -> dict[str, dict]:
         """Liveness and node-state observations → {worker_id: observation flags}."""
@@ -217,6 +222,8 @@ class Supervisor:
             if obs.kind == "connected" and obs.worker_id in self.workers:
                 w = self.workers[obs.worker_id]
                 w.connected_at, w.pid = obs.time, obs.pid
+                if w.node in self.returning and self.standbys.get(w.node) == w.worker_id:
+                    self._grow(w.node)
             elif obs.kind == "closed" and self._watched(obs.worker_id):
                 faults.setdefault(obs.worker_id, {"t": obs.time})["process_exited"] = True
             elif obs.kind == "node_state" and obs.node not in self.excluded:
@@ -290,6 +297,47 @@ class Supervisor:
             self.events.emit("isolated", node=node, state="DRAIN", reason=why)
         except Exception as exc:  # reported, never fatal
             self.events.emit("isolate_failed", node=node, error=str(exc))
+
+    def _check_returned_nodes(self) -> None:
+        """After a scale-in, a node of this allocation that is healthy again (drained
+        node resumed by an admin, slurmd answering) gets a standby; it joins next."""
+        if self.table.world_size >= self.target_world or self.recovery is not None:
+            return
+        pool = set(self.worker_nodes) | set(self.spare_nodes)
+        candidates = sorted(n for n in self.excluded if n in pool and n not in self.returning)
+        if not candidates:
+            return
+        try:
+            states = self.launcher.node_states(candidates)
+        except Exception as exc:  # a failing scontrol only delays the scale-out
+            log.warning("node state poll failed: %s", exc)
+            return
+        for node in candidates:
+            state = states.get(node)
+            if state and not _unhealthy(state) and self.launcher.node_reachable(
+                    node, self.cfg.detect.probe_timeout_s):
+                self.excluded.discard(node)
+                self.returning.add(node)
+                self.standbys[node] = self._launch(node, Role.STANDBY, self.table.generation).worker_id
+                self.events.emit("node_returned", node=node, state=state)
+                self._say(f"node {node} is back in service ({state}): starting a standby to scale out")
+
+    def _grow(self, node: str) -> None:
+        """Planned scale-out at the next safe point: the standby on ``node`` becomes a rank."""
+        self.returning.discard(node)
+        if self.table.world_size >= self.target_world or self.recovery is not None:
+            return  # stays a spare
+        detected = time.time()
+        wid = self.standbys.pop(node)
+        self.addresses.setdefault(node, self.launcher.address(node))
+        table = grow(self.table, node, wid, self.addresses)
+        marks = {"classified": time.time(), "replaced": time.time()}
+        if self.lifecycle.phase is JobPhase.RUNNING:
+            self.lifecycle.transition(JobPhase.RECOVERING, f"scaling out onto {node}")
+        self._publish(Plan(generation=table.generation, action=PlanAction.RUN, table=table,
+                           joining=(table.world_size - 1,), reason=f"scale out onto returned node {node}"))
+        marks["published"] = time.time()
+        self._begin_recovery("scale-out", table.generation, [], detected, marks)
 
     def _watched(self, worker_id: str | None) -> bool:
         """A live rank of the current table, or a standby still in the pool."""

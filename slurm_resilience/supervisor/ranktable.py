@@ -154,3 +154,16 @@ def shrink(table: RankTable, lost_ranks: Sequence[int]) -> RankTable:
         raise RankTableError("scale-in would leave no rank")
     slots = tuple(replace(s, rank=i) for i, s in enumerate(keep))
     return RankTable(generation=table.generation + 1, slots=slots)
+
+
+def grow(table: RankTable, node: str, worker_id: str, addresses: Mapping[str, str]) -> RankTable:
+    """Scale back out: a returned node joins as the next rank (survivors keep theirs).
+
+    Raises:
+        RankTableError: the node already holds a rank or has no address.
+    """
+    if table.slot_for_node(node) is not None:
+        raise RankTableError(f"node {node!r} already runs rank {table.slot_for_node(node).rank}")
+    slot = RankSlot(rank=table.world_size, node=node, worker_id=worker_id,
+                    address=_address(addresses, node))
+    return RankTable(generation=table.generation + 1, slots=(*table.slots, slot))

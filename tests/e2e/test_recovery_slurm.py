@@ -7,6 +7,7 @@ is impossible.
 
 import os
 import signal
+import time
 
 import pytest
 
@@ -190,3 +191,27 @@ def test_preemption_signal_checkpoints_requeues_and_resumes_exactly(cluster, job
     restored = [e for e in _events(run.job_dir, "rank_restored") if e.get("tier")]
     assert restored[-1]["step"] == step  # exact resume: nothing lost
     assert lab.compare_states(reference, run.job_dir / "final.pt") == []
+
+
+@pytest.mark.slow
+def test_scale_in_then_back_out_when_the_node_returns(cluster, jobs_root, tmp_path):
+    cfg = _config(tmp_path, "scale-out", "recovery:\n  isolate_state: DRAIN\ndetect:\n  node_poll_s: 0.5\n")
+    run = lab.submit(jobs_root / "scale-out", spares=0, steps=STEPS + 40, config=cfg)
+    status = run.wait_for_step(KILL_AT)
+    victim = status["ranks"][1]["node"]
+    lab.kill_node(victim)
+    deadline = time.time() + 30
+    while not [e for e in _events(run.job_dir, "recovery_done") if e["level"] == "scale-in"]:
+        assert time.time() < deadline, run.output()
+        time.sleep(0.1)
+    lab.cluster("revive-node", victim)  # an admin brings it back before Slurm declares it down
+    assert run.wait() == 0, run.output()
+    levels = [d["level"] for d in _events(run.job_dir, "recovery_done")]
+    assert levels == ["scale-in", "scale-out"], levels
+    assert _events(run.job_dir, "node_returned")[0]["node"] == victim
+    final_plan = _events(run.job_dir, "plan")[-1]
+    assert len(final_plan["nodes"]) == 4 and final_plan["nodes"][-1] == victim
+    import torch
+
+    final = torch.load(run.job_dir / "final.pt", weights_only=False)
+    assert final["step"] == STEPS + 40

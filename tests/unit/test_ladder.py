@@ -79,3 +79,15 @@ def test_budget_spent_treats_node_as_bad():
     p = plan_recovery([FaultCase(0, "n2", FaultKind.PROCESS_DIED, restarts_used=3)], spares=["n6"],
                       world_size=4, retry_budget=3)
     assert p.level is Level.NODE_REPLACEMENT and p.isolate == ("n2",) and p.spares == ((0, "n6"),)
+
+
+def test_shrink_then_grow_keeps_survivor_order():
+    from slurm_resilience.model import RankSlot, RankTable
+    from slurm_resilience.supervisor.ranktable import grow, shrink
+
+    t = RankTable(generation=3, slots=tuple(RankSlot(rank=i, node=f"n{i}", worker_id=f"w{i}") for i in range(4)))
+    s = shrink(t, [1])
+    assert [x.node for x in s.slots] == ["n0", "n2", "n3"] and [x.rank for x in s.slots] == [0, 1, 2]
+    g = grow(s, "n1", "w9", {"n1": "10.0.0.1"})
+    assert g.generation == s.generation + 1 and g.slots[-1].rank == 3 and g.slots[-1].worker_id == "w9"
+    assert g.slots[-1].address == "10.0.0.1"
