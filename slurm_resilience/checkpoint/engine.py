@@ -25,12 +25,12 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from ..errors import CheckpointError, StepAborted
+from ..errors import CheckpointError
 from ..files import makedirs_private, write_private
 from . import manifest as mf
 from .hdf5_format import flatten_state, read_shard, unflatten_state, verify_shard, write_shard
 from .redundancy import partner_of, partner_sources
-from .tiers import IntervalEstimator, Redundancy, TierSpec, expand_path, tier_for_step
+from .tiers import IntervalEstimator, Redundancy, TierSpec, base_tier, expand_path, tier_for_step
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +105,16 @@ class CheckpointEngine:
         if self.estimator is not None:
             autos = {s.name: self.estimator.interval_steps() for s in self.specs if s.auto}
         return tier_for_step(self.specs, step, now=time.time(), last_saved=self._last,
-                             auto_interval_steps=autos, save_counts=self._counts)
+                             auto_interval_steps=autos, save_counts=self._base_counts(step))
+
+    def _base_counts(self, step: int) -> dict[str, int]:
+        """Base-tier checkpoints before ``step``, derived from the step itself when the
+        base interval is in steps: a replacement rank (fresh counters) must make the
+        same every_kth decision as the survivors, or the writers' collectives diverge."""
+        base = base_tier(self.specs)
+        if base is not None and base.interval_steps:
+            return {base.name: step // base.interval_steps - 1}
+        return dict(self._counts)
 
     def save(self, step: int, state: Any, tiers: Sequence[str] | None = None) -> float:
         """Copy ``state`` to host memory (blocking) and queue the disk tiers. Returns the stall (s)."""
@@ -354,19 +363,12 @@ def _gather(job: _Job, value: int) -> list[int]:
 
 
 def _pairwise(g, sends, recvs, tag: int) -> None:
-    """Post every send, then every receive; each is a bounded wait on the transfer group."""
+    """Post every send, then receive; sends are waited for last (no send/recv deadlock)."""
     works = [g.pg.send([t], dst, tag) for t, dst in sends]
     for t, src in recvs:
         g.recv(t, src, tag)
     for w in works:
-        while True:
-            try:
-                w.wait(g._poll)
-                break
-            except RuntimeError as exc:
-                if "Operation timed out" in str(exc) and not g._interrupted():
-                    continue
-                raise StepAborted(f"partner send failed: {_line(exc)}") from exc
+        g._wait_p2p(w, "partner send")
 
 
 def read_shard_crc(path: str) -> int:
