@@ -49,6 +49,7 @@ def write_private(path: str, data: str | bytes, *, mode: int = 0o600) -> str:
 
 
 def fsync_dir(directory: str) -> None:
+    """fsync a directory (or any path opened read-only): makes a rename durable."""
     dfd = os.open(directory, os.O_RDONLY)
     try:
         os.fsync(dfd)

@@ -259,14 +259,6 @@ def _write_hdf5(
     return checksums
 
 
-def _fsync_path(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def write_shard(path: str, state: Any, *, attrs: Mapping[str, int | float | str] = _NO_ATTRS) -> ShardInfo:
     """Write ``state`` to the HDF5 shard ``path`` atomically (mode 0600).
 
@@ -288,7 +280,7 @@ def write_shard(path: str, state: Any, *, attrs: Mapping[str, int | float | str]
     os.close(fd)  # mkstemp made it 0600; h5py reopens it by name and truncates it
     try:
         checksums = _write_hdf5(tmp, tensors, skeleton, attrs)
-        _fsync_path(tmp)
+        fsync_dir(tmp)
         os.replace(tmp, path)
         fsync_dir(directory)
     except BaseException as e:

@@ -9,17 +9,15 @@ from __future__ import annotations
 
 import json
 import os
-import shlex
-import string
 import sys
 import time
 from typing import Mapping, Sequence
 
 from ..config import ResilienceConfig, config_to_dict
-from ..errors import ConfigError, ResilienceError
+from ..errors import ResilienceError
 from ..files import makedirs_private, write_private
 from .allocation import write_result
-from .sbatch import _PARTITION, TEMPLATE_DIR
+from .sbatch import render
 
 TEMPLATE = "restart.sbatch.tmpl"
 
@@ -31,32 +29,8 @@ def render_restart(cfg: ResilienceConfig, *, command: Sequence[str], config_path
     Raises:
         ConfigError: empty command, missing template, a line break in a value, bad partition.
     """
-    if not command:
-        raise ConfigError("no training command given: add `-- python train.py ...`")
-    path = TEMPLATE_DIR / TEMPLATE
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        raise ConfigError(f"sbatch template not found: {path} (set SR_TEMPLATE_DIR)") from None
-    for what, value in (("job name", job_name), ("job dir", job_dir), ("config path", config_path),
-                        ("partition", cfg.job.partition or "")):
-        if "\n" in value or "\r" in value:
-            raise ConfigError(f"{what} contains a line break: not allowed in an sbatch script")
-    if cfg.job.partition and not _PARTITION.fullmatch(cfg.job.partition):
-        raise ConfigError(f"job.partition={cfg.job.partition!r} is not a valid partition name "
-                          "(letters, digits, _ . , -)")
-    return string.Template(text).substitute(
-        job_name=shlex.quote(job_name),
-        total_nodes=cfg.job.nodes + cfg.job.spares + (1 if cfg.job.supervisor_node else 0),
-        time_limit=cfg.job.time_limit,
-        output=shlex.quote(os.path.join(job_dir, "supervisor.log")),
-        partition_line=f"#SBATCH --partition={cfg.job.partition}" if cfg.job.partition else "",
-        python=shlex.quote(python),
-        config=shlex.quote(config_path),
-        job_dir=shlex.quote(job_dir),
-        mpi_flag=" --mpi" if mpi else "",
-        command=" ".join(shlex.quote(a) for a in command),
-    )
+    return render(cfg, command=command, config_path=config_path, job_dir=job_dir, job_name=job_name,
+                  python=python, template=TEMPLATE, extra={"mpi_flag": " --mpi" if mpi else ""})
 
 
 def submit_restart(cfg: ResilienceConfig, command: Sequence[str], job_dir: str, *, mpi: bool) -> str:

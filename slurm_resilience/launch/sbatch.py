@@ -30,7 +30,8 @@ TEMPLATES = {False: "resilient.sbatch.tmpl", True: "hetjob.sbatch.tmpl"}
 
 def render(cfg: ResilienceConfig, *, command: Sequence[str], config_path: str, job_dir: str,
            job_name: str = "resilient", python: str = sys.executable,
-           hetjob: bool = False, template: str | None = None) -> str:
+           hetjob: bool = False, template: str | None = None,
+           extra: dict[str, str] | None = None) -> str:
     """Pure: the sbatch script text. Every user value is shell-quoted.
 
     ``hetjob``: component 0 = the supervisor's node, component 1 = nodes + spares
@@ -58,12 +59,12 @@ def render(cfg: ResilienceConfig, *, command: Sequence[str], config_path: str, j
     if cfg.job.partition and not _PARTITION.fullmatch(cfg.job.partition):
         raise ConfigError(f"job.partition={cfg.job.partition!r} is not a valid partition name "
                           "(letters, digits, _ . , -)")
-    extra = 1 if cfg.job.supervisor_node else 0
+    sup_node = 1 if cfg.job.supervisor_node else 0
     partition = f"#SBATCH --partition={cfg.job.partition}" if cfg.job.partition else ""
     signal = f"#SBATCH --signal=B:{cfg.job.preempt_signal}" if cfg.job.preempt_signal else ""
     return string.Template(text).substitute(
         job_name=shlex.quote(job_name),
-        total_nodes=cfg.job.nodes + cfg.job.spares + extra,
+        total_nodes=cfg.job.nodes + cfg.job.spares + sup_node,
         worker_nodes=cfg.job.nodes + cfg.job.spares,
         time_limit=cfg.job.time_limit,
         output=shlex.quote(os.path.join(job_dir, "supervisor.log")),
@@ -73,4 +74,5 @@ def render(cfg: ResilienceConfig, *, command: Sequence[str], config_path: str, j
         config=shlex.quote(config_path),
         job_dir=shlex.quote(job_dir),
         command=" ".join(shlex.quote(a) for a in command),
+        **(extra or {}),
     )
