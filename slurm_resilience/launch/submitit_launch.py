@@ -49,7 +49,13 @@ def submit(command: Sequence[str], *, nodes: int, spares: int = 1, job_dir: str,
         "tasks_per_node": 1,
         "timeout_min": timeout_min,
         "slurm_use_srun": False,
-        "slurm_additional_parameters": {"no_kill": True, "nodes": total},
+        # submitit's batch shell does not exec python, so a "B:" signal would end the
+        # shell, not reach the supervisor. The signal goes to every step instead: the
+        # ranks and standbys catch it and request a checkpoint-and-requeue themselves.
+        "slurm_additional_parameters": {
+            "no_kill": True, "nodes": total, "requeue": True,
+            **({"signal": resolved.job.preempt_signal} if resolved.job.preempt_signal else {}),
+        },
         "slurm_signal_delay_s": 30,
     }
     if resolved.job.partition:

@@ -183,6 +183,8 @@ class Supervisor:
     def _watch(self) -> int:
         last_hb = last_status = last_return = 0.0
         while True:
+            if not self._preempted.is_set() and self.store.check([persist_key(self.table.generation)]):
+                self._preempted.set()  # a rank got the preemption signal (sent to the steps)
             if self._preempted.is_set():
                 return self._requeue(f"preempted ({self.cfg.job.preempt_signal.split('@')[0]} "
                                      "before the time limit or by the scheduler)", persist=True)

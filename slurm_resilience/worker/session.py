@@ -102,6 +102,8 @@ class Session:
     # -- lifecycle -------------------------------------------------------------
     def __enter__(self) -> "Session":
         set_gloo_interface(self.config.reconnect.gloo_ifname)
+        self._preempted = False
+        self._install_preempt_handler()
         self._store = open_store(self._env)
         self._ev_store = open_store(self._env)  # events come from the writer thread too
         self._liveness = connect_liveness(self._env)
@@ -116,6 +118,17 @@ class Session:
         self.checkpoints.close()
         self._hb.stop()
         self._liveness.close()
+
+    def _install_preempt_handler(self) -> None:
+        """A preemption signal sent to the job steps (submitit's --signal without B:)
+        is turned into a checkpoint-and-requeue request at the next safe point."""
+        import signal as _signal
+
+        spec = self.config.job.preempt_signal
+        if spec and threading.current_thread() is threading.main_thread():
+            name = spec.split("@")[0]
+            sig = getattr(_signal, name if name.startswith("SIG") else "SIG" + name)
+            _signal.signal(sig, lambda *_: setattr(self, "_preempted", True))
 
     @property
     def rank(self) -> int:
@@ -196,6 +209,9 @@ class Session:
             self._first_step_pending = False
             self._emit("first_step", step=self.step)
         self._checkpoint()
+        if self._preempted:  # ask every rank (and the supervisor) to persist and requeue
+            self._preempted = False
+            self._store.set(persist_key(self.generation), "1")
         # Safe point: a newer plan means stop here and re-form (fencing included).
         if self._store.check([plan_key(self.generation + 1)]) or self._store.check([persist_key(self.generation)]):
             self._recover(StepAborted("stopped at a safe point for a new generation"))

@@ -215,3 +215,25 @@ def test_scale_in_then_back_out_when_the_node_returns(cluster, jobs_root, tmp_pa
 
     final = torch.load(run.job_dir / "final.pt", weights_only=False)
     assert final["step"] == STEPS + 40
+
+
+@pytest.mark.slow
+def test_submitit_preemption_requeues_and_resumes_exactly(cluster, jobs_root, reference):
+    import sys
+
+    from slurm_resilience.launch.submitit_launch import submit
+
+    job_dir = jobs_root / "submitit-preempt"
+    job = submit([sys.executable, str(lab.EXAMPLE), "--steps", str(STEPS), "--step-time", "0.05"],
+                 nodes=4, spares=1, job_dir=str(job_dir), config=str(lab.LOCAL_CONFIG), timeout_min=10)
+    script = (job_dir / "submitit" / f"{job.job_id}_submission.sh").read_text()
+    assert "#SBATCH --signal=USR2@60" in script and "#SBATCH --requeue" in script
+    status = _wait_status(lab.JobRun(job_dir=job_dir, process=None))
+    # what Slurm does before the time limit with --signal=USR2@60: signal every step
+    commands.run(["scancel", "--signal=USR2", status["job_id"]])
+    assert job.result() == 0
+    persisted = _events(job_dir, "rank_persisted")
+    assert persisted and len({e["step"] for e in persisted}) == 1
+    restored = [e for e in _events(job_dir, "rank_restored") if e.get("tier")]
+    assert restored[-1]["step"] == persisted[0]["step"]
+    assert lab.compare_states(reference, job_dir / "final.pt") == []
