@@ -152,4 +152,5 @@ def test_submit_makes_only_the_levels_above_the_job_id(tmp_path, monkeypatch):
     assert oct((tmp_path / "jobs").stat().st_mode & 0o777) == "0o700"
     assert seen["folder"] == str(tmp_path / "jobs" / "%j" / "submitit")
     assert seen["job_dir"] == str(tmp_path / "jobs" / "%j")
-    assert seen["params"]["slurm_additional_parameters"] == {"no_kill": True, "nodes": 4}
+    assert seen["params"]["slurm_additional_parameters"] == {"no_kill": True, "nodes": 4, "requeue": True,
+                                                           "signal": "USR2@60"}
