@@ -23,11 +23,15 @@ class PlanAction(enum.Enum):
     ABORT: recovery is impossible; survivors persist their state and exit non-zero.
     STOP: the job is being requeued; survivors exit, the requeued job resumes from
         the newest committed checkpoint.
+    PERSIST: preemption. The ranks re-form (same table, new generation), agree on
+        the newest step exactly as online recovery does, write every durable tier
+        and exit 0; the requeued job resumes from that step.
     """
 
     RUN = "run"
     ABORT = "abort"
     STOP = "stop"
+    PERSIST = "persist"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,10 +82,11 @@ def pg_prefix(generation: int) -> str:
     return f"gen{generation}/"
 
 
-def persist_key(generation: int) -> str:
-    """Set by the supervisor (preemption): checkpoint to a durable tier at the next
-    safe point, then exit; the job is requeued and resumes from that step."""
-    return f"persist/{generation}"
+# Set by a rank that received the preemption signal (sent to the job steps, as
+# submitit does). Only a request: the supervisor answers with a PERSIST plan, so
+# every rank stops at the same step (a rank acting on the key by itself could
+# abandon a step whose collective completed on the others).
+PERSIST_REQUEST_KEY = "persist/request"
 
 
 EVENT_COUNTER = "ev/count"

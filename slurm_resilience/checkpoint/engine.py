@@ -75,6 +75,7 @@ class CheckpointEngine:
         self.estimator = IntervalEstimator(mtbf_s=mtbf_s) if any(s.auto for s in self.specs) else None
         self.rank, self.world_size, self.nodes, self._transfer = 0, 1, (node,), None
         self.stats: list[dict[str, float]] = []
+        self.failures: list[tuple[int, str]] = []  # (step, why) of checkpoints not committed
         self._thread = threading.Thread(target=self._writer, name="sr-ckpt-writer", daemon=True)
         self._thread.start()
 
@@ -190,6 +191,7 @@ class CheckpointEngine:
                 self._persist(job)
             except Exception as exc:  # reported, never raised into training
                 log.warning("checkpoint of step %d failed: %s", job.step, exc)
+                self.failures.append((job.step, _line(exc)))
                 self._emit("checkpoint_failed", step=job.step, tiers=job.tiers, error=_line(exc))
             finally:
                 with self._lock:
@@ -248,14 +250,19 @@ class CheckpointEngine:
         data = open(path, "rb").read() if path else b""
         dst = partner_of(job.rank, job.nodes)
         srcs = partner_sources(job.rank, job.nodes)
-        # Sizes first (both directions), then bytes: sends are posted before receives block.
+        # Sizes first (one all-gather), then the bytes in one all-to-all: both are
+        # collectives whose waits are sliced, so a newer plan abandons them promptly.
         payload = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
-        size = torch.tensor([payload.numel()], dtype=torch.int64)
-        sizes = {s: torch.zeros(1, dtype=torch.int64) for s in srcs}
-        _pairwise(g, [(size, dst)], [(sizes[s], s) for s in srcs], tag=1)
-        bufs = {s: torch.empty(int(sizes[s].item()), dtype=torch.uint8) for s in srcs}
-        _pairwise(g, [(payload, dst)] if payload.numel() else [],
-                  [(bufs[s], s) for s in srcs if bufs[s].numel()], tag=2)
+        sizes = g.all_gather_ints(payload.numel())
+        in_splits = [payload.numel() if r == dst else 0 for r in range(job.world_size)]
+        out_splits = [sizes[r] if r in srcs else 0 for r in range(job.world_size)]
+        out = torch.empty(sum(out_splits), dtype=torch.uint8)
+        g.all_to_all(out, payload, out_splits, in_splits)
+        bufs, offset = {}, 0
+        for r in range(job.world_size):
+            if out_splits[r]:
+                bufs[r] = out[offset: offset + out_splits[r]]
+                offset += out_splits[r]
         kept = {}
         proot = os.path.join(root, PARTNER_DIR)
         for s, b in bufs.items():
@@ -360,15 +367,6 @@ def _gather(job: _Job, value: int) -> list[int]:
     if job.transfer is None or job.world_size == 1:
         return [value]
     return job.transfer.get().all_gather_ints(int(value))
-
-
-def _pairwise(g, sends, recvs, tag: int) -> None:
-    """Post every send, then receive; sends are waited for last (no send/recv deadlock)."""
-    works = [g.pg.send([t], dst, tag) for t, dst in sends]
-    for t, src in recvs:
-        g.recv(t, src, tag)
-    for w in works:
-        g._wait_p2p(w, "partner send")
 
 
 def read_shard_crc(path: str) -> int:

@@ -38,7 +38,7 @@ from ..lifecycle import JobPhase, Lifecycle
 from ..model import Fault, FaultKind, RankTable
 from ..protocol import (
     EVENT_COUNTER, Plan, PlanAction, Role, WorkerEnv, done_key, event_key,
-    heartbeat_key, persist_key, write_token,
+    heartbeat_key, PERSIST_REQUEST_KEY, write_token,
 )
 from .classify import UNHEALTHY_FLAGS, classify_fault, is_node_fault
 from .detect import LivenessServer, NodeWatcher, Observation, read_heartbeats, stale_workers
@@ -183,7 +183,7 @@ class Supervisor:
     def _watch(self) -> int:
         last_hb = last_status = last_return = 0.0
         while True:
-            if not self._preempted.is_set() and self.store.check([persist_key(self.table.generation)]):
+            if not self._preempted.is_set() and self.store.check([PERSIST_REQUEST_KEY]):
                 self._preempted.set()  # a rank got the preemption signal (sent to the steps)
             if self._preempted.is_set():
                 return self._requeue(f"preempted ({self.cfg.job.preempt_signal.split('@')[0]} "
@@ -450,18 +450,22 @@ class Supervisor:
         ``scontrol requeue``; the requeued job resumes from the newest checkpoint."""
         self._say(f"requeue: {reason}")
         self.events.emit("requeue_start", reason=reason, persist=persist)
-        if persist:
-            self.store.set(persist_key(self.table.generation), "1")
+        gen = self.table.generation + 1
+        if persist:  # same ranks, a fresh group: they agree on the newest step, persist it, exit
+            self.table = dataclasses.replace(self.table, generation=gen)
+            self._publish(Plan(generation=gen, action=PlanAction.PERSIST, table=self.table, reason=reason))
         else:
-            self._publish(Plan(generation=self.table.generation + 1, action=PlanAction.STOP,
-                               table=self.table, reason=reason))
+            self._publish(Plan(generation=gen, action=PlanAction.STOP, table=self.table, reason=reason))
         shut_down_standbys(self.store)
         self._reap(grace_s=self.cfg.recovery.fallback_timeout_s)
         self._poll_worker_events()
         self.events.emit("requeue", reason=reason, restart_count=self.restart_count)
         if self.lifecycle.phase is not JobPhase.FAILED:
             self.lifecycle.transition(JobPhase.FAILED, f"requeued: {reason}")
-        self.launcher.requeue()
+        if hasattr(self.launcher, "requeue"):
+            self.launcher.requeue()
+        else:  # no scheduler (local mode): the user reruns the same job directory to resume
+            self._say("no scheduler to requeue with: run the job again in the same job directory to resume")
         return EXIT_REQUEUED
 
     def _isolate(self, node: str, fault: Fault) -> None:

@@ -108,25 +108,16 @@ class Generation:
         """Collective: in-place broadcast from ``root``. Raises StepAborted on a fault."""
         return self._run(lambda: self.pg.broadcast(tensor, root), "broadcast", tensor)
 
-    def send(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> None:
-        """Point-to-point send; waits up to the group timeout (see ``_wait_p2p``)."""
-        self._wait_p2p(self.pg.send([tensor], dst, tag), "send")
+    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int],
+                   in_splits: list[int]) -> torch.Tensor:
+        """Collective: ``inp[in_splits[r]]`` goes to rank r, rank r's piece lands in ``out``.
 
-    def recv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> torch.Tensor:
-        """Point-to-point receive into ``tensor``; waits up to the group timeout."""
-        self._wait_p2p(self.pg.recv([tensor], src, tag), "recv")
-        return tensor
-
-    def _wait_p2p(self, work, what: str) -> None:
-        """Unlike a collective's, a gloo send/recv wait cannot be sliced: a wait that
-        times out closes the pair ("Application timeout caused pair closure"). So
-        point-to-point transfers (checkpoint copies, on the writer thread, never on
-        the training path) wait for the whole group timeout."""
-        try:
-            work.wait()
-        except RuntimeError as exc:
-            self._parked.append(work)
-            raise StepAborted(f"{what} failed: {_short(exc)}") from exc
+        Point-to-point transfers are built on this, not on gloo send/recv: a send/recv
+        wait cannot be sliced (a wait that times out closes the pair), so a transfer
+        blocked on a departed peer would hold its thread for the whole group timeout.
+        """
+        return self._run(lambda: self.pg.alltoall_base(out, inp, out_splits, in_splits,
+                                                       dist.AllToAllOptions()), "alltoall", out)
 
     def all_gather_ints(self, value: int) -> list[int]:
         """Collective: every rank's integer, in rank order."""

@@ -36,7 +36,7 @@ from ..errors import ResilienceError, StepAborted
 from ..files import write_private
 from ..protocol import (
     EVENT_COUNTER, SHUTDOWN_KEY, Plan, PlanAction, Role, WorkerEnv,
-    done_key, event_key, persist_key, plan_key,
+    PERSIST_REQUEST_KEY, done_key, event_key, plan_key,
 )
 from .heartbeat import Heartbeat, connect_liveness, open_store
 from .reconnect import Generation, set_gloo_interface
@@ -156,6 +156,8 @@ class Session:
             try:
                 if self._gen is None or self._needs_sync:
                     self._sync_state()
+                    if self._plan.action is PlanAction.PERSIST:
+                        self._persist_and_exit()
                 if self.step >= total_steps:
                     self._gen.barrier()
                     break
@@ -209,11 +211,11 @@ class Session:
             self._first_step_pending = False
             self._emit("first_step", step=self.step)
         self._checkpoint()
-        if self._preempted:  # ask every rank (and the supervisor) to persist and requeue
+        if self._preempted:  # ask the supervisor for a PERSIST generation (then requeue)
             self._preempted = False
-            self._store.set(persist_key(self.generation), "1")
+            self._store.set(PERSIST_REQUEST_KEY, str(self.step))
         # Safe point: a newer plan means stop here and re-form (fencing included).
-        if self._store.check([plan_key(self.generation + 1)]) or self._store.check([persist_key(self.generation)]):
+        if self._store.check([plan_key(self.generation + 1)]):
             self._recover(StepAborted("stopped at a safe point for a new generation"))
 
     def _checkpoint(self) -> None:
@@ -229,8 +231,6 @@ class Session:
 
     def _recover(self, why: StepAborted) -> None:
         log.warning("rank %s: %s", self._gen.rank if self._gen else "?", why)
-        if self._plan is not None and self._store.check([persist_key(self._plan.generation)]):
-            self._persist_and_exit()
         if self._gen is not None:
             self._parked.append(self._gen.close())
             self._gen = None
@@ -277,7 +277,7 @@ class Session:
         slot = self._my_slot(plan)
         t0 = time.time()
         cfg = self.config.reconnect
-        nxt, persist = plan_key(plan.generation + 1), persist_key(plan.generation)
+        nxt = plan_key(plan.generation + 1)
         self._plan = plan
         # Each generation rendezvous through its own store client: an abandoned join
         # may still be blocked in a store wait, and a shared client would hold every
@@ -285,7 +285,7 @@ class Session:
         self._gen = Generation(
             open_store(self._env), plan.table, slot.rank, backend=cfg.backend,
             timeout_s=cfg.pg_timeout_s, poll_ms=cfg.poll_interval_ms,
-            interrupted=lambda: self._store.check([nxt]) or self._store.check([persist]),
+            interrupted=lambda: self._store.check([nxt]),
         )
         self._needs_sync = True
         self.checkpoints.bind(rank=slot.rank, world_size=plan.table.world_size,
@@ -360,14 +360,17 @@ class Session:
         self._emit("done", step=self.step)
 
     def _persist_and_exit(self) -> None:
-        """Preemption: every rank stops at the same safe point, writes every disk tier
-        (collective, through the writer's transfer group), and exits 0."""
+        """PERSIST generation: every rank now holds the same (newest) step; write every
+        disk tier (collective, through the writer's transfer group) and exit 0."""
         disk = [s.name for s in self.checkpoints.specs if s.storage != "memory"]
-        self.checkpoints.wait()
-        if disk and self._live_state:
+        self.checkpoints.wait()  # earlier writes finish or are abandoned (a newer plan exists)
+        committed = False
+        if disk:
+            before = len(self.checkpoints.failures)
             self.checkpoints.save(self.step, self._state_dict(), disk)
             self.checkpoints.wait()
-        self._emit("persisted", step=self.step, tiers=disk)
+            committed = len(self.checkpoints.failures) == before
+        self._emit("persisted", step=self.step, position=self.position, tiers=disk, committed=committed)
         raise SystemExit(0)
 
     def _abort(self, plan: Plan) -> None:

@@ -16,7 +16,9 @@ import pytest
 from slurm_resilience.checkpoint import manifest as mf
 from slurm_resilience.inject import corrupt_newest
 
-from .localjob import INJECT_AFTER, assert_same_training, final_state
+from slurm_resilience.supervisor.loop import EXIT_REQUEUED
+
+from .localjob import INJECT_AFTER, STEPS, LocalJob, assert_same_training, final_state
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -116,3 +118,29 @@ def test_full_disk_fails_checkpoints_not_training(job_factory, reference, tmp_pa
         assert_same_training(final_state(job), reference)
     finally:
         subprocess.run(["umount", "-l", str(disk)])
+
+
+def test_preemption_signal_to_one_rank_persists_one_step_and_a_rerun_resumes_exactly(tmp_path, reference):
+    """The submitit form of preemption (the signal reaches the steps): the rank asks,
+    the supervisor publishes a PERSIST generation, every rank persists the same step;
+    without a scheduler the job exits 'requeued' and a rerun resumes at that step."""
+    job = LocalJob(tmp_path, job_name="job").start()
+    try:
+        st = job.wait_for_step(INJECT_AFTER)
+        os.kill(st["ranks"][1]["pid"], signal.SIGUSR2)
+        assert job.wait() == EXIT_REQUEUED, job.diag()
+    finally:
+        job.kill_leftovers()
+    persisted = _events(job, "rank_persisted")
+    assert len(persisted) == 3 and len({e["step"] for e in persisted}) == 1, persisted
+    assert all(e["committed"] for e in persisted), persisted
+    step = persisted[0]["step"]
+    assert INJECT_AFTER <= step < STEPS
+    rerun = LocalJob(tmp_path, job_name="job").start()
+    try:
+        assert rerun.wait() == 0, rerun.diag()
+    finally:
+        rerun.kill_leftovers()
+    restored = [e for e in _events(rerun, "rank_restored") if e.get("tier")]  # the log is appended
+    assert restored[-1]["step"] == step and restored[-1]["offers"] == [step] * 3, restored[-1]
+    assert_same_training(final_state(rerun), reference)
