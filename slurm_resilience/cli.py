@@ -26,6 +26,18 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- python train.py ...")
 
 
+def _no_reattach(args) -> None:
+    if args.reattach:
+        raise ResilienceError("--reattach is for the supervisor the batch step restarts; a job whose "
+                              "batch step ended resumes from its checkpoints: run it again without --reattach")
+
+
+def _supervisor_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # the keeper's supervisor
+    p.add_argument("--reattach", action="store_true",
+                   help="take over the running workers of a killed supervisor (JOBDIR/supervisor.json)")
+
+
 def _load(args):
     from .config import load_config
 
@@ -40,11 +52,16 @@ def _job_dir(args, cfg, job_id: str) -> str:
 
 
 def cmd_supervise(args) -> int:
-    """Inside the allocation: the batch host becomes the supervisor."""
-    from .launch.allocation import supervise_allocation
+    """Inside the allocation: the batch step keeps the store and (re)starts the supervisor."""
+    from .launch.allocation import keep_allocation, supervise_allocation
+    from .supervisor.keeper import read_store_address
 
     cfg, command = _load(args)
-    return supervise_allocation(cfg, command, args.job_dir)
+    if not args.child:
+        _no_reattach(args)
+        return keep_allocation(cfg, command, args.job_dir)
+    _, port = read_store_address(args.job_dir)
+    return supervise_allocation(cfg, command, args.job_dir, store_port=port, reattach=args.reattach)
 
 
 def cmd_local(args) -> int:
@@ -53,13 +70,19 @@ def cmd_local(args) -> int:
     from .launch.localhost import LocalLauncher
     from .supervisor.loop import Supervisor
 
+    from .supervisor.keeper import keep_supervisor, read_store_address
+
     cfg, command = _load(args)
     nodes = [f"local{i}" for i in range(1, cfg.job.nodes + cfg.job.spares + 1)]
-    job_id = f"local-{os.getpid()}"
-    job_dir = _job_dir(args, cfg, job_id)
-    sup = Supervisor(config=cfg, command=command, job_dir=job_dir, nodes=nodes,
-                     launcher=LocalLauncher(), store_host="127.0.0.1", job_id=job_id)
-    return write_result(job_dir, sup.run())
+    if not args.child:
+        _no_reattach(args)
+        return keep_supervisor(cfg, command, _job_dir(args, cfg, f"local-{os.getpid()}"), "127.0.0.1", mode="local")
+    job_id = f"local-{os.getppid()}"  # the keeper's pid, as in the job dir's default name
+    _, port = read_store_address(args.job_dir)
+    sup = Supervisor(config=cfg, command=command, job_dir=args.job_dir, nodes=nodes,
+                     launcher=LocalLauncher(), store_host="127.0.0.1", job_id=job_id,
+                     store_port=port, reattach=args.reattach)
+    return write_result(args.job_dir, sup.run())
 
 
 def cmd_submit(args) -> int:
@@ -151,9 +174,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_submit)
     p = sub.add_parser("supervise", help="(inside an allocation) run the supervisor")
     _common(p)
+    _supervisor_flags(p)
     p.set_defaults(func=cmd_supervise)
     p = sub.add_parser("local", help="run the supervisor with local processes instead of Slurm")
     _common(p)
+    _supervisor_flags(p)
     p.set_defaults(func=cmd_local)
     p = sub.add_parser("run", help="submit an unmodified (torchrun-style or MPI) program; relaunch on faults")
     _common(p)

@@ -54,6 +54,8 @@ class JobConfig:
         preempt_signal: ``SIG@SECONDS`` sent to the supervisor before the time limit
             or on preemption (``--signal=B:USR2@60``); it checkpoints to a durable
             tier and requeues the job. Empty: none.
+        supervisor_restarts: times the batch step restarts a supervisor that was
+            killed; the restarted one re-attaches to the running workers (>= 0).
     """
 
     nodes: int = 4
@@ -64,12 +66,16 @@ class JobConfig:
     partition: str | None = None
     supervisor_node: bool = True
     preempt_signal: str = "USR2@60"
+    supervisor_restarts: int = 3
 
     def __post_init__(self) -> None:
         if self.nodes < 1:
             raise ConfigError(f"job.nodes={self.nodes} must be >= 1: give at least one worker node")
         if self.spares < 0:
             raise ConfigError(f"job.spares={self.spares} must be >= 0: use 0 for no spare nodes")
+        if self.supervisor_restarts < 0:
+            raise ConfigError(f"job.supervisor_restarts={self.supervisor_restarts} must be >= 0: "
+                              "use 0 to never restart a killed supervisor")
         if self.tasks_per_node != 1:
             raise ConfigError(f"tasks_per_node={self.tasks_per_node} is not supported yet: use 1")
         if not _TIME_LIMIT.fullmatch(self.time_limit):

@@ -90,6 +90,9 @@ PERSIST_REQUEST_KEY = "persist/request"
 
 
 EVENT_COUNTER = "ev/count"
+# Where the supervisor's liveness socket listens now: a restarted supervisor opens a
+# new one and the workers reconnect to it (their first port comes in SR_LIVENESS_PORT).
+LIVENESS_PORT_KEY = "liveness/port"
 SHUTDOWN_KEY = "shutdown"
 
 

@@ -53,10 +53,12 @@ def worker_pool(env: "SlurmEnv", supervisor_node: bool) -> WorkerPool:
 
 
 def supervise_allocation(cfg: ResilienceConfig, command: Sequence[str], job_dir: str | None,
-                         environ: Mapping[str, str] = os.environ) -> int:
+                         environ: Mapping[str, str] = os.environ, *, store_port: int | None = None,
+                         reattach: bool = False) -> int:
     """Supervise ``command`` on this allocation; returns the job's exit code.
 
     ``job_dir`` may hold ``%j`` (the job id, as in sbatch and submitit paths).
+    ``store_port``: the store hosted by the batch step (``keep_allocation``).
 
     Raises:
         ResilienceError: not inside an allocation, too few nodes for the config, or a
@@ -77,8 +79,31 @@ def supervise_allocation(cfg: ResilienceConfig, command: Sequence[str], job_dir:
     job_dir = os.path.abspath((job_dir or cfg.job.job_dir.format(job_id=env.job_id)).replace("%j", env.job_id))
     sup = Supervisor(config=cfg, command=command, job_dir=job_dir, nodes=pool, launcher=launcher,
                      store_host=launcher.address(me) if me else "127.0.0.1", job_id=env.job_id,
-                     restart_count=env.restart_count)
+                     restart_count=env.restart_count, store_port=store_port, reattach=reattach)
     return write_result(job_dir, sup.run())
+
+
+def keep_allocation(cfg: ResilienceConfig, command: Sequence[str], job_dir: str | None,
+                    environ: Mapping[str, str] = os.environ) -> int:
+    """The batch step of the sbatch and submitit paths: host the store, run the
+    supervisor as a child and restart it if it is killed (``supervisor/keeper.py``)."""
+    from ..supervisor.keeper import keep_supervisor
+
+    job_dir, host = allocation_job_dir(cfg, job_dir, environ)
+    return write_result(job_dir, keep_supervisor(cfg, command, job_dir, host))
+
+
+def allocation_job_dir(cfg: ResilienceConfig, job_dir: str | None, environ: Mapping[str, str]) -> tuple[str, str]:
+    """(job dir with ``%j`` filled in, the store's address on this batch host)."""
+    from ..slurm import commands
+    from ..slurm.parse import SlurmEnv
+
+    env = SlurmEnv.from_environ(environ)
+    if env.job_id is None:
+        raise ResilienceError("not inside a Slurm allocation (no SLURM_JOB_ID): use `slurm-resilience submit`")
+    me = env.node_name
+    host = commands.node_address(commands.show_nodes([me])[me])[0] if me else "127.0.0.1"
+    return os.path.abspath((job_dir or cfg.job.job_dir.format(job_id=env.job_id)).replace("%j", env.job_id)), host
 
 
 def write_result(job_dir: str, code: int) -> int:

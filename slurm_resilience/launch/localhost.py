@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import signal
 import subprocess
 from typing import Mapping, Sequence
 
@@ -17,9 +18,39 @@ class LocalStep:
     name: str
     node: str
     process: subprocess.Popen
+    pid: int | None = None
 
     def exit_code(self) -> int | None:
         return self.process.poll()
+
+
+@dataclasses.dataclass
+class AttachedLocalStep:
+    """A worker started by an earlier (killed) supervisor: watched and ended by pid."""
+
+    name: str
+    node: str
+    pid: int | None
+    process: None = None
+
+    def exit_code(self) -> int | None:
+        if self.pid is None:
+            return -1
+        try:
+            with open(f"/proc/{self.pid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except (FileNotFoundError, IndexError):
+            return -1  # gone: its exit status went to its (dead) parent
+        return -1 if state in ("Z", "X") else None
+
+    def ours(self) -> bool:
+        """The pid still runs the worker this job started (not a reused pid)."""
+        try:
+            with open(f"/proc/{self.pid}/environ", "rb") as f:
+                env = f.read().split(b"\0")
+        except OSError:
+            return False
+        return f"SR_WORKER_ID={self.name.removeprefix('sr-')}".encode() in env
 
 
 class LocalLauncher:
@@ -34,12 +65,20 @@ class LocalLauncher:
         with os.fdopen(fd, "ab") as log:
             proc = subprocess.Popen(list(argv), env={**os.environ, **env}, stdout=log,
                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        step = LocalStep(name=name, node=node, process=proc)
+        step = LocalStep(name=name, node=node, process=proc, pid=proc.pid)
         self.steps.append(step)
         return step
 
-    def kill(self, handle: LocalStep) -> None:
-        if handle.process.poll() is None:
+    def attach(self, *, name: str, node: str, pid: int | None) -> AttachedLocalStep:
+        step = AttachedLocalStep(name=name, node=node, pid=pid)
+        self.steps.append(step)
+        return step
+
+    def kill(self, handle) -> None:
+        if isinstance(handle, AttachedLocalStep):
+            if handle.exit_code() is None and handle.ours():
+                os.kill(handle.pid, signal.SIGKILL)
+        elif handle.process.poll() is None:
             handle.process.kill()
 
     def fail_node(self, node: str) -> None:

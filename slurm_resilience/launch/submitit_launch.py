@@ -20,10 +20,11 @@ from ..files import makedirs_private
 
 
 def run_supervisor(config: Mapping[str, Any], command: Sequence[str], job_dir: str) -> int:
-    """The function submitit pickles and runs in the batch step."""
-    from .allocation import supervise_allocation
+    """The function submitit pickles and runs in the batch step: it hosts the store
+    and runs the supervisor as a child it restarts if killed (as the sbatch path)."""
+    from .allocation import keep_allocation
 
-    return supervise_allocation(load_config(config), command, job_dir)
+    return keep_allocation(load_config(config), command, job_dir)
 
 
 def submit(command: Sequence[str], *, nodes: int, spares: int = 1, job_dir: str,

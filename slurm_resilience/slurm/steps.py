@@ -18,6 +18,7 @@ import os
 import socket
 import subprocess
 import threading
+import time
 from typing import Mapping, Sequence
 
 from ..errors import RecoveryError
@@ -33,6 +34,22 @@ class SrunStep:
 
     def exit_code(self) -> int | None:
         return self.process.poll()
+
+
+@dataclasses.dataclass
+class AttachedSrunStep:
+    """A worker step started by an earlier (killed) supervisor: its srun client is
+    not our child, so it is watched through Slurm's step list (cached, see
+    ``SrunLauncher._running_steps``) and ended with ``scancel``."""
+
+    name: str
+    node: str
+    launcher: "SrunLauncher"
+    process: None = None
+
+    def exit_code(self) -> int | None:
+        running = self.launcher._running_steps()
+        return None if running is None or self.name in running else -1
 
 
 def srun_argv(job_id: str, node: str, name: str, het_group: int | None = None) -> list[str]:
@@ -85,6 +102,7 @@ class SrunLauncher:
         self._steps_job = het_job_id or job_id  # the job record that holds our steps
         self._release_lock = threading.Lock()
         self._launched: list[SrunStep] = []  # srun clients still running (hetjob release ends them)
+        self._steps_cache: tuple[float, set[str] | None] = (0.0, None)
         info = commands.show_nodes(list(nodes))
         self._addr = {n: commands.node_address(info[n]) for n in nodes}
 
@@ -100,13 +118,30 @@ class SrunLauncher:
         self._launched = [s for s in self._launched if s.exit_code() is None] + [step]
         return step
 
-    def kill(self, handle: SrunStep) -> None:
+    def attach(self, *, name: str, node: str, pid: int | None = None) -> AttachedSrunStep:
+        return AttachedSrunStep(name=name, node=node, launcher=self)
+
+    def _running_steps(self, ttl_s: float = 1.0) -> set[str] | None:
+        """Names of this job's running steps, from one ``squeue`` at most every ``ttl_s``
+        (None when squeue fails: unknown, so nothing is declared ended)."""
+        t, names = self._steps_cache
+        if time.monotonic() - t < ttl_s:
+            return names
+        try:
+            out = commands.run(["squeue", "-h", "-s", "-j", self._steps_job, "-o", "%j"], timeout=5).stdout
+            names = {ln.strip() for ln in out.splitlines() if ln.strip()}
+        except commands.SlurmCommandError:
+            names = None
+        self._steps_cache = (time.monotonic(), names)
+        return names
+
+    def kill(self, handle) -> None:
         for step_id in self._step_ids(handle.name):
             try:
                 commands.cancel_step(self._steps_job, step_id, signal="KILL")
             except commands.SlurmCommandError:
                 pass  # the step already ended
-        if handle.process.poll() is None:
+        if handle.process is not None and handle.process.poll() is None:
             handle.process.kill()  # the srun client we started, by its Popen
 
     def _step_ids(self, name: str) -> list[str]:

@@ -13,11 +13,12 @@ from typing import Mapping, Protocol, Sequence
 
 
 class StepHandle(Protocol):
-    """One launched worker process (or the job step that hosts it)."""
+    """One launched worker process (or the job step that hosts it). A handle taken
+    over by a restarted supervisor (``Launcher.attach``) has no Popen of its own."""
 
     name: str
     node: str
-    process: subprocess.Popen
+    process: subprocess.Popen | None
 
     def exit_code(self) -> int | None:
         """None while running."""
@@ -27,6 +28,10 @@ class Launcher(Protocol):
     def launch(self, *, name: str, node: str, argv: Sequence[str],
                env: Mapping[str, str], log_path: str) -> StepHandle:
         """Start ``argv`` on ``node`` with ``env`` added; output to ``log_path``."""
+
+    def attach(self, *, name: str, node: str, pid: int | None) -> StepHandle:
+        """A handle on a worker an earlier supervisor launched (``name``; ``pid`` where
+        the launcher tracks processes) that is not a child of this process."""
 
     def kill(self, handle: StepHandle) -> None:
         """End the worker process(es) of ``handle`` now (SIGKILL)."""

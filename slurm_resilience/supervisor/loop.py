@@ -38,11 +38,12 @@ from ..lifecycle import JobPhase, Lifecycle
 from ..model import RankTable
 from ..protocol import (
     EVENT_COUNTER, Plan, PlanAction, Role, WorkerEnv, done_key, event_key,
-    heartbeat_key, PERSIST_REQUEST_KEY, write_token,
+    heartbeat_key, LIVENESS_PORT_KEY, PERSIST_REQUEST_KEY, read_token, write_token,
 )
 from .detect import LivenessServer, NodeWatcher, Observation, read_heartbeats, stale_workers
 from .launcher import Launcher, StepHandle
 from .act import EXIT_FAILED, EXIT_OK, EXIT_REQUEUED, Actions, _unhealthy  # noqa: F401 (re-exported)
+from . import reattach
 from .metrics import Metrics
 from .report import Recovery, recovery_phases, status_dict
 from .straggler import StragglerPolicy, StragglerWatch
@@ -69,7 +70,11 @@ class Worker:
 class Supervisor(Actions):
     def __init__(self, *, config: ResilienceConfig, command: Sequence[str], job_dir: str,
                  nodes: Sequence[str], launcher: Launcher, store_host: str,
-                 job_id: str = "local", restart_count: int = 0, out=sys.stdout) -> None:
+                 job_id: str = "local", restart_count: int = 0, out=sys.stdout,
+                 store_port: int | None = None, reattach: bool = False) -> None:
+        """``store_port``: the job's store is hosted elsewhere (the batch step, see
+        ``keeper.py``), else in this process. ``reattach``: take over the running
+        workers of a killed supervisor from ``JOBDIR/supervisor.json``."""
         self.cfg = config
         self.command = list(command)
         self.job_dir = job_dir
@@ -78,6 +83,7 @@ class Supervisor(Actions):
         self.job_id = job_id
         self.restart_count = restart_count
         self.out = out
+        self.store_port, self.reattaching = store_port, reattach
         self._preempted = threading.Event()
         self._stragglers = StragglerWatch(StragglerPolicy(
             threshold=config.detect.straggler_threshold, window=config.detect.straggler_window))
@@ -108,16 +114,21 @@ class Supervisor(Actions):
         import torch.distributed as dist  # the store; imported here so the CLI stays light
 
         makedirs_private(os.path.join(self.job_dir, "logs"))
-        self.token = secrets.token_hex(16)
-        write_token(self.job_dir, self.token)
         self.config_path = os.path.join(self.job_dir, "config.yaml")
-        write_private(self.config_path, yaml.safe_dump(config_to_dict(self.cfg)))
+        if self.reattaching:
+            self.token = read_token(self.job_dir)
+        else:
+            self.token = secrets.token_hex(16)
+            write_token(self.job_dir, self.token)
+            write_private(self.config_path, yaml.safe_dump(config_to_dict(self.cfg)))
         self.metrics = Metrics()
         self.events = EventLog(os.path.join(self.job_dir, "events.jsonl"), on_event=self.metrics.observe)
-        self._raw_store = dist.TCPStore(self.store_host, 0, None, True, timedelta(seconds=30),
-                                        wait_for_workers=False)
+        hosted_here = self.store_port is None
+        self._raw_store = dist.TCPStore(self.store_host, self.store_port or 0, None, hosted_here,
+                                        timedelta(seconds=30), wait_for_workers=False)
         self.store = dist.PrefixStore(self.token + "/", self._raw_store)
         self.liveness = LivenessServer(self.store_host, self.token, self._obs).start()
+        self.store.set(LIVENESS_PORT_KEY, str(self.liveness.port))
         self.addresses = {n: self.launcher.address(n) for n in self.worker_nodes + self.spare_nodes}
 
     def _worker_env(self, worker_id: str, node: str, role: Role, generation: int) -> WorkerEnv:
@@ -139,12 +150,29 @@ class Supervisor(Actions):
                                       env=env, log_path=log_path)
         w = Worker(worker_id=wid, node=node, handle=handle)
         self.workers[wid] = w
+        reattach.save(self)
         return w
 
     # -- public ----------------------------------------------------------------
     def run(self) -> int:
         """Run the job to its end. Returns the exit code (0 done, 3 failed)."""
         self._setup()
+        if self.reattaching:
+            self._reattach()
+        else:
+            self._start()
+        self._install_preempt_handler()
+        self.watcher = NodeWatcher(self.launcher.node_states, self._watched_nodes,
+                                   self.cfg.detect.node_poll_s, self._obs, _unhealthy).start()
+        try:
+            return self._watch()
+        finally:
+            self.watcher.close()
+            self.liveness.close()
+            self._write_status()
+            self.events.close()
+
+    def _start(self) -> None:
         ids = [self._new_id(n) for n in self.worker_nodes]
         self.table: RankTable = initial_table(self.worker_nodes, ids, self.addresses)
         self._publish(Plan(generation=0, action=PlanAction.RUN, table=self.table,
@@ -157,16 +185,15 @@ class Supervisor(Actions):
                   f"spares {','.join(self.spare_nodes) or 'none'}")
         self.events.emit("job_start", ranks=list(self.worker_nodes), spares=self.spare_nodes)
         self.lifecycle.transition(JobPhase.RUNNING, "all ranks launched")
-        self._install_preempt_handler()
-        self.watcher = NodeWatcher(self.launcher.node_states, self._watched_nodes,
-                                   self.cfg.detect.node_poll_s, self._obs, _unhealthy).start()
-        try:
-            return self._watch()
-        finally:
-            self.watcher.close()
-            self.liveness.close()
-            self._write_status()
-            self.events.close()
+
+    def _reattach(self) -> None:
+        """Take over a killed supervisor's workers (reattach.py); nothing is restarted."""
+        state = reattach.load(self.job_dir)
+        self.addresses = {n: self.launcher.address(n) for n in state["worker_nodes"] + state["spare_nodes"]}
+        taken = reattach.reattach(self, state)
+        self.events.emit("supervisor_reattached", generation=self.table.generation, workers=taken,
+                         previous_state_age_s=round(time.time() - state["t"], 3))
+        self._say(f"re-attached to {len(taken)} running worker(s) at generation {self.table.generation}")
 
     def _install_preempt_handler(self) -> None:
         spec = self.cfg.job.preempt_signal
@@ -279,6 +306,7 @@ class Supervisor(Actions):
         publish_plan(self.store, plan, self.job_dir)
         self._stragglers.reset()  # ranks may be renumbered
         self.table = plan.table
+        reattach.save(self)
         self.events.emit("plan", generation=plan.generation, action=plan.action.value,
                          nodes=list(plan.table.nodes), joining=list(plan.joining),
                          reason=plan.reason)
@@ -353,6 +381,7 @@ class Supervisor(Actions):
         print(f"[sr +{time.time() - self._t0:8.3f}s] {text}", file=self.out, flush=True)
 
     def _write_status(self) -> None:
+        reattach.save(self)
         status = status_dict(self, self.workers)
         write_private(os.path.join(self.job_dir, "status.json"), json.dumps(status))
         write_private(os.path.join(self.job_dir, "metrics.prom"), self.metrics.render(status))

@@ -18,7 +18,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from ..protocol import WorkerEnv, heartbeat_key
+from ..protocol import LIVENESS_PORT_KEY, WorkerEnv, heartbeat_key
 
 
 def open_store(env: WorkerEnv, timeout_s: float = 60.0) -> dist.Store:
@@ -30,19 +30,35 @@ def open_store(env: WorkerEnv, timeout_s: float = 60.0) -> dist.Store:
     return dist.PrefixStore(env.token + "/", base)
 
 
-def connect_liveness(env: WorkerEnv) -> socket.socket:
-    sock = socket.create_connection((env.store_addr, env.liveness_port), timeout=30)
+def connect_liveness(env: WorkerEnv, port: int | None = None) -> socket.socket:
+    sock = socket.create_connection((env.store_addr, port or env.liveness_port), timeout=30)
     hello = {"token": env.token, "worker_id": env.worker_id, "node": env.node, "pid": os.getpid()}
     sock.sendall((json.dumps(hello) + "\n").encode())
     sock.settimeout(None)
     return sock
 
 
+def _closed(sock: socket.socket) -> bool:
+    """The peer closed the connection (the supervisor died); nothing is ever sent to us."""
+    try:
+        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+
+
 class Heartbeat:
-    """Background heartbeats; ``update`` sets what the next beat reports."""
+    """Background heartbeats; ``update`` sets what the next beat reports.
+
+    It also keeps the liveness connection: when the supervisor dies and a restarted
+    one publishes a new liveness port in the store, the connection is re-opened there.
+    """
 
     def __init__(self, env: WorkerEnv, period_s: float) -> None:
         self._env = env
+        self._port = env.liveness_port
+        self.liveness = connect_liveness(env)
         self._period = period_s
         self._store = open_store(env)
         self._info = {"pid": os.getpid(), "generation": env.generation, "rank": None, "step": 0}
@@ -68,9 +84,20 @@ class Heartbeat:
         while not self._stop.wait(self._period):
             try:
                 self._beat()
+                if _closed(self.liveness):
+                    self._reconnect()
             except (RuntimeError, OSError):
-                return  # the supervisor is gone; the liveness socket tells the rest
+                return  # the store is gone: the job is over
+
+    def _reconnect(self) -> None:
+        """A restarted supervisor listens on a new port (published in the store)."""
+        port = int(self._store.get(LIVENESS_PORT_KEY))
+        if port == self._port:
+            return  # not restarted yet: try again at the next beat
+        old, self.liveness, self._port = self.liveness, connect_liveness(self._env, port), port
+        old.close()
 
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(timeout=2)
+        self.liveness.close()

@@ -38,7 +38,7 @@ from ..protocol import (
     EVENT_COUNTER, SHUTDOWN_KEY, Plan, PlanAction, Role, WorkerEnv,
     PERSIST_REQUEST_KEY, done_key, event_key, plan_key,
 )
-from .heartbeat import Heartbeat, connect_liveness, open_store
+from .heartbeat import Heartbeat, open_store
 from .reconnect import Generation, set_gloo_interface
 from .restore import broadcast_state, choose_source
 from .rollback import ResumableSampler
@@ -106,7 +106,6 @@ class Session:
         self._install_preempt_handler()
         self._store = open_store(self._env)
         self._ev_store = open_store(self._env)  # events come from the writer thread too
-        self._liveness = connect_liveness(self._env)
         self.checkpoints = CheckpointEngine(
             self.config.checkpoint.tiers(), job_id=self._env.job_id, job_dir=self._env.job_dir,
             node=self._env.node, emit=self._emit, mtbf_s=self.config.checkpoint.mtbf_s)
@@ -117,7 +116,6 @@ class Session:
     def __exit__(self, exc_type, exc, tb) -> None:
         self.checkpoints.close()
         self._hb.stop()
-        self._liveness.close()
 
     def _install_preempt_handler(self) -> None:
         """A preemption signal sent to the job steps (submitit's --signal without B:)

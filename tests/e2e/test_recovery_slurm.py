@@ -257,3 +257,27 @@ def test_submitit_preemption_requeues_and_resumes_exactly(cluster, jobs_root, re
     restored = [e for e in _events(job_dir, "rank_restored") if e.get("tier")]
     assert restored[-1]["step"] == persisted[0]["step"]
     assert lab.compare_states(reference, job_dir / "final.pt") == []
+
+
+@pytest.mark.slow
+def test_killed_supervisor_reattaches_without_restarting_workers_then_recovers(cluster, jobs_root):
+    """kill-supervisor: the batch step (which hosts the store) restarts it; the new one
+    takes over the running ranks and spare, and still recovers a node loss after."""
+    run = lab.submit(jobs_root / "kill-supervisor", steps=STEPS + 160)
+    status = run.wait_for_step(KILL_AT)
+    pids = [r["pid"] for r in status["ranks"]]
+    os.kill(status["supervisor_pid"], signal.SIGKILL)
+    deadline = time.time() + 60
+    while not _events(run.job_dir, "supervisor_reattached"):
+        assert time.time() < deadline, run.output()
+        time.sleep(0.1)
+    st = run.wait_for_step(KILL_AT + 20)
+    assert st["supervisor_pid"] != status["supervisor_pid"]
+    assert [r["pid"] for r in st["ranks"]] == pids  # nobody was restarted
+    assert st["generation"] == status["generation"]
+    lab.kill_node(st["ranks"][1]["node"])
+    assert run.wait() == 0, run.output()
+    assert [d["level"] for d in _events(run.job_dir, "recovery_done")] == ["node-replacement"]
+    import torch
+
+    assert torch.load(run.job_dir / "final.pt", weights_only=False)["step"] == STEPS + 160

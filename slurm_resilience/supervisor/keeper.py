@@ -1,0 +1,102 @@
+"""Keep the supervisor alive: the batch step hosts the store and restarts a killed supervisor.
+
+    batch step (this module, tiny and long-lived)
+        ├─ hosts the job's TCPStore (the workers' rendezvous, plans, heartbeats, events)
+        └─ runs the supervisor as a child process
+              killed (SIGKILL, OOM, a crash by signal) → restarted with ``--reattach``:
+              it reloads ``JOBDIR/supervisor.json`` and takes over the running
+              workers without restarting them (see ``reattach.py``)
+
+The store lives here and not in the supervisor so that it outlives the supervisor:
+the workers keep training (their gloo groups do not need it) and keep writing
+heartbeats and events into it while the supervisor is down. The preemption signal
+(``--signal=B:…``) reaches this process and is forwarded to the supervisor.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from typing import Sequence
+
+from ..files import write_private
+
+STORE_FILE = "store.json"
+EXIT_SUPERVISOR_LOST = 5  # the supervisor was killed more often than job.supervisor_restarts
+
+
+def host_store(host: str, job_dir: str):
+    """Start the job's store server in this process; record where it listens."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore(host, 0, None, True, timedelta(seconds=30), wait_for_workers=False)
+    write_private(os.path.join(job_dir, STORE_FILE),
+                  json.dumps({"host": host, "port": store.port, "pid": os.getpid()}))
+    return store
+
+
+def read_store_address(job_dir: str) -> tuple[str, int]:
+    with open(os.path.join(job_dir, STORE_FILE)) as f:
+        d = json.load(f)
+    return str(d["host"]), int(d["port"])
+
+
+def keep(child_argv: Sequence[str], *, restarts: int, forward: Sequence[int] = (),
+         out=sys.stderr) -> int:
+    """Run ``child_argv`` (a supervisor); rerun it with ``--reattach`` each time it is
+    killed by a signal, at most ``restarts`` times. Returns its exit code."""
+    child: subprocess.Popen | None = None
+
+    def relay(signum, _frame) -> None:
+        if child is not None and child.poll() is None:
+            child.send_signal(signum)
+
+    for sig in forward:
+        signal.signal(sig, relay)
+    argv = list(child_argv)
+    for attempt in range(restarts + 1):
+        child = subprocess.Popen(argv)
+        code = child.wait()
+        if code >= 0:
+            return code
+        left = restarts - attempt
+        print(f"[sr keeper {time.strftime('%H:%M:%S')}] supervisor pid {child.pid} killed by signal "
+              f"{-code}; {'restarting it to re-attach' if left else 'no restart left'} "
+              f"({attempt + 1}/{restarts} restarts used)", file=out, flush=True)
+        if "--reattach" not in argv:
+            argv = _with_reattach(argv)
+    return EXIT_SUPERVISOR_LOST
+
+
+def keep_supervisor(cfg, command: Sequence[str], job_dir: str, host: str, *, mode: str = "supervise") -> int:
+    """The batch step: host the store, run ``slurm-resilience {mode} --child`` with this
+    config, restart it (``--reattach``) when it is killed. Returns the job's exit code."""
+    import yaml
+
+    from ..config import config_to_dict
+    from ..files import makedirs_private
+
+    makedirs_private(job_dir)
+    cfg_path = write_private(os.path.join(job_dir, "supervisor-config.yaml"), yaml.safe_dump(config_to_dict(cfg)))
+    store = host_store(host, job_dir)  # serves the workers for as long as this process lives
+    spec = cfg.job.preempt_signal
+    forward = [getattr(signal, "SIG" + spec.split("@")[0].removeprefix("SIG"))] if spec else []
+    child = [sys.executable, "-m", "slurm_resilience.cli", mode, "--child", "--config", cfg_path,
+             "--job-dir", job_dir, "--", *command]
+    try:
+        return keep(child, restarts=cfg.job.supervisor_restarts, forward=[*forward, signal.SIGTERM])
+    finally:
+        del store
+
+
+def _with_reattach(argv: list[str]) -> list[str]:
+    """Insert ``--reattach`` before the ``--`` that starts the training command."""
+    if "--" in argv:
+        i = argv.index("--")
+        return [*argv[:i], "--reattach", *argv[i:]]
+    return [*argv, "--reattach"]
