@@ -131,3 +131,18 @@ def test_load_without_state_is_a_one_line_error(tmp_path):
     (tmp_path / reattach.STATE_FILE).write_text(json.dumps({"version": 99}))
     with pytest.raises(ResilienceError, match="version 99"):
         reattach.load(str(tmp_path))
+
+
+def test_negative_supervisor_restarts_is_a_one_line_config_error():
+    from slurm_resilience.config import load_config
+    from slurm_resilience.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="supervisor_restarts=-1 must be >= 0"):
+        load_config({"job": {"supervisor_restarts": -1}})
+
+
+def test_reattach_at_the_keeper_level_is_refused(capsys):
+    from slurm_resilience.cli import main
+
+    assert main(["local", "--reattach", "--", "true"]) == 2
+    assert "--reattach is for the supervisor the batch step restarts" in capsys.readouterr().err
