@@ -152,6 +152,15 @@ def simulate(
             if phase is _Phase.RECOVERING and path is not None and path.downtime_s > chosen.downtime_s:
                 chosen = path  # the slower rebuild in progress starts again
             restore = last_ckpt if chosen.rollback is Rollback.CHECKPOINT else _floor_to(progress, step)
+            into = progress - restore
+            if (chosen.rollback is Rollback.STEP and phase is _Phase.TRAINING and into > 1e-9 * step
+                    and into >= strategy.collective_at * step):
+                # Past the collective: the survivors finish the step while the
+                # recovery starts; that time is training, not downtime.
+                extra = min(step - into, chosen.downtime_s)
+                progress += extra
+                down -= extra
+                restore = progress
             lost += progress - restore
             progress = restore
             if chosen.new_allocation:

@@ -8,7 +8,9 @@ on a grid of ``interval_s`` rounded to whole steps, each blocking training for
 ``cost_s``. Failures arrive as independent Poisson processes, one per category. A
 failure picks a recovery path from the strategy by the category's fault class; the
 path rolls P back (to the last step boundary, or to the last completed checkpoint)
-and stops training for ``downtime_s``::
+and stops training for ``downtime_s``. A fault after the step's gradient
+collective (``Strategy.collective_at``) cannot stop the survivors: they finish
+the step during the recovery instead of losing it::
 
     progress ─train─┐ckpt┌─train──────X          (X: fault; lost = P - restore point)
                                      └─recovery─┐ (downtime_s)
@@ -28,6 +30,7 @@ The modules, in the order a simulation uses them::
     strategies.py  recovery paths, checkpoint spec, the three strategies
     engine.py      simulate(): the discrete-event run; summarize() over seeds
     validate.py    closed-form ETTR; predicted vs measured for one real run
+    measured.py    pure readers of a real run: fault schedule, window, ETTR, phases
 
 This module re-exports their public names (the import path the benchmarks and
 tests use).

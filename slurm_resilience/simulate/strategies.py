@@ -77,10 +77,22 @@ class Strategy:
     """Spare nodes in the allocation."""
     repair_s: float = DAY_S
     """Time until a failed node is back in the pool as a spare."""
+    collective_at: float = 1.0
+    """Where in a step (fraction of its time) the ranks meet in the gradient collective.
+
+    A fault earlier in the step leaves the survivors waiting in the collective:
+    the partial step is lost. A fault after it cannot stop them: they finish the
+    step (productive, overlapping the recovery) and stop at the step's end. 1.0:
+    all of a step's compute precedes its collective, so half a step is lost on
+    average; ``examples/train_mlp.py`` emulates its compute after the update: 0.0.
+    Applies to step-rollback paths only.
+    """
 
     def __post_init__(self) -> None:
         if self.step_time_s <= 0 or self.spare_nodes < 0 or self.repair_s < 0:
             raise ConfigError("step_time_s must be > 0, spare_nodes and repair_s >= 0")
+        if not 0.0 <= self.collective_at <= 1.0:
+            raise ConfigError(f"collective_at={self.collective_at} must be within [0, 1]")
         if self.on_no_spare.needs_spare:
             raise ConfigError("on_no_spare must not need a spare")
 

@@ -179,8 +179,9 @@ def test_validate_against_run():
               "reconnect": 58.5, "restore": 11.1, "first_step": 63.6}
     out = validate_against_run({"wall_time_s": 60.0, "faults": 1, "phases_ms": phases, "step_time_s": 0.05,
                                 "checkpoint_interval_s": 10.0, "steps": 1190})
-    assert out["downtime_per_fault_s"] == pytest.approx(0.1576)
-    assert out["predicted_ettr"] == pytest.approx((60 - 0.1576 - 0.025) / 60)
+    # The phases sum to 157.6 ms; their first_step holds one 50 ms step of training.
+    assert out["downtime_per_fault_s"] == pytest.approx(0.1076)
+    assert out["predicted_ettr"] == pytest.approx((60 - 0.1076 - 0.025) / 60)
     assert out["observed_ettr"] == pytest.approx(1190 * 0.05 / 60)
     assert out["difference"] == pytest.approx(out["observed_ettr"] - out["predicted_ettr"])
     assert validate_against_run({"wall_time_s": 60.0, "faults": 0, "phases_ms": {}, "step_time_s": 0.05,

@@ -1,0 +1,136 @@
+"""A measured run, read purely: the fault schedule, the training window, ETTR, phases.
+
+What the model is validated against is a real job with faults injected by a
+Poisson process. These functions turn that job's event log (``events.jsonl``,
+dicts as ``slurm_resilience.events.read_events`` returns them) into the model's
+inputs and the observed outcome; nothing here reads files or clocks.
+
+The training window (all times are the event log's unix times)::
+
+    launch ── import, store, gloo ──┐ start: the last rank restored in generation 0
+                                    ├─ steps ─ X ─ recovery ─ steps ─ … ─┐
+                                    end: the last rank reported done ────┘
+
+Process launch and the final barrier are outside it: they cost the same with
+and without faults and the model has no term for them.
+
+Observed ETTR = ``steps * step_time_s / (end - start)``: the steps that reached
+the final state, each costed at the fault-free step time, over the window's wall
+time. With ``step_time_s`` measured as a fault-free run's window / steps, that
+run's ETTR is 1 by construction and a faulted run's ETTR is the share of its
+window that would have been enough without faults.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping, Sequence
+
+import numpy as np
+
+from slurm_resilience.errors import ConfigError, ResilienceError
+
+from .strategies import PHASE_NAMES
+
+__all__ = [
+    "IncompleteRunError", "poisson_schedule", "TrainingWindow", "training_window",
+    "observed_ettr", "recovery_phases_ms", "mean_phases_ms",
+]
+
+
+class IncompleteRunError(ResilienceError):
+    """An event log lacks what a finished run writes (start, done, a recovery's phases)."""
+
+
+def poisson_schedule(*, mean_interval_s: float, horizon_s: float, seed: int) -> tuple[float, ...]:
+    """Arrival times in ``[0, horizon_s)`` of a Poisson process with the given mean
+    time between arrivals (exponential gaps from ``numpy.random.default_rng(seed)``).
+
+    Raises:
+        ConfigError: ``mean_interval_s`` or ``horizon_s`` is not > 0.
+    """
+    if mean_interval_s <= 0 or horizon_s <= 0:
+        raise ConfigError("mean_interval_s and horizon_s must be > 0")
+    rng = np.random.default_rng(seed)
+    out: list[float] = []
+    t = float(rng.exponential(mean_interval_s))
+    while t < horizon_s:
+        out.append(t)
+        t += float(rng.exponential(mean_interval_s))
+    return tuple(out)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainingWindow:
+    start: float
+    """The last rank's ``restored`` event of generation 0: every rank holds the state."""
+    end: float
+    """The last rank's ``done`` event."""
+    steps: int
+    """Steps in the final state."""
+
+    @property
+    def wall_s(self) -> float:
+        return self.end - self.start
+
+
+def training_window(events: Sequence[Mapping[str, Any]]) -> TrainingWindow:
+    """The training window of a finished run (see the module docstring).
+
+    Raises:
+        IncompleteRunError: no generation-0 restore or no rank finished.
+    """
+    starts = [e["t"] for e in events if e["kind"] == "rank_restored" and e.get("generation") == 0]
+    dones = [e for e in events if e["kind"] == "rank_done"]
+    if not starts or not dones:
+        raise IncompleteRunError(f"the run has {len(starts)} generation-0 restores and {len(dones)} "
+                                 "done events: did it finish?")
+    return TrainingWindow(start=max(starts), end=max(e["t"] for e in dones),
+                          steps=max(int(e["step"]) for e in dones))
+
+
+def observed_ettr(*, steps: int, step_time_s: float, wall_s: float) -> float:
+    """Productive time (``steps`` at the fault-free ``step_time_s``) over wall time.
+
+    Raises:
+        ConfigError: ``step_time_s`` or ``wall_s`` is not > 0, or ``steps`` < 0.
+    """
+    if step_time_s <= 0 or wall_s <= 0 or steps < 0:
+        raise ConfigError("step_time_s and wall_s must be > 0 and steps >= 0")
+    return steps * step_time_s / wall_s
+
+
+def recovery_phases_ms(events: Sequence[Mapping[str, Any]],
+                       fault_times: Iterable[float] = ()) -> list[dict[str, float]]:
+    """Phase durations (ms, ``PHASE_NAMES``) of each finished recovery, in order.
+
+    ``detect`` is the time from the newest injected fault at or before the
+    detection to the detection; it is left out when no fault time precedes it.
+    A recovery that a newer fault superseded has no ``recovery_done`` and is skipped.
+
+    Raises:
+        IncompleteRunError: a finished recovery lacks one of its phase events.
+    """
+    faults = sorted(fault_times)
+    phases: dict[int, dict[str, float]] = {}
+    for e in events:
+        if e["kind"] == "phase":
+            phases.setdefault(int(e["recovery"]), {})[e["phase"]] = (e["end"] - e["start"]) * 1000.0
+    out = []
+    for done in (e for e in events if e["kind"] == "recovery_done"):
+        n = int(done["recovery"])
+        row = dict(phases.get(n, {}))
+        missing = [p for p in PHASE_NAMES[1:] if p not in row]
+        if missing:
+            raise IncompleteRunError(f"recovery {n} has no phase event for {missing}")
+        before = [f for f in faults if f <= done["detected"]]
+        if before:
+            row["detect"] = (done["detected"] - before[-1]) * 1000.0
+        out.append({p: row[p] for p in PHASE_NAMES if p in row})
+    return out
+
+
+def mean_phases_ms(rows: Sequence[Mapping[str, float]]) -> dict[str, float]:
+    """Mean of each phase over the rows that have it (``{}`` for no rows)."""
+    return {p: float(np.mean([r[p] for r in rows if p in r]))
+            for p in PHASE_NAMES if any(p in r for r in rows)}
