@@ -1,15 +1,13 @@
 """Golden sbatch script, and shell quoting checked by running the script with bash."""
 
-import json
 import os
-import stat
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from slurm_resilience.config import load_config
+
+from sbatch_shell import HOSTILE_CMD, HOSTILE_DIR, run_script, stub_python
 from slurm_resilience.errors import ConfigError
 from slurm_resilience.launch.sbatch import render
 
@@ -107,11 +105,6 @@ def test_missing_template_raises(tmp_path):
         render(load_config(), command=["x"], config_path="c", job_dir="d", template="nope.tmpl")
 
 
-HOSTILE_CMD = ["python", "train.py", "; rm -rf /", "$(touch PWNED)", "`touch PWNED`",
-               "a'b\"c", "*", "--name=with space", "", "&& echo hi |", "$HOME"]
-HOSTILE_DIR = "/tmp/my jobs/run $(touch PWNED); x"
-
-
 def test_hostile_values_are_quoted_in_text():
     text = render(load_config(), command=HOSTILE_CMD, config_path="/c fg/$(x).yaml", job_dir=HOSTILE_DIR,
                   python="/opt/my python/bin/python3")
@@ -122,33 +115,11 @@ def test_hostile_values_are_quoted_in_text():
     assert "#SBATCH --output='/tmp/my jobs/run $(touch PWNED); x/supervisor.log'" in text
 
 
-def _run_script(text: str, tmp_path: Path) -> list[str]:
-    """Run the rendered script with bash; the "python" is a stub that records its argv."""
-    record = tmp_path / "argv.json"
-    script = tmp_path / "job.sbatch"
-    script.write_text(text)
-    r = subprocess.run(["bash", str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=30,
-                       env={**os.environ, "SR_ARGV_OUT": str(record)})
-    assert not (tmp_path / "PWNED").exists(), "a value was executed by the shell"
-    assert r.returncode == 0, r.stderr
-    return json.loads(record.read_text())
-
-
-def _stub(tmp_path: Path) -> str:
-    d = tmp_path / "bin dir"
-    d.mkdir()
-    stub = d / "python"
-    stub.write_text(f"#!{sys.executable}\nimport json, os, sys\n"
-                    "open(os.environ['SR_ARGV_OUT'], 'w').write(json.dumps(sys.argv[1:]))\n")
-    stub.chmod(stat.S_IRWXU)
-    return str(stub)
-
-
 @pytest.mark.parametrize("hetjob", [False, True])
 def test_hostile_values_reach_the_supervisor_verbatim(tmp_path, hetjob):
     text = render(load_config(), command=HOSTILE_CMD, config_path="/c fg/$(touch PWNED).yaml",
-                  job_dir=HOSTILE_DIR, python=_stub(tmp_path), hetjob=hetjob)
-    argv = _run_script(text, tmp_path)
+                  job_dir=HOSTILE_DIR, python=stub_python(tmp_path), hetjob=hetjob)
+    argv = run_script(text, tmp_path)
     assert argv == ["-m", "slurm_resilience.cli", "supervise", "--config", "/c fg/$(touch PWNED).yaml",
                     "--job-dir", HOSTILE_DIR, "--", *HOSTILE_CMD]
 
@@ -156,7 +127,7 @@ def test_hostile_values_reach_the_supervisor_verbatim(tmp_path, hetjob):
 def test_partition_with_newline_cannot_inject(tmp_path):
     with pytest.raises(ConfigError, match="partition"):
         cfg = load_config({"job": {"partition": "debug\ntouch PWNED"}})
-        render(cfg, command=["train.py"], config_path="c", job_dir="d", python=_stub(tmp_path))
+        render(cfg, command=["train.py"], config_path="c", job_dir="d", python=stub_python(tmp_path))
     assert not (tmp_path / "PWNED").exists()
 
 
@@ -164,7 +135,7 @@ def test_partition_with_newline_cannot_inject(tmp_path):
 def test_job_name_with_newline_cannot_inject(tmp_path, hetjob):
     with pytest.raises(ConfigError, match="line break"):
         render(load_config(), command=["train.py"], config_path="c", job_dir="d",
-               job_name="x\ntouch PWNED\n", python=_stub(tmp_path), hetjob=hetjob)
+               job_name="x\ntouch PWNED\n", python=stub_python(tmp_path), hetjob=hetjob)
 
 
 @pytest.mark.parametrize("flag,het", [([], False), (["--hetjob"], True)])
