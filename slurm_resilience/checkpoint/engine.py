@@ -5,12 +5,17 @@
     writer thread, checkpoints in step order (identical order on every rank):
       ├─ L1: HDF5 shard on the node-local disk (atomic, checksummed)
       │     PARTNER: shard bytes → partner rank over the transfer group; its copy → our disk
+      │     XOR: parity row of our group, exchanged over the transfer group → our disk
       ├─ vote: every rank reports durable/failed (collective on the transfer group)
       │     all durable → manifest, then ``latest`` (never before)
       └─ L2: every K-th: shard copied to the shared filesystem, vote, rank 0 commits
 
 A failing checkpoint (disk full, I/O error, a peer lost mid-transfer) is reported
 as an event, never raised into training, and never touches an older checkpoint.
+
+Restore: :meth:`CheckpointEngine.rebuild_missing` (collective) first rebuilds XOR
+shards lost with a node into the rank that now holds the slot; then every rank
+walks ``candidates()`` fastest-first, verifying checksums (``best``).
 """
 
 from __future__ import annotations
@@ -31,6 +36,8 @@ from . import manifest as mf
 from .hdf5_format import flatten_state, read_shard, unflatten_state, verify_shard, write_shard
 from .redundancy import partner_of, partner_sources
 from .tiers import IntervalEstimator, Redundancy, TierSpec, base_tier, expand_path, tier_for_step
+from .xor_rebuild import rebuild_tier
+from .xor_tier import encode_step, parity_name
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +63,15 @@ class _Job:
     nodes: tuple[str, ...]
 
 
+@dataclasses.dataclass
+class _Rebuild:
+    transfer: Any
+    rank: int
+    nodes: tuple[str, ...]
+    done: threading.Event = dataclasses.field(default_factory=threading.Event)
+    result: list[tuple[int, int, bool]] = dataclasses.field(default_factory=list)
+
+
 class CheckpointEngine:
     """Multi-level checkpoints of one rank. Not thread-safe: one caller (the training loop)."""
 
@@ -69,13 +85,14 @@ class CheckpointEngine:
         self._sets = [_BufferSet({}), _BufferSet({})]
         self._l0: _BufferSet | None = None
         self._lock = threading.Condition()
-        self._queue: "queue.Queue[_Job | None]" = queue.Queue()
+        self._queue: "queue.Queue[_Job | _Rebuild | None]" = queue.Queue()
         self._last: dict[str, tuple[int, float]] = {}
         self._counts: dict[str, int] = {}
         self.estimator = IntervalEstimator(mtbf_s=mtbf_s) if any(s.auto for s in self.specs) else None
         self.rank, self.world_size, self.nodes, self._transfer = 0, 1, (node,), None
         self.stats: list[dict[str, float]] = []
         self.failures: list[tuple[int, str]] = []  # (step, why) of checkpoints not committed
+        self._verified: dict[str, tuple[int, int, int]] = {}  # path -> stat key of a verified shard
         self._thread = threading.Thread(target=self._writer, name="sr-ckpt-writer", daemon=True)
         self._thread.start()
 
@@ -187,6 +204,9 @@ class CheckpointEngine:
             job = self._queue.get()
             if job is None:
                 return
+            if isinstance(job, _Rebuild):
+                self._rebuild(job)
+                continue
             try:
                 self._persist(job)
             except Exception as exc:  # reported, never raised into training
@@ -223,8 +243,15 @@ class CheckpointEngine:
         except (OSError, CheckpointError) as exc:
             ok, err = 0, _line(exc)
         copies: dict[int, mf.ShardRecord] = {}
+        extra: dict[str, Any] = {}
         if spec.redundancy is Redundancy.PARTNER and job.world_size > 1:
             copies = self._exchange_partner(root, job, path if ok else None)
+        elif spec.redundancy is Redundancy.XOR and job.world_size > 1:
+            size, why = encode_step(job.transfer.get(), root_step_dir=mf.step_dir(root, job.step), step=job.step,
+                                    rank=job.rank, nodes=job.nodes, group_size=spec.group_size,
+                                    shard=(path, info.nbytes, info.crc32) if ok else None)
+            ok, err = (0, err or why) if why else (ok, err)
+            extra = {"xor": {"parity": parity_name(job.rank), "nbytes": size}}
         votes = self._vote(job, ok)
         if not all(votes):
             failed = [r for r, v in enumerate(votes) if not v]
@@ -232,7 +259,7 @@ class CheckpointEngine:
                                   + (f" (here: {err})" if err else ""))
         man = mf.Manifest(step=job.step, world_size=job.world_size, tier=spec.name,
                           shards={job.rank: mf.ShardRecord(os.path.basename(path), info.nbytes, info.crc32)},
-                          created=time.time(), extra={})
+                          created=time.time(), extra=extra)
         mf.write_manifest(root, man)
         if copies:  # the partner copies this node holds form a tier root of their own
             proot = os.path.join(root, PARTNER_DIR)
@@ -307,6 +334,57 @@ class CheckpointEngine:
         return _gather(job, ok)
 
     # -- restore -------------------------------------------------------------------
+    def rebuild_missing(self) -> list[tuple[int, int, bool]]:
+        """Collective (transfer group): rebuild XOR-protected L1 shards lost with a node.
+
+        Every rank of the generation calls it at the same point of a restore, before
+        ``best()``; it runs on the writer thread after the checkpoints already queued
+        (so every rank's transfer-group collectives stay in the same order). Per XOR
+        tier, the newest step every group can complete is rebuilt into the ranks
+        lacking it (bit-identical, checksums verified), with their parity rows,
+        manifest and ``latest``. Returns [(step, rank, rebuilt)], the same on every
+        rank. Never raises: a missing rank or a failed collective is reported as a
+        ``checkpoint_rebuild_failed`` event and nothing is rebuilt (restore falls
+        back to PARTNER copies or L2).
+        """
+        if self._transfer is None or self.world_size == 1 or not self._thread.is_alive() or \
+                not any(s.redundancy is Redundancy.XOR for s in self.specs):
+            return []
+        job = _Rebuild(self._transfer, self.rank, self.nodes)
+        self._queue.put(job)
+        job.done.wait()
+        return job.result
+
+    def _rebuild(self, job: _Rebuild) -> None:
+        try:
+            for spec in (s for s in self.specs if s.redundancy is Redundancy.XOR):
+                t0 = time.perf_counter()
+                plan, out = rebuild_tier(job.transfer.get(), root=self.root(spec, job.rank), tier=spec.name,
+                                         rank=job.rank, nodes=job.nodes, group_size=spec.group_size,
+                                         limit=spec.keep, verify=self._verify)
+                job.result += [(plan.step, r, ok) for r, ok in out]
+                self._emit("checkpoint_rebuilt", tier=spec.name, plan=plan.why, ranks=[r for r, ok in out if ok],
+                           failed=[r for r, ok in out if not ok], seconds=round(time.perf_counter() - t0, 4))
+        except Exception as exc:  # reported; restore falls back to other copies
+            log.warning("XOR rebuild failed: %s", exc)
+            self._emit("checkpoint_rebuild_failed", error=_line(exc))
+        finally:
+            job.done.set()
+
+    def _verify(self, path: str) -> list[str]:
+        """verify_shard, remembered per unchanged file (the rebuild scan and best() read once)."""
+        try:
+            st = os.stat(path)
+        except OSError:
+            return [f"missing shard {path}"]
+        key = (st.st_size, st.st_mtime_ns, st.st_ino)
+        if self._verified.get(path) == key:
+            return []
+        problems = verify_shard(path)
+        if not problems:
+            self._verified[path] = key
+        return problems
+
     def candidates(self) -> list[tuple[int, str, str]]:
         """(step, source, path) this rank could restore from, newest first, cheapest first."""
         out: list[tuple[int, str, str]] = []
@@ -337,7 +415,7 @@ class CheckpointEngine:
         for step, source, path in self.candidates():
             if source == "L0":
                 return step, source, path
-            problems = verify_shard(path)
+            problems = self._verify(path)
             if not problems:
                 return step, source, path
             self._emit("checkpoint_invalid", step=step, source=source, path=path, problems=problems[:3])

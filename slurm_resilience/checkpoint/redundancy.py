@@ -23,9 +23,14 @@ P x is recomputed. Cost per member: one parity block of S ~ longest / (n-1) byte
 (PARTNER costs a full shard). Two lost members in one group cannot be rebuilt.
 With n = 2 the parity is the other member's shard, i.e. PARTNER.
 
-:func:`member_rows` is one member's share of the encoding, for a collective
-bitwise-XOR reduce-scatter. :func:`encode_group` / :func:`rebuild` are the same XOR over whole shards, for a
-parity kept off the group (one block ~ the longest shard).
+The engine (``xor_tier``, ``xor_rebuild``) encodes with one all-to-all: member m
+sends member r its segment :func:`segment_in_row` ``(m, r)``, and r XORs what it
+receives into row r. To rebuild member x, each survivor sends the n pieces
+:func:`rebuild_sources` names; their XOR is x's segments and its parity row.
+:func:`member_rows` is one member's share of the encoding as a matrix, for a
+collective bitwise-XOR reduce-scatter. :func:`encode_group` / :func:`rebuild` are
+the same XOR over whole shards, for a parity kept off the group (one block ~ the
+longest shard).
 """
 
 from __future__ import annotations
@@ -51,6 +56,11 @@ __all__ = [
     "rebuild_distributed",
     "xor_parity_holder",
     "segment_row",
+    "segment_in_row",
+    "segment_size",
+    "rebuild_sources",
+    "xor_into",
+    "strip_padding",
 ]
 
 Chunk = Union[bytes, bytearray, memoryview, np.ndarray]
@@ -156,6 +166,44 @@ def segment_row(member: int, segment: int, n: int) -> int:
     return (member + 1 + segment) % n
 
 
+def segment_in_row(member: int, row: int, n: int) -> int:
+    """Which segment of ``member`` parity row ``row`` covers (inverse of :func:`segment_row`).
+
+    Raises:
+        CheckpointError: ``row == member`` (a member has no segment in its own row).
+    """
+    if row % n == member % n:
+        raise CheckpointError(f"member {member} has no segment in its own parity row")
+    return (row - member - 1) % n
+
+
+def rebuild_sources(member: int, missing: int, n: int) -> list[int | None]:
+    """What survivor ``member`` sends to rebuild member ``missing``: n pieces of S bytes.
+
+    Piece j < n-1 serves segment j of the lost shard, whose parity row is
+    ``r = segment_row(missing, j, n)``: the survivor's own parity row when it holds
+    row r (None), else its segment in row r. Piece n-1 is its segment in row
+    ``missing``, for recomputing the lost parity row. XORed over all survivors, the
+    pieces are the lost shard's n-1 segments followed by its parity row::
+
+        D_missing.j = P_r ^ XOR(D_m.segment_in_row(m, r) for m not in {r, missing})
+        P_missing   =       XOR(D_m.segment_in_row(m, missing) for m != missing)
+
+    Raises:
+        CheckpointError: fewer than 2 members, or member/missing out of range or equal.
+    """
+    if n < 2:
+        raise CheckpointError(f"an XOR group needs at least 2 members, got {n}")
+    if not (0 <= member < n and 0 <= missing < n) or member == missing:
+        raise CheckpointError(f"survivor {member} and lost member {missing} must differ and be in 0..{n - 1}")
+    pieces: list[int | None] = []
+    for j in range(n - 1):
+        row = segment_row(missing, j, n)
+        pieces.append(None if row == member else segment_in_row(member, row, n))
+    pieces.append(segment_in_row(member, missing, n))
+    return pieces
+
+
 # -- XOR arithmetic ------------------------------------------------------------
 
 
@@ -165,8 +213,8 @@ def _u8(chunk: Chunk) -> np.ndarray:
     return np.frombuffer(chunk, dtype=np.uint8)
 
 
-def _xor_into(acc: np.ndarray, src: np.ndarray) -> None:
-    """acc[:len(src)] ^= src, in place, 8 bytes at a time where possible."""
+def xor_into(acc: np.ndarray, src: np.ndarray) -> None:
+    """acc[:len(src)] ^= src for uint8 arrays, in place, 8 bytes at a time where possible."""
     n = len(src)
     k = n - n % 8
     if k:
@@ -190,7 +238,7 @@ def xor_encode(chunks: Sequence[Chunk]) -> np.ndarray:
     longest = max((len(a) for a in arrays), default=0)
     acc = np.zeros(_round8(longest), dtype=np.uint8)
     for a in arrays:
-        _xor_into(acc, a)
+        xor_into(acc, a)
     return acc[:longest]
 
 
@@ -263,7 +311,12 @@ def _check_survivors(
     return arrays
 
 
-def _strip(buf: np.ndarray, length: int) -> bytes:
+def strip_padding(buf: np.ndarray, length: int) -> bytes:
+    """``buf[:length]`` as bytes; the rest must be the zero padding.
+
+    Raises:
+        CheckpointError: a padding byte is not zero (the parity does not match).
+    """
     if buf[length:].any():
         raise CheckpointError("parity does not match the surviving shards (padding not zero)")
     return buf[:length].tobytes()
@@ -283,11 +336,12 @@ def rebuild(block: ParityBlock, survivors: Mapping[int, Chunk], missing: int) ->
     acc = np.zeros(_round8(longest), dtype=np.uint8)
     acc[:longest] = block.parity
     for a in arrays.values():
-        _xor_into(acc, a)
-    return _strip(acc, block.lengths[missing])
+        xor_into(acc, a)
+    return strip_padding(acc, block.lengths[missing])
 
 
-def _segment_size(lengths: Sequence[int]) -> int:
+def segment_size(lengths: Sequence[int]) -> int:
+    """S: the segment (and parity row) size of a group with these shard lengths (>= 2 members)."""
     return _round8(-(-max(lengths, default=0) // (len(lengths) - 1)))
 
 
@@ -311,7 +365,7 @@ def member_rows(chunk: Chunk, member: int, lengths: Sequence[int]) -> np.ndarray
     a = _u8(chunk)
     if len(a) != lengths[member]:
         raise CheckpointError(f"member {member} has {len(a)} bytes, lengths say {lengths[member]}")
-    s = _segment_size(lengths)
+    s = segment_size(lengths)
     rows = np.zeros((n, s), dtype=np.uint8)
     for j in range(n - 1):
         seg = a[j * s : (j + 1) * s]
@@ -330,13 +384,13 @@ def encode_group_distributed(chunks: Sequence[Chunk]) -> list[ParityBlock]:
     if n < 2:
         raise CheckpointError(f"an XOR group needs at least 2 members, got {n}")
     lengths = tuple(len(a) for a in arrays)
-    s = _segment_size(lengths)
+    s = segment_size(lengths)
     rows = [np.zeros(s, dtype=np.uint8) for _ in range(n)]
     for m, a in enumerate(arrays):
         for j in range(n - 1):
             seg = a[j * s : (j + 1) * s]
             if len(seg):
-                _xor_into(rows[segment_row(m, j, n)], seg)
+                xor_into(rows[segment_row(m, j, n)], seg)
     return [ParityBlock(parity=rows[r], lengths=lengths) for r in range(n)]
 
 
@@ -360,7 +414,7 @@ def rebuild_distributed(
     need = sorted(set(range(n)) - {missing} - set(parities))
     if need:
         raise CheckpointError(f"cannot rebuild member {missing}: parity rows {need} are lost too")
-    s = _segment_size(lengths)
+    s = segment_size(lengths)
     for r in others:
         if parities[r].lengths != lengths or len(parities[r].parity) != s:
             raise CheckpointError(f"parity row {r} does not belong to the same group encoding")
@@ -374,5 +428,5 @@ def rebuild_distributed(
                 jm = (r - m - 1) % n
                 seg = a[jm * s : (jm + 1) * s]
                 if len(seg):
-                    _xor_into(acc, seg)
-    return _strip(out, lengths[missing])
+                    xor_into(acc, seg)
+    return strip_padding(out, lengths[missing])

@@ -1,0 +1,174 @@
+"""XOR tier through the engine with real gloo transfer groups, one thread per rank.
+
+Quicker than the process-per-rank tests in ``tests/local/test_ckpt_xor.py``: the
+ranks are threads of this process, each with its own engine, per-node directory
+and gloo group (the real :class:`Generation`), so collectives, files and checksums
+are all real. Covers the encode rounds, a lost node, a failing rank's vote, and
+a rank that never joins the rebuild.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from slurm_resilience.checkpoint import manifest as mf
+from slurm_resilience.checkpoint import xor_rebuild, xor_tier
+from slurm_resilience.checkpoint.engine import CheckpointEngine
+from slurm_resilience.checkpoint.tiers import Redundancy, TierSpec
+from slurm_resilience.model import RankSlot, RankTable
+from slurm_resilience.worker.reconnect import Generation
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _state(rank, step):
+    g = torch.Generator().manual_seed(100 * rank + step)
+    return {"w": torch.rand(2000 + 700 * rank, generator=g), "h": torch.rand(5, generator=g).half(), "step": step}
+
+
+class Cluster:
+    """N rank threads sharing one TCPStore; ``run`` calls fn(rank, engine) on all of them."""
+
+    def __init__(self, root, nodes, *, gen, group_size=3, timeout_s=20.0):
+        self.root, self.nodes, self.gen = root, list(nodes), gen
+        self.store = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=30), wait_for_workers=False)
+        self.table = RankTable(generation=gen, slots=tuple(RankSlot(rank=i, node=n, worker_id=f"w{i}")
+                                                           for i, n in enumerate(self.nodes)))
+        spec = TierSpec(name="L1", storage="local", interval_steps=1, redundancy=Redundancy.XOR,
+                        group_size=group_size, path=str(root) + "/{node}/l1", keep=2)
+        self.events = [[] for _ in self.nodes]
+        self.engines = []
+        for r, node in enumerate(self.nodes):
+            eng = CheckpointEngine((spec,), job_id="1", job_dir=str(root), node=node,
+                                   emit=lambda kind, _r=r, **f: self.events[_r].append((kind, f)))
+            eng.bind(rank=r, world_size=len(self.nodes), nodes=self.nodes, transfer=self._factory(r, timeout_s))
+            self.engines.append(eng)
+
+    def _factory(self, rank, timeout_s):
+        def build():  # a store client per rank: one client is not safe to share between threads
+            store = dist.TCPStore("127.0.0.1", self.store.port, None, False, timedelta(seconds=30))
+            return Generation(store, self.table, rank, backend="gloo", timeout_s=timeout_s,
+                              poll_ms=20, interrupted=lambda: False, channel="ckpt/")
+        return build
+
+    def run(self, fn, ranks=None):
+        out, errors = {}, []
+
+        def work(r):
+            try:
+                out[r] = fn(r, self.engines[r])
+            except BaseException as exc:  # surfaced below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=work, args=(r,)) for r in (ranks or range(len(self.nodes)))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(90)
+        assert not errors, errors
+        return out
+
+    def close(self):
+        for eng in self.engines:
+            eng.close()
+
+
+def _save(steps):
+    def fn(rank, eng):
+        for s in steps:
+            eng.save(s, _state(rank, s))
+            assert eng.wait(60)
+        return eng.failures
+    return fn
+
+
+@pytest.fixture
+def small_rounds(monkeypatch):
+    monkeypatch.setattr(xor_tier, "ROUND_BYTES", 1024)
+    monkeypatch.setattr(xor_rebuild, "ROUND_BYTES", 1024)
+
+
+def test_encode_then_rebuild_a_lost_node(tmp_path, small_rounds):
+    nodes = ["a", "b", "c", "d"]  # group_size 3 with 4 ranks: one group of 4 (a remainder of 1 merges)
+    c = Cluster(tmp_path, nodes, gen=0)
+    try:
+        assert c.run(_save([1, 2])) == {r: [] for r in range(4)}
+    finally:
+        c.close()
+    for r, node in enumerate(nodes):
+        l1 = str(tmp_path / node / "l1")
+        man = mf.read_manifest(l1, 2)
+        assert man.extra["xor"]["parity"] == f"xor-{r:05d}.bin"
+        hdr, _, row = xor_tier.read_parity(os.path.join(mf.step_dir(l1, 2), f"xor-{r:05d}.bin"))
+        assert hdr.group == (0, 1, 2, 3) and hdr.member == r and hdr.step == 2
+        assert len(row) * 3 >= max(hdr.lengths)  # a row is about a third of a shard
+    lost = (tmp_path / "c" / "l1" / "step-00000002" / "rank-00002.h5").read_bytes()
+    shutil.rmtree(tmp_path / "c")
+
+    c = Cluster(tmp_path, nodes, gen=1)
+    try:
+        rebuilt = c.run(lambda r, eng: eng.rebuild_missing())
+        best = c.run(lambda r, eng: eng.best())
+        state = c.engines[2].load(best[2])
+    finally:
+        c.close()
+    assert all(v == [(2, 2, True)] for v in rebuilt.values()), rebuilt
+    assert best[2] == (2, "L1", mf.shard_path(str(tmp_path / "c" / "l1"), 2, 2))
+    assert (tmp_path / "c" / "l1" / "step-00000002" / "rank-00002.h5").read_bytes() == lost
+    want = _state(2, 2)
+    assert torch.equal(state["w"], want["w"]) and torch.equal(state["h"], want["h"]) and state["h"].dtype == torch.half
+
+
+def test_nothing_lost_is_a_cheap_no_op(tmp_path):
+    nodes = ["a", "b", "c"]
+    c = Cluster(tmp_path, nodes, gen=0)
+    try:
+        c.run(_save([1]))
+        assert c.run(lambda r, eng: eng.rebuild_missing()) == {r: [] for r in range(3)}
+    finally:
+        c.close()
+    plans = [f["plan"] for k, f in c.events[0] if k == "checkpoint_rebuilt"]
+    assert plans == ["step 1: nothing lost"]
+
+
+def test_failed_shard_fails_every_vote(tmp_path):
+    nodes = ["a", "b", "c"]
+    c = Cluster(tmp_path, nodes, gen=0)
+    try:
+        c.run(_save([1]))
+        (tmp_path / "b" / "l1" / "step-00000002").mkdir(mode=0o700)
+        (tmp_path / "b" / "l1" / "step-00000002" / "rank-00001.h5").mkdir()  # rank 1 cannot write its shard
+        failures = c.run(_save([2]))
+    finally:
+        c.close()
+    assert all([s for s, _ in f] == [2] for f in failures.values()), failures
+    assert "ranks [1] failed" in failures[0][0][1]
+    for node in nodes:
+        l1 = str(tmp_path / node / "l1")
+        assert mf.complete_steps(l1) == [1] and mf.read_latest(l1) == 1
+
+
+def test_a_rank_that_never_joins_fails_the_rebuild_not_the_caller(tmp_path):
+    nodes = ["a", "b", "c"]
+    c = Cluster(tmp_path, nodes, gen=0)
+    try:
+        c.run(_save([1]))
+    finally:
+        c.close()
+    shutil.rmtree(tmp_path / "a")
+    c = Cluster(tmp_path, nodes, gen=1, timeout_s=3.0)
+    try:
+        out = c.run(lambda r, eng: eng.rebuild_missing(), ranks=[0, 1])  # rank 2 never calls it
+    finally:
+        c.close()
+    assert out == {0: [], 1: []}
+    for r in (0, 1):
+        assert [k for k, _ in c.events[r]] == ["checkpoint_rebuild_failed"], c.events[r]
+    assert not os.path.exists(mf.shard_path(str(tmp_path / "a" / "l1"), 1, 0))
