@@ -37,10 +37,12 @@ def main() -> None:
     x, y = make_data()
     model = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 4))
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=25, gamma=0.5)
     sampler = ResumableSampler(num_samples=len(x), per_rank_batch=args.batch, seed=0)
 
     with Session() as session:  # (2) a warm standby waits here until it is adopted
-        session.register(model=model, optimizer=opt)  # (3)
+        session.register(model=model, optimizer=opt, scheduler=sched)  # (3)
+        session.extras.setdefault("loss_sum", 0.0)  # user extras: saved and restored with the state
         for step in session.steps(args.steps):
             with step:
                 idx = step.samples(sampler)
@@ -51,6 +53,8 @@ def main() -> None:
                     time.sleep(args.slow_ms / 1000)  # a straggler: slower compute, same math
                 session.all_reduce_gradients(model)  # (4) collectives first, update last
                 opt.step()
+                sched.step()
+                session.extras["loss_sum"] += loss.item()
             time.sleep(args.step_time)
             if session.rank == 0 and step.index % 10 == 0:
                 print(f"step {step.index} loss {loss.item():.5f}", flush=True)

@@ -101,6 +101,9 @@ def compare_states(a: Path, b: Path) -> list[str]:
     sb = torch.load(b, weights_only=False)
     diffs: list[str] = []
     _compare(sa["objects"], sb["objects"], "state", diffs)
+    _compare(sa.get("extras", {}), sb.get("extras", {}), "extras", diffs)
+    if sa.get("position") != sb.get("position"):
+        diffs.append(f"position {sa.get('position')} != {sb.get('position')}")
     if sa["step"] != sb["step"]:
         diffs.append(f"step {sa['step']} != {sb['step']}")
     return diffs

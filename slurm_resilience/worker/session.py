@@ -85,6 +85,9 @@ class Session:
         self._env = WorkerEnv.from_environ(os.environ if environ is None else environ)
         self.config: ResilienceConfig = load_config(self._env.config_path)
         self._objects: dict[str, Any] = {}
+        # User extras saved and restored with the state (picklable values and tensors),
+        # e.g. an epoch counter, a gradient-accumulation micro-step, a best-loss record.
+        self.extras: dict[str, Any] = {}
         self.step = 0
         self.position = 0  # global samples consumed by completed steps: the rollback point
         # Every process starts holding a valid state: the (seeded) step-0 state. A
@@ -332,12 +335,15 @@ class Session:
                    offers=offers, **({"tier": source} if source != "peer" else {}))
 
     def _state_dict(self) -> dict[str, Any]:
+        rng = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            rng["cuda"] = torch.cuda.get_rng_state_all()
         return {
             "step": self.step,
             "position": self.position,
             "objects": {n: o.state_dict() for n, o in self._objects.items()},
-            "rng": {"torch": torch.get_rng_state(), "python": random.getstate(),
-                    "numpy": np.random.get_state()},
+            "rng": rng,
+            "extras": dict(self.extras),
         }
 
     def _load_state_dict(self, state: dict[str, Any]) -> None:
@@ -346,6 +352,9 @@ class Session:
         torch.set_rng_state(state["rng"]["torch"])
         random.setstate(state["rng"]["python"])
         np.random.set_state(state["rng"]["numpy"])
+        if "cuda" in state["rng"] and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+        self.extras = dict(state.get("extras", {}))
         self.step = int(state["step"])
         self.position = int(state.get("position", 0))
 
