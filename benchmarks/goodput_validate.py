@@ -47,7 +47,8 @@ from slurm_resilience.simulate.measured import (  # noqa: E402
 )
 from slurm_resilience.supervisor.loop import Supervisor  # noqa: E402
 
-TRAIN = Path(__file__).resolve().parents[1] / "examples" / "train_mlp.py"
+REPO = Path(__file__).resolve().parents[1]
+TRAIN = REPO / "examples" / "train_mlp.py"
 KILL = "SIGKILL rank"
 
 
@@ -66,7 +67,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         " emulated compute after the update: 0 (see Strategy.collective_at)")
     p.add_argument("--seed", type=int, default=0, help="fault schedule and victim choice")
     p.add_argument("--sim-seeds", type=int, default=200, help="Poisson draws for the simulated mean")
-    p.add_argument("--timeout-s", type=float, default=600.0, help="per run")
+    p.add_argument("--timeout-s", type=float, default=300.0,
+                   help="per run; a run whose restarts outlast the fault interval may never finish")
     p.add_argument("--work-dir", type=Path, help="keep the job directories here (default: a temp dir)")
     p.add_argument("--json", type=Path, help="write the results here")
     return p.parse_args(argv)
@@ -100,35 +102,54 @@ def _config(a: argparse.Namespace, root: Path) -> object:
     })
 
 
+class _Launcher(LocalLauncher):
+    """LocalLauncher that can be shut: no launch after ``close()``, which kills
+    (SIGKILL, by its Popen) every process this job started that is still running."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._closed = threading.Event()
+
+    def launch(self, **kw):
+        if self._closed.is_set():
+            raise RuntimeError("the benchmark stopped this job")
+        return super().launch(**kw)
+
+    def close(self) -> None:
+        self._closed.set()
+        for step in list(self.steps):
+            if step.process.poll() is None:
+                step.process.kill()
+                step.process.wait(timeout=10)
+
+
 def run_job(a: argparse.Namespace, root: Path, name: str, steps: int,
             schedule: tuple[float, ...] = (), seed: int = 0) -> Run:
     """Train ``steps`` steps; SIGKILL a random live rank process at each ``schedule``
     offset (seconds after every rank finished its first step)."""
-    launcher = LocalLauncher()
+    launcher = _Launcher()
     job_dir = root / name
-    log = open(root / f"{name}.log", "w")
-    sup = Supervisor(
-        config=_config(a, root / name),
-        command=[sys.executable, str(TRAIN), "--steps", str(steps), "--step-time", str(a.step_time)],
-        job_dir=str(job_dir), nodes=[f"local{i}" for i in range(1, a.ranks + 1)],
-        launcher=launcher, store_host="127.0.0.1", job_id=name, out=log)
-    result: dict[str, int] = {}
-    thread = threading.Thread(target=lambda: result.update(code=sup.run()), daemon=True)
-    thread.start()
-    injections: list[Injection] = []
-    load0 = os.getloadavg()[0]
-    with log:
+    deadline = time.monotonic() + a.timeout_s
+    with open(root / f"{name}.log", "w") as log:
+        sup = Supervisor(
+            config=_config(a, root / name),
+            command=[sys.executable, str(TRAIN), "--steps", str(steps), "--step-time", str(a.step_time)],
+            job_dir=str(job_dir), nodes=[f"local{i}" for i in range(1, a.ranks + 1)],
+            launcher=launcher, store_host="127.0.0.1", job_id=name, out=log)
+        result: dict[str, int] = {}
+        thread = threading.Thread(target=lambda: result.update(code=sup.run()), daemon=True)
+        injections: list[Injection] = []
+        load0 = os.getloadavg()[0]
+        thread.start()
         try:
             if schedule:
-                _inject(job_dir, launcher, thread, schedule, random.Random(seed), injections, a.timeout_s)
-            thread.join(a.timeout_s)
+                _inject(job_dir, launcher, thread, schedule, random.Random(seed), injections, deadline)
+            thread.join(max(0.0, deadline - time.monotonic()))
             if thread.is_alive():
                 raise TimeoutError(f"{name}: still running after {a.timeout_s:g} s (see {root / name}.log)")
         finally:
-            for step in launcher.steps:  # only processes this job started, by their Popen
-                if step.process.poll() is None:
-                    step.process.kill()
-                    step.process.wait(timeout=10)
+            launcher.close()
+            thread.join(30)
     return Run(job_dir=job_dir, code=result.get("code", -1),
                events=read_events(str(job_dir / "events.jsonl")), injections=injections,
                load=(load0, os.getloadavg()[0]))
@@ -142,8 +163,7 @@ def _status(job_dir: Path) -> dict | None:
 
 
 def _inject(job_dir: Path, launcher: LocalLauncher, thread: threading.Thread,
-            schedule: tuple[float, ...], rng: random.Random, out: list[Injection], timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
+            schedule: tuple[float, ...], rng: random.Random, out: list[Injection], deadline: float) -> None:
     while thread.is_alive() and time.monotonic() < deadline:
         st = _status(job_dir)
         if st and st["ranks"] and all(r["pid"] and r["step"] >= 1 for r in st["ranks"]):
@@ -151,9 +171,9 @@ def _inject(job_dir: Path, launcher: LocalLauncher, thread: threading.Thread,
         time.sleep(0.05)
     t0 = time.time()
     for offset in schedule:
-        while thread.is_alive() and time.time() < t0 + offset:
+        while thread.is_alive() and time.time() < t0 + offset and time.monotonic() < deadline:
             time.sleep(min(0.01, max(0.0, t0 + offset - time.time())))
-        if not thread.is_alive():
+        if not thread.is_alive() or time.monotonic() >= deadline:
             return
         # Any live process this job started is a rank of the current table (no
         # spares; fenced processes exit on their own), a restarting one included.
@@ -216,6 +236,10 @@ def print_table(results: list[dict]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
+    # SIGTERM (e.g. timeout(1)) unwinds through the launchers' close(): no orphans.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    # The workers import the package from this checkout, like the supervisor here.
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     root = a.work_dir or Path(tempfile.mkdtemp(prefix="sr-goodput-"))
     root.mkdir(parents=True, exist_ok=True)
     t_all = time.monotonic()
