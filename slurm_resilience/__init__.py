@@ -40,7 +40,8 @@ Guarantees
 
 __version__ = "0.1.0"
 
-__all__ = ["Session", "Step", "ResumableSampler", "load_config", "ResilienceError", "ResilientExecutor"]
+__all__ = ["Session", "Step", "ResumableSampler", "load_config", "ResilienceError", "ResilientExecutor",
+           "shard_range"]
 
 
 def __getattr__(name):  # lazy: the supervisor CLI must not pay for torch on import
@@ -52,6 +53,10 @@ def __getattr__(name):  # lazy: the supervisor CLI must not pay for torch on imp
         from .worker.rollback import ResumableSampler
 
         return ResumableSampler
+    if name == "shard_range":
+        from .worker.reshard import shard_range
+
+        return shard_range
     if name == "load_config":
         from .config import load_config
 

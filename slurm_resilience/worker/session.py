@@ -40,6 +40,7 @@ from ..protocol import (
 )
 from .heartbeat import Heartbeat, open_store
 from .reconnect import Generation, set_gloo_interface
+from . import reshard
 from .restore import broadcast_state, choose_source
 from .rollback import ResumableSampler
 
@@ -88,6 +89,9 @@ class Session:
         # User extras saved and restored with the state (picklable values and tensors),
         # e.g. an epoch counter, a gradient-accumulation micro-step, a best-loss record.
         self.extras: dict[str, Any] = {}
+        self._sharded: list[str] = []  # names of objects with sharded state (reshard.py)
+        self._shard_totals: dict[str, dict[str, int]] = {}
+        self._prev_world: int | None = None
         self.step = 0
         self.position = 0  # global samples consumed by completed steps: the rollback point
         # Every process starts holding a valid state: the (seeded) step-0 state. A
@@ -149,6 +153,15 @@ class Session:
             if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
                 raise ResilienceError(f"cannot register {name!r}: it has no state_dict()/load_state_dict()")
             self._objects[name] = obj
+
+    def register_sharded(self, **objects: Any) -> None:
+        """Register objects whose state is sharded over the ranks (ZeRO-style): their
+        state_dict is ``{"shards": {key: 1-D slice}, ...replicated...}`` with rank r's
+        slice being ``shard_range(total, world_size, r)`` of one global flat tensor.
+        Recoveries restore them from the newest complete checkpoint, resharded to the
+        new world size (see ``worker/reshard.py``)."""
+        self.register(**objects)
+        self._sharded += [n for n in objects if n not in self._sharded]
 
     # -- the loop --------------------------------------------------------------
     def steps(self, total_steps: int) -> Iterator[Step]:
@@ -310,6 +323,8 @@ class Session:
     # -- restore and rollback --------------------------------------------------
     def _sync_state(self) -> None:
         """Collective: adopt the newest state any rank holds; roll data back to its step."""
+        if self._sharded:
+            return self._sync_sharded()
         t0 = time.time()
         live = self.step if self._live_state else -1
         # Checkpoints matter when this process holds nothing newer than its start:
@@ -334,6 +349,57 @@ class Session:
         self._emit("restored", start=t0, step=self.step, position=self.position, source=choice.source_rank,
                    offers=offers, **({"tier": source} if source != "peer" else {}))
 
+    def _sync_sharded(self) -> None:
+        """Collective, with sharded state: keep the live state only when every rank
+        survived at the same step in an unchanged world; else restore the newest complete
+        checkpoint, resharded (a lost rank's slice exists nowhere else)."""
+        t0 = time.time()
+        live = (self._live_state and not self._plan.joining and self._prev_world in (None, self.world_size))
+        offers = self._gen.all_gather_ints(self.step if live else -1)
+        source = "live"
+        if min(offers) < 0 or len(set(offers)) > 1:
+            try:
+                state = reshard.restore_sharded(self._gen, self._store, self.checkpoints, self._sharded)
+            except RuntimeError as exc:  # a store wait timed out: a peer is gone
+                raise StepAborted(f"resharded restore failed: {exc}") from exc
+            if state is not None:
+                self._load_state_dict(state)
+                source = "checkpoint"
+            elif max(self._gen.all_gather_ints(self.step)) > 0 or not self._live_state:
+                raise ResilienceError("sharded state: no complete checkpoint holds every shard; "
+                                      "keep a shared tier or partner copies so a lost rank's slice survives")
+        self._shard_totals = self._agree_totals()
+        self._prev_world = self.world_size
+        self._live_state = True
+        self._needs_sync = False
+        self._first_step_pending = True
+        self._hb.update(step=self.step)
+        self._emit("restored", start=t0, step=self.step, position=self.position, offers=offers,
+                   source=-1, **({"tier": source, "resharded": True} if source != "live" else {}))
+        if self.step == 0 and not self.checkpoints.candidates():
+            disk = [s.name for s in self.checkpoints.specs if s.storage != "memory"]
+            self.checkpoints.save(0, self._state_dict(), disk)  # step 0 must be restorable too
+
+    def _agree_totals(self) -> dict[str, dict[str, int]]:
+        """Collective: global length of every sharded key; checks this rank's slice."""
+        local = {n: {k: int(t.numel()) for k, t in sorted(self._objects[n].state_dict()[reshard.SHARDS].items())}
+                 for n in self._sharded}
+        flat = torch.tensor([v for n in self._sharded for v in local[n].values()], dtype=torch.int64)
+        self._gen.all_reduce_sum(flat)
+        totals, i = {}, 0
+        for n in self._sharded:
+            totals[n] = {}
+            for k, mine in local[n].items():
+                total = int(flat[i])
+                i += 1
+                a, b = reshard.shard_range(total, self.world_size, self.rank)
+                if mine != b - a:
+                    raise ResilienceError(f"sharded {n}[{k!r}]: rank {self.rank} holds {mine} elements, "
+                                          f"shard_range({total}, {self.world_size}, {self.rank}) says {b - a}; "
+                                          "partition with slurm_resilience.shard_range")
+                totals[n][k] = total
+        return totals
+
     def _state_dict(self) -> dict[str, Any]:
         rng = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
         if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -344,6 +410,7 @@ class Session:
             "objects": {n: o.state_dict() for n, o in self._objects.items()},
             "rng": rng,
             "extras": dict(self.extras),
+            **({"shard_totals": self._shard_totals} if self._sharded else {}),
         }
 
     def _load_state_dict(self, state: dict[str, Any]) -> None:

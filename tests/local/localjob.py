@@ -14,6 +14,7 @@ from slurm_resilience.launch.localhost import LocalLauncher
 from slurm_resilience.supervisor.loop import Supervisor
 
 TRAIN = Path(__file__).resolve().parents[2] / "examples" / "train_mlp.py"
+ZERO = TRAIN.with_name("train_zero.py")  # sharded (ZeRO-1-style) optimizer state
 STEPS = 40
 STEP_TIME = 0.1
 INJECT_AFTER = 5  # fault once every rank has reported this step
@@ -26,7 +27,7 @@ class LocalJob:
                  step_time: float = STEP_TIME, checkpoint: dict | None = None,
                  job_name: str = "job", local_dir: Path | None = None,
                  recovery: dict | None = None, detect: dict | None = None,
-                 extra_args: tuple[str, ...] = ()) -> None:
+                 extra_args: tuple[str, ...] = (), script: Path = TRAIN) -> None:
         cfg = load_config({
             "reconnect": {"gloo_ifname": "lo"},
             "job": {"nodes": nodes, "spares": spares},
@@ -40,7 +41,7 @@ class LocalJob:
         self.out = io.StringIO()
         self.sup = Supervisor(
             config=cfg,
-            command=[sys.executable, str(TRAIN), "--steps", str(steps), "--step-time", str(step_time), *extra_args],
+            command=[sys.executable, str(script), "--steps", str(steps), "--step-time", str(step_time), *extra_args],
             job_dir=str(self.job_dir),
             nodes=[f"local{i}" for i in range(1, nodes + spares + 1)],
             launcher=self.launcher, store_host="127.0.0.1", job_id="test", out=self.out)
