@@ -33,8 +33,8 @@ import torch
 from ..errors import CheckpointError
 from ..files import makedirs_private, write_private
 from . import manifest as mf
-from .hdf5_format import flatten_state, read_shard, unflatten_state, verify_shard, write_shard
-from .redundancy import partner_of, partner_sources
+from .hdf5_format import flatten_state, read_shard, shard_crc32, unflatten_state, verify_shard, write_shard
+from .partner_tier import exchange_partner
 from .tiers import IntervalEstimator, Redundancy, TierSpec, base_tier, expand_path, tier_for_step
 from .xor_rebuild import rebuild_tier
 from .xor_tier import encode_step, parity_name
@@ -230,10 +230,12 @@ class CheckpointEngine:
                 local_path, nbytes = self._persist_local(spec, root, job, state, attrs)
             else:
                 nbytes = self._persist_shared(spec, root, job, state, attrs, local_path)
-            dt = time.perf_counter() - t0
+            dt = time.perf_counter() - t0  # until committed (latest moved); pruning is after
             self.stats.append({"tier": name, "step": job.step, "seconds": dt, "bytes": nbytes})
             self._emit("checkpoint_durable", step=job.step, tier=name, seconds=round(dt, 4),
                        bytes=nbytes)
+            if spec.storage == "local":
+                mf.prune(root, keep_last=spec.keep)
 
     def _persist_local(self, spec, root, job, state, attrs):
         path = mf.shard_path(root, job.step, job.rank)
@@ -245,7 +247,8 @@ class CheckpointEngine:
         copies: dict[int, mf.ShardRecord] = {}
         extra: dict[str, Any] = {}
         if spec.redundancy is Redundancy.PARTNER and job.world_size > 1:
-            copies = self._exchange_partner(root, job, path if ok else None)
+            copies = exchange_partner(job.transfer.get(), os.path.join(root, PARTNER_DIR), step=job.step,
+                                      rank=job.rank, nodes=job.nodes, path=path if ok else None)
         elif spec.redundancy is Redundancy.XOR and job.world_size > 1:
             size, why = encode_step(job.transfer.get(), root_step_dir=mf.step_dir(root, job.step), step=job.step,
                                     rank=job.rank, nodes=job.nodes, group_size=spec.group_size,
@@ -268,36 +271,7 @@ class CheckpointEngine:
                                                  created=time.time(), extra={}))
             mf.prune(proot, keep_last=spec.keep)
         mf.set_latest(root, job.step)
-        mf.prune(root, keep_last=spec.keep)
         return path, info.nbytes
-
-    def _exchange_partner(self, root: str, job: _Job, path: str | None) -> dict[int, mf.ShardRecord]:
-        """Collective (transfer group): send our shard to our partner, keep our sources' shards."""
-        g = job.transfer.get()
-        data = open(path, "rb").read() if path else b""
-        dst = partner_of(job.rank, job.nodes)
-        srcs = partner_sources(job.rank, job.nodes)
-        # Sizes first (one all-gather), then the bytes in one all-to-all: both are
-        # collectives whose waits are sliced, so a newer plan abandons them promptly.
-        payload = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
-        sizes = g.all_gather_ints(payload.numel())
-        in_splits = [payload.numel() if r == dst else 0 for r in range(job.world_size)]
-        out_splits = [sizes[r] if r in srcs else 0 for r in range(job.world_size)]
-        out = torch.empty(sum(out_splits), dtype=torch.uint8)
-        g.all_to_all(out, payload, out_splits, in_splits)
-        bufs, offset = {}, 0
-        for r in range(job.world_size):
-            if out_splits[r]:
-                bufs[r] = out[offset: offset + out_splits[r]]
-                offset += out_splits[r]
-        kept = {}
-        proot = os.path.join(root, PARTNER_DIR)
-        for s, b in bufs.items():
-            if b.numel():
-                dest = mf.shard_path(proot, job.step, s)
-                write_private(dest, b.numpy().tobytes())
-                kept[s] = mf.ShardRecord(os.path.basename(dest), b.numel(), read_shard_crc(dest))
-        return kept
 
     def _persist_shared(self, spec, root, job, state, attrs, local_path) -> int:
         path = mf.shard_path(root, job.step, job.rank)
@@ -305,9 +279,9 @@ class CheckpointEngine:
         try:
             if local_path and os.path.exists(local_path):
                 makedirs_private(os.path.dirname(path))
-                write_private(path, open(local_path, "rb").read())
-                info_crc = read_shard_crc(path)
-                nbytes, crc = os.path.getsize(path), info_crc
+                with open(local_path, "rb") as f:
+                    write_private(path, f.read())
+                nbytes, crc = os.path.getsize(path), shard_crc32(path)
             else:
                 info = write_shard(path, state, attrs=attrs)
                 nbytes, crc = info.nbytes, info.crc32
@@ -445,12 +419,6 @@ def _gather(job: _Job, value: int) -> list[int]:
     if job.transfer is None or job.world_size == 1:
         return [value]
     return job.transfer.get().all_gather_ints(int(value))
-
-
-def read_shard_crc(path: str) -> int:
-    from .hdf5_format import shard_crc32
-
-    return shard_crc32(path)
 
 
 def _line(exc: BaseException) -> str:

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import zlib
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
@@ -34,6 +33,7 @@ from ..files import write_private
 from . import manifest as mf
 from .hdf5_format import shard_crc32, verify_shard
 from .redundancy import rebuild_sources, xor_groups, xor_into
+from .shard_io import crc32
 from .xor_tier import (ROUND_BYTES, ParityHeader, gather_rows, group_of, parity_name, pread_into,
                        read_parity, rounds, write_parity)
 
@@ -251,7 +251,7 @@ class _Lost:
             if problems:
                 os.unlink(path)
                 return f"rebuilt shard is invalid: {problems[0]}"
-            hdr = dataclasses.replace(self.hdr, parity_crc32=zlib.crc32(self.row))
+            hdr = dataclasses.replace(self.hdr, parity_crc32=crc32(self.row))
             name = parity_name(hdr.group[self.member])
             write_parity(os.path.join(mf.step_dir(root, step), name), hdr, self.row)
             rank = hdr.group[self.member]

@@ -21,7 +21,6 @@ import dataclasses
 import json
 import os
 import struct
-import zlib
 from typing import Any, Sequence
 
 import numpy as np
@@ -30,6 +29,7 @@ import torch
 from ..errors import CheckpointError
 from ..files import write_private
 from .redundancy import segment_in_row, segment_size, xor_groups, xor_into
+from .shard_io import crc32
 
 __all__ = ["ROUND_BYTES", "ParityHeader", "parity_name", "write_parity", "read_parity",
            "group_of", "gather_rows", "rounds", "pread_into", "encode_step"]
@@ -49,7 +49,7 @@ class ParityHeader:
         member: index in ``group`` of the rank that stores this row (= the row).
         lengths: shard file size of every member, in member order.
         shard_crc32: combined checksum (``ShardInfo.crc32``) of every member's shard.
-        parity_crc32: zlib CRC32 of the row itself.
+        parity_crc32: CRC32 of the row itself.
     """
 
     step: int
@@ -118,7 +118,7 @@ def read_parity(path: str, *, data: bool = True) -> tuple[ParityHeader, int, np.
     row = np.frombuffer(blob, dtype=np.uint8, offset=offset)
     if len(row) != hdr.segment:
         raise CheckpointError(f"parity file {path} has {len(row)} parity bytes, expected {hdr.segment}")
-    if zlib.crc32(row) != hdr.parity_crc32:
+    if crc32(row) != hdr.parity_crc32:
         raise CheckpointError(f"parity file {path}: checksum mismatch")
     return hdr, offset, row
 
@@ -209,7 +209,7 @@ def encode_step(g: Any, *, root_step_dir: str, step: int, rank: int, nodes: Sequ
     if error:
         return 0, error
     header = ParityHeader(step=step, world_size=g.world_size, group=tuple(group), member=me, lengths=lengths,
-                          shard_crc32=tuple(table[r][1] for r in group), parity_crc32=zlib.crc32(parity))
+                          shard_crc32=tuple(table[r][1] for r in group), parity_crc32=crc32(parity))
     try:
         return write_parity(os.path.join(root_step_dir, parity_name(rank)), header, parity), ""
     except OSError as e:

@@ -3,8 +3,8 @@
 Quicker than the process-per-rank tests in ``tests/local/test_ckpt_xor.py``: the
 ranks are threads of this process, each with its own engine, per-node directory
 and gloo group (the real :class:`Generation`), so collectives, files and checksums
-are all real. Covers the encode rounds, a lost node, a failing rank's vote, and
-a rank that never joins the rebuild.
+are all real. Covers the encode rounds, a lost node, a failing rank's vote, a
+rank that never joins the rebuild, and PARTNER copies over the same groups.
 """
 
 from __future__ import annotations
@@ -36,12 +36,12 @@ def _state(rank, step):
 class Cluster:
     """N rank threads sharing one TCPStore; ``run`` calls fn(rank, engine) on all of them."""
 
-    def __init__(self, root, nodes, *, gen, group_size=3, timeout_s=20.0):
+    def __init__(self, root, nodes, *, gen, group_size=3, timeout_s=20.0, redundancy=Redundancy.XOR):
         self.root, self.nodes, self.gen = root, list(nodes), gen
         self.store = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=30), wait_for_workers=False)
         self.table = RankTable(generation=gen, slots=tuple(RankSlot(rank=i, node=n, worker_id=f"w{i}")
                                                            for i, n in enumerate(self.nodes)))
-        spec = TierSpec(name="L1", storage="local", interval_steps=1, redundancy=Redundancy.XOR,
+        spec = TierSpec(name="L1", storage="local", interval_steps=1, redundancy=redundancy,
                         group_size=group_size, path=str(root) + "/{node}/l1", keep=2)
         self.events = [[] for _ in self.nodes]
         self.engines = []
@@ -172,3 +172,22 @@ def test_a_rank_that_never_joins_fails_the_rebuild_not_the_caller(tmp_path):
     for r in (0, 1):
         assert [k for k, _ in c.events[r]] == ["checkpoint_rebuild_failed"], c.events[r]
     assert not os.path.exists(mf.shard_path(str(tmp_path / "a" / "l1"), 1, 0))
+
+
+def test_partner_copies_over_the_same_groups(tmp_path):
+    """PARTNER (the other node-local redundancy) through the same harness: each node holds
+    its partner source's shard, bit-identical, under a committed partner manifest."""
+    nodes = ["a", "b", "c"]
+    c = Cluster(tmp_path, nodes, gen=0, redundancy=Redundancy.PARTNER)
+    try:
+        assert c.run(_save([1, 2])) == {r: [] for r in range(3)}
+    finally:
+        c.close()
+    for r, node in enumerate(nodes):
+        src = (r - 1) % 3  # partner_of(src) == r with one rank per node
+        proot = str(tmp_path / node / "l1" / "partner")
+        assert mf.complete_steps(proot) == [1, 2]
+        copy = mf.shard_path(proot, 2, src)
+        own = mf.shard_path(str(tmp_path / nodes[src] / "l1"), 2, src)
+        assert open(copy, "rb").read() == open(own, "rb").read()
+        assert mf.validate_step(proot, 2, deep=True) == []

@@ -150,6 +150,13 @@ def test_colliding_keys_roundtrip(tmp_path):
     roundtrip(tmp_path, state)
 
 
+def test_unicode_and_odd_keys_roundtrip(tmp_path):
+    t = torch.arange(4.0)
+    state = {"größe": t, "模型": {"层/1": t + 1}, "a/b": t + 2, "": t + 3, "nul\0": t + 4, ("x", 1): t + 5}
+    roundtrip(tmp_path, state)
+    assert verify_shard(str(tmp_path / "s.h5")) == []
+
+
 Pair = collections.namedtuple("Pair", "a b")
 
 
@@ -345,3 +352,98 @@ def test_sigkilled_first_write_leaves_no_final_file(tmp_path):
             proc.kill()
             proc.wait()
     assert not os.path.exists(path)
+
+
+# -- bulk I/O past h5py (shard_io) ------------------------------------------------------------
+
+
+def test_bulk_layout_contiguous_allocated_and_checksummed(tmp_path, monkeypatch):
+    from slurm_resilience.checkpoint import shard_io
+
+    monkeypatch.setattr(shard_io, "CHUNK", 4096)  # many chunks per dataset: CRCs are combined
+    g = torch.Generator().manual_seed(1)
+    state = {"big": torch.randn(50_001, generator=g), "bf": torch.randn(3000, generator=g).to(torch.bfloat16),
+             "small": torch.arange(3), "empty": torch.empty(0)}
+    path = str(tmp_path / "s.h5")
+    info, out, _ = roundtrip(tmp_path, state)
+    with h5py.File(path, "r") as f:
+        for name in ("objects/big", "objects/bf", "objects/small"):
+            ds = f[name]
+            assert ds.chunks is None and ds.compression is None and ds.id.get_offset() is not None
+            assert int(ds.attrs["crc32"]) == zlib_crc(ds[()])
+    assert verify_shard(path) == [] and shard_crc32(path) == info.crc32
+
+
+def zlib_crc(arr):
+    import zlib
+
+    return zlib.crc32(np.ascontiguousarray(arr))
+
+
+def test_flipped_byte_in_a_bulk_chunk_is_found(tmp_path, monkeypatch):
+    from slurm_resilience.checkpoint import shard_io
+
+    monkeypatch.setattr(shard_io, "CHUNK", 4096)
+    path = str(tmp_path / "s.h5")
+    write_shard(path, {"w": torch.randn(40_000), "v": torch.randn(100)})
+    with h5py.File(path, "r") as f:
+        offset = f["objects/w"].id.get_offset()
+    with open(path, "r+b") as fh:
+        fh.seek(offset + 100_001)
+        b = fh.read(1)
+        fh.seek(offset + 100_001)
+        fh.write(bytes([b[0] ^ 1]))
+    problems = verify_shard(path)
+    assert problems == [f"corrupt shard {path}: dataset objects/w checksum mismatch"]
+    with pytest.raises(CheckpointError, match="objects/w checksum mismatch"):
+        read_shard(path)
+    assert read_shard(path, verify=False)[0]["v"].shape == (100,)
+
+
+def test_chunked_or_compressed_datasets_are_read_through_h5py(tmp_path):
+    """A shard whose datasets are not plain contiguous runs (another writer) still reads and verifies."""
+    path = str(tmp_path / "s.h5")
+    write_shard(path, {"w": torch.arange(1000, dtype=torch.float32)})
+    with h5py.File(path, "r+") as f:
+        data, crc = f["objects/w"][()], f["objects/w"].attrs["crc32"]
+        del f["objects/w"]
+        ds = f.create_dataset("objects/w", data=data, chunks=(100,), compression="gzip")
+        ds.attrs["crc32"] = crc
+    out, _ = read_shard(path)
+    assert torch.equal(out["w"], torch.arange(1000, dtype=torch.float32))
+    assert verify_shard(path) == []
+
+
+def test_crc32_is_zlibs():
+    import zlib
+
+    from slurm_resilience.checkpoint.shard_io import CRC32_IMPL, crc32, crc32_combine
+
+    data = os.urandom(100_000)
+    assert crc32(data) == zlib.crc32(data) and CRC32_IMPL in ("isal", "zlib")
+    rng = random.Random(0)
+    for _ in range(200):
+        a, b = os.urandom(rng.randint(0, 2000)), os.urandom(rng.randint(0, 2000))
+        assert crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(a + b)
+    assert crc32_combine(123, 0, 0) == 123
+
+
+def test_extents_write_read_and_short_file(tmp_path):
+    from slurm_resilience.checkpoint.shard_io import crc_extents, read_extents, write_extents
+    import zlib
+
+    path = tmp_path / "f"
+    bufs = [os.urandom(n) for n in (10_000, 1, 0, 7_777)]
+    offsets = [0, 20_000, 20_001, 30_000]
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        crcs = write_extents(fd, [(o, memoryview(b)) for o, b in zip(offsets, bufs)], threads=3, chunk=1000)
+        assert crcs == [zlib.crc32(b) for b in bufs]
+        back = [bytearray(len(b)) for b in bufs]
+        assert read_extents(fd, [(o, memoryview(b)) for o, b in zip(offsets, back)], chunk=999) == crcs
+        assert [bytes(b) for b in back] == bufs
+        assert crc_extents(fd, [(o, len(b)) for o, b in zip(offsets, bufs)], threads=1, chunk=4096) == crcs
+        with pytest.raises(OSError, match="bytes short"):
+            crc_extents(fd, [(30_000, 8_000)])
+    finally:
+        os.close(fd)
