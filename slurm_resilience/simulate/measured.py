@@ -16,9 +16,21 @@ and without faults and the model has no term for them.
 
 Observed ETTR = ``steps * step_time_s / (end - start)``: the steps that reached
 the final state, each costed at the fault-free step time, over the window's wall
-time. With ``step_time_s`` measured as a fault-free run's window / steps, that
-run's ETTR is 1 by construction and a faulted run's ETTR is the share of its
-window that would have been enough without faults.
+time: the share of the window that would have been enough without faults.
+
+The fault-free step time is best taken from the run itself
+(``productive_step_time``): on a shared box the load drifts between runs, and a
+few percent of step time is a few points of ETTR. It is the mean step time of
+the run's stretches of training: from a generation's restore (every rank holds
+the state) to the next fault, or to the end::
+
+    restored(g) ── s(g') - s(g) steps ── X fault        restored(g') ── …
+    |<───────────── measured ──────────>|(1/2 - collective_at) step unseen
+
+A fault before the step's collective (``collective_at`` = 1) leaves the partial
+step it interrupts (half a step on average) inside the stretch but uncounted; a
+fault after it (0) lets the survivors count a step whose last half comes after
+the fault. Faults during a recovery start no stretch.
 """
 
 from __future__ import annotations
@@ -34,7 +46,7 @@ from .strategies import PHASE_NAMES
 
 __all__ = [
     "IncompleteRunError", "poisson_schedule", "TrainingWindow", "training_window",
-    "observed_ettr", "recovery_phases_ms", "mean_phases_ms",
+    "observed_ettr", "productive_step_time", "recovery_phases_ms", "mean_phases_ms",
 ]
 
 
@@ -98,6 +110,46 @@ def observed_ettr(*, steps: int, step_time_s: float, wall_s: float) -> float:
     if step_time_s <= 0 or wall_s <= 0 or steps < 0:
         raise ConfigError("step_time_s and wall_s must be > 0 and steps >= 0")
     return steps * step_time_s / wall_s
+
+
+def productive_step_time(events: Sequence[Mapping[str, Any]], fault_times: Iterable[float] = (),
+                         *, collective_at: float = 1.0) -> float:
+    """The mean step time of a finished run's stretches of training (module docstring).
+
+    Raises:
+        IncompleteRunError: the run did not finish, or trained no step between faults.
+        ConfigError: ``collective_at`` outside [0, 1].
+    """
+    if not 0.0 <= collective_at <= 1.0:
+        raise ConfigError(f"collective_at={collective_at} must be within [0, 1]")
+    window = training_window(events)
+    world = len({e["rank"] for e in events if e["kind"] == "rank_restored" and e.get("generation") == 0})
+    restores: dict[int, list[Mapping[str, Any]]] = {}
+    for e in events:
+        if e["kind"] == "rank_restored":
+            restores.setdefault(int(e["generation"]), []).append(e)
+    # (time, step) of every generation all ranks restored into, in time order
+    starts = sorted((max(r["t"] for r in rs), int(rs[0]["step"]))
+                    for rs in restores.values() if len({r["rank"] for r in rs}) == world)
+    faults = sorted(f for f in fault_times if window.start <= f < window.end)
+    seconds = steps = 0.0
+    cut = 0  # stretches a fault ended
+    for i, (t, step) in enumerate(starts):
+        fault = next((f for f in faults if f >= t), None)
+        nxt = starts[i + 1] if i + 1 < len(starts) else None
+        if nxt is not None and (fault is None or nxt[0] <= fault):
+            seconds, steps = seconds + nxt[0] - t, steps + nxt[1] - step  # re-formed without a fault
+        elif fault is not None:
+            after = next(((u, s) for u, s in starts[i + 1:] if u > fault), None)
+            if after is None:
+                raise IncompleteRunError(f"no generation restored after the fault at {fault}")
+            seconds, steps, cut = seconds + fault - t, steps + after[1] - step, cut + 1
+        else:
+            seconds, steps = seconds + window.end - t, steps + window.steps - step
+    counted = steps - cut * (0.5 - collective_at)
+    if counted <= 0:
+        raise IncompleteRunError("the run trained no step between its faults")
+    return seconds / counted
 
 
 def recovery_phases_ms(events: Sequence[Mapping[str, Any]],

@@ -10,7 +10,8 @@ from slurm_resilience.simulate.goodput import (
     expected_ettr, simulate, validate_against_run,
 )
 from slurm_resilience.simulate.measured import (
-    IncompleteRunError, mean_phases_ms, observed_ettr, poisson_schedule, recovery_phases_ms, training_window,
+    IncompleteRunError, mean_phases_ms, observed_ettr, poisson_schedule, productive_step_time, recovery_phases_ms,
+    training_window,
 )
 
 ONE = Cluster(gpus=1, gpus_per_node=1)
@@ -82,6 +83,53 @@ def test_observed_ettr():
     assert observed_ettr(steps=300, step_time_s=0.1, wall_s=37.0) == pytest.approx(30.0 / 37.0)
     with pytest.raises(ConfigError):
         observed_ettr(steps=300, step_time_s=0.0, wall_s=37.0)
+
+
+def _stretches(restores, done_t, done_step, world=2):
+    """Events of a run: generation -> (restore time, step) for every rank; done at the end."""
+    ev = [{"t": t, "kind": "rank_restored", "generation": g, "rank": r, "step": s}
+          for g, (t, s) in restores.items() for r in range(world)]
+    return ev + [{"t": done_t, "kind": "rank_done", "generation": max(restores), "rank": r, "step": done_step}
+                 for r in range(world)]
+
+
+def test_productive_step_time_without_faults_is_window_over_steps():
+    assert productive_step_time(_stretches({0: (100.0, 0)}, 130.0, 250)) == pytest.approx(30.0 / 250)
+
+
+def test_productive_step_time_after_the_collective():
+    # 0.1 s steps; a fault 100.5 steps in; the survivors finish step 101 and stop:
+    # generation 1 restores step 101 at 113 and trains 100 more steps to the end.
+    ev = _stretches({0: (100.0, 0), 1: (113.0, 101)}, 123.0, 201)
+    assert productive_step_time(ev, [110.05], collective_at=0.0) == pytest.approx(0.1)
+    # window / steps would count the 3 s recovery as training
+    assert training_window(ev).wall_s / 201 == pytest.approx(23.0 / 201)
+
+
+def test_productive_step_time_before_the_collective():
+    # the same fault before the collective: step 101 is aborted, generation 1 restores 100
+    ev = _stretches({0: (100.0, 0), 1: (113.0, 100)}, 123.0, 200)
+    assert productive_step_time(ev, [110.05], collective_at=1.0) == pytest.approx(0.1)
+
+
+def test_productive_step_time_fault_during_recovery_and_fault_free_reform():
+    # fault at 110.05 -> generation 1 restored at 113 (step 101); a second fault at 111
+    # (during that recovery) starts no stretch; generation 2 re-forms at 120 with no
+    # fault (e.g. a straggler moved); the run ends at 130 with step 271.
+    ev = _stretches({0: (100.0, 0), 1: (113.0, 101), 2: (120.0, 171)}, 130.0, 271)
+    got = productive_step_time(ev, [110.05, 111.0], collective_at=0.0)
+    assert got == pytest.approx((10.05 + 7.0 + 10.0) / (270.5), rel=1e-9)
+    assert got == pytest.approx(0.1)
+
+
+def test_productive_step_time_errors():
+    ev = _stretches({0: (100.0, 0)}, 130.0, 250)
+    with pytest.raises(ConfigError):
+        productive_step_time(ev, collective_at=-0.1)
+    with pytest.raises(IncompleteRunError, match="no generation restored after"):
+        productive_step_time(ev, [110.0])
+    with pytest.raises(IncompleteRunError):
+        productive_step_time([e for e in ev if e["kind"] != "rank_done"])
 
 
 def test_recovery_phases_take_detect_from_the_newest_fault_before_detection():
