@@ -29,6 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from slurm_resilience.checkpoint.engine import CheckpointEngine  # noqa: E402
 from slurm_resilience.checkpoint.hdf5_format import verify_shard  # noqa: E402
+from slurm_resilience.checkpoint.shard_io import CRC32_IMPL, IO_THREADS  # noqa: E402
 from slurm_resilience.checkpoint.tiers import TierSpec  # noqa: E402
 
 
@@ -110,7 +111,8 @@ def run(args) -> dict:
     state = make_state(size_gib, args.tensors, device)
     size = nbytes(state)
     root = Path(tempfile.mkdtemp(prefix="ckbench-", dir=args.dir))
-    res: dict = {"bytes": size, "device": device, "repeat": args.repeat}
+    res: dict = {"bytes": size, "device": device, "repeat": args.repeat, "crc32": CRC32_IMPL,
+                 "io_threads": IO_THREADS}
     try:
         if not args.skip_others:
             p = root / "torch_save.pt"
@@ -198,7 +200,8 @@ def report(r: dict) -> str:
             ("ours: L1 persist (HDF5+fsync+commit)", "ours_l1_persist_s"),
             ("ours: verify (best(): read+CRC)", "ours_verify_s"),
             ("ours: restore (load: read+verify)", "ours_restore_s")]
-    lines = [f"state: {gb:.2f} GB on {r['device']}; raw and ours: median of {r['repeat']} alternating runs",
+    lines = [f"state: {gb:.2f} GB on {r['device']}; raw and ours: median of {r['repeat']} alternating runs; "
+             f"ours: CRC32 from {r['crc32']}, {r['io_threads']} I/O threads",
              f"{'what':<40}{'seconds':>10}{'bandwidth':>16}"]
     lines += [f"{n:<40}{r[k]:>10.3f}{bw(r[k]):>16}" for n, k in rows if k in r]
     lines += [

@@ -303,10 +303,17 @@ def _plan_bulk(ds: h5py.Dataset, path: str, name: str, allocate: bool) -> _Bulk 
         if offset is None:
             return None
         stored = ds.attrs.get("crc32")
-        array = np.empty(ds.shape, dtype=ds.dtype) if allocate else None
+        array = _empty(ds.shape, ds.dtype, nbytes) if allocate else None
     except (OSError, KeyError, ValueError, TypeError) as e:
         raise CheckpointError(f"corrupt shard {path}: dataset {name} unreadable ({_first_line(e)})") from e
     return _Bulk(name, offset, nbytes, stored, array)
+
+
+def _empty(shape: tuple[int, ...], dtype: np.dtype, nbytes: int) -> np.ndarray:
+    """Uninitialized memory from torch's allocator, as a numpy array of ``dtype``. Not
+    np.empty: numpy asks for transparent huge pages, and the kernel's synchronous
+    compaction for them made some restores several times slower."""
+    return torch.empty(nbytes, dtype=torch.uint8).numpy().view(dtype).reshape(shape)
 
 
 def _bulk_read(path: str, bulk: list[_Bulk], *, keep: bool) -> list[int]:

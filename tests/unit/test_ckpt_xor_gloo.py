@@ -122,6 +122,9 @@ def test_encode_then_rebuild_a_lost_node(tmp_path, small_rounds):
     assert all(v == [(2, 2, True)] for v in rebuilt.values()), rebuilt
     assert best[2] == (2, "L1", mf.shard_path(str(tmp_path / "c" / "l1"), 2, 2))
     assert (tmp_path / "c" / "l1" / "step-00000002" / "rank-00002.h5").read_bytes() == lost
+    for name in ("rank-00002.h5", "xor-00002.bin", "manifest.json"):  # private, like every file we write
+        assert os.stat(tmp_path / "c" / "l1" / "step-00000002" / name).st_mode & 0o777 == 0o600
+    assert os.stat(tmp_path / "c" / "l1" / "step-00000002").st_mode & 0o777 == 0o700
     want = _state(2, 2)
     assert torch.equal(state["w"], want["w"]) and torch.equal(state["h"], want["h"]) and state["h"].dtype == torch.half
 
