@@ -134,18 +134,18 @@ def _execute(g: Any, plan: RebuildPlan, *, root: str, tier: str, rank: int, roun
     head = hdr.to_bytes() if hdr else b""
     table = gather_rows(g, [len(head), hdr.segment if hdr else 0])
     total = max(rounds(row[1], round_bytes) for row in table)
-    senders = [r for r in range(g.world_size) if table[r][0] and rank in plan.lost
-               and r in plan.lost[rank]]
+    mine = plan.lost.get(rank, ())  # our group, when we are the rank being rebuilt
+    senders = [r for r in mine if r != rank and table[r][0]]
     recv = _exchange(g, head, target, {r: table[r][0] for r in senders})
-    lost = _Lost(plan.lost[rank], rank, recv) if rank in plan.lost else None
+    lost = _Lost(mine, rank, recv) if mine else None
     error = lost.error if lost else ""
-    fds = _open_sources(sdir, rank, hdr) if hdr else (-1, -1)
+    fds = _open_sources(sdir, rank) if hdr else (-1, -1)
     try:
         for k in range(total):
             c0 = k * round_bytes
             send = _pieces(fds, hdr, offset, rank, target, c0, round_bytes) if hdr else b""
             got = _exchange(g, send, target if hdr else None,
-                            {r: _width(table[r][1], c0, round_bytes) * len(plan.lost[rank]) for r in senders})
+                            {r: _width(table[r][1], c0, round_bytes) * len(mine) for r in senders})
             if lost:
                 for piece in got.values():
                     lost.absorb(piece, c0)
@@ -179,7 +179,7 @@ def _exchange(g: Any, send: bytes | np.ndarray, target: int | None, sizes: Mappi
     return got
 
 
-def _open_sources(sdir: str, rank: int, hdr: ParityHeader) -> tuple[int, int]:
+def _open_sources(sdir: str, rank: int) -> tuple[int, int]:
     fds = []
     for name in (mf.shard_name(rank), parity_name(rank)):
         try:
