@@ -46,13 +46,23 @@ def read_store_address(job_dir: str) -> tuple[str, int]:
     return str(d["host"]), int(d["port"])
 
 
+# Signals that end a supervisor on purpose (Slurm ending or requeueing the job, a
+# user's scancel or Ctrl-C): the supervisor is not restarted after these.
+ORDERLY = frozenset({signal.SIGTERM, signal.SIGINT, signal.SIGHUP})
+
+
 def keep(child_argv: Sequence[str], *, restarts: int, forward: Sequence[int] = (),
          out=sys.stderr) -> int:
     """Run ``child_argv`` (a supervisor); rerun it with ``--reattach`` each time it is
-    killed by a signal, at most ``restarts`` times. Returns its exit code."""
+    killed by a signal (SIGKILL, SIGSEGV, …), at most ``restarts`` times. Returns its
+    exit code (128 + N for a signal N). A signal in ``ORDERLY``, to the supervisor or
+    to this process, ends the job instead: no restart."""
     child: subprocess.Popen | None = None
+    ending = False
 
     def relay(signum, _frame) -> None:
+        nonlocal ending
+        ending = ending or signum in ORDERLY
         if child is not None and child.poll() is None:
             child.send_signal(signum)
 
@@ -64,6 +74,8 @@ def keep(child_argv: Sequence[str], *, restarts: int, forward: Sequence[int] = (
         code = child.wait()
         if code >= 0:
             return code
+        if ending or -code in ORDERLY:
+            return 128 - code
         left = restarts - attempt
         print(f"[sr keeper {time.strftime('%H:%M:%S')}] supervisor pid {child.pid} killed by signal "
               f"{-code}; {'restarting it to re-attach' if left else 'no restart left'} "

@@ -146,3 +146,12 @@ def test_reattach_at_the_keeper_level_is_refused(capsys):
 
     assert main(["local", "--reattach", "--", "true"]) == 2
     assert "--reattach is for the supervisor the batch step restarts" in capsys.readouterr().err
+
+
+def test_keeper_does_not_restart_a_supervisor_ended_on_purpose(tmp_path):
+    """scontrol requeue / scancel send SIGTERM to the whole batch step: no re-attach then."""
+    script = tmp_path / "child.py"
+    script.write_text("import os, signal; os.kill(os.getpid(), signal.SIGTERM)")
+    out = io.StringIO()
+    assert keep([sys.executable, str(script)], restarts=3, out=out) == 128 + 15
+    assert "restarting" not in out.getvalue()
