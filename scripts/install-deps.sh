@@ -39,5 +39,5 @@ fi
 # The project itself, editable, with the test and MPI extras (mpi4py: a binary
 # wheel on the system Open MPI), into the system python3 (no venv: the Slurm tasks
 # run this same interpreter on every emulated node).
-python3 -m pip install -q -e "$REPO[test,mpi]"
+python3 -m pip install -q -e "$REPO[test,mpi,fast]"
 echo "install-deps.sh: done"

@@ -210,7 +210,9 @@ class CheckpointConfig:
         local_auto: size the L1 interval by Young/Daly from the measured checkpoint
             cost and ``mtbf_s`` (overrides ``local_every``).
         local_dir: node-local directory; ``{job_id}``, ``{node}``, ``{rank}``, ``{job_dir}``.
-        local_redundancy: ``partner`` (a copy on the next node), or ``none``.
+        local_redundancy: ``partner`` (a copy on the next node), ``xor`` (parity over
+            groups of ``local_xor_group_size`` nodes: one lost node per group is
+            rebuilt), or ``none``.
         local_keep: L1 checkpoints kept (>= 1).
         shared_every_kth: L2 drains every K-th L1 checkpoint (0: off).
         shared_dir: shared-filesystem directory (Lustre or any shared path).
@@ -223,6 +225,7 @@ class CheckpointConfig:
     local_auto: bool = False
     local_dir: str = "/tmp/slurm_resilience/{job_id}/{node}/ckpt"
     local_redundancy: str = "partner"
+    local_xor_group_size: int = 4
     local_keep: int = 2
     shared_every_kth: int = 5
     shared_dir: str = "{job_dir}/checkpoints"
@@ -237,9 +240,12 @@ class CheckpointConfig:
         for name in ("local_keep", "shared_keep"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"checkpoint.{name}={getattr(self, name)} must be >= 1")
-        if self.local_redundancy not in ("none", "partner"):
-            raise ConfigError(f"checkpoint.local_redundancy={self.local_redundancy!r} must be 'none' or 'partner'"
-                              " (XOR parity exists as a library function but is not wired into the engine yet)")
+        if self.local_redundancy not in ("none", "partner", "xor"):
+            raise ConfigError(f"checkpoint.local_redundancy={self.local_redundancy!r} must be 'none', "
+                              "'partner' or 'xor'")
+        if self.local_xor_group_size < 2:
+            raise ConfigError(f"checkpoint.local_xor_group_size={self.local_xor_group_size} must be >= 2 "
+                              "(parity over a group of at least two nodes)")
         if self.shared_every_kth and not (self.local_every or self.local_auto):
             raise ConfigError("checkpoint.shared_every_kth drains L1 checkpoints: set local_every or local_auto")
         if self.mtbf_s <= 0:
@@ -255,7 +261,7 @@ class CheckpointConfig:
         if self.local_every or self.local_auto:
             specs.append(TierSpec(
                 name="L1", storage="local", path=self.local_dir, keep=self.local_keep,
-                redundancy=Redundancy(self.local_redundancy),
+                redundancy=Redundancy(self.local_redundancy), group_size=self.local_xor_group_size,
                 **({"auto": True} if self.local_auto else {"interval_steps": self.local_every})))
         if self.shared_every_kth:
             specs.append(TierSpec(name="L2", storage="shared", path=self.shared_dir,

@@ -137,6 +137,7 @@ def needed(totals: Mapping[str, Mapping[str, int]], old_world: int, new_world: i
 def restore_sharded(gen, store, engine, names: Sequence[str]) -> dict[str, Any] | None:
     """Collective over ``gen``: this rank's state at the newest step complete anywhere,
     its sharded objects resharded to ``gen.world_size``; None when there is no such step."""
+    engine.rebuild_missing()  # XOR tiers: a lost node's shard rebuilt into its slot's new rank
     held, shared, roots = local_holdings(engine)
     key = f"reshard/{gen.generation}"
     store.set(f"{key}/held/{gen.rank}", json.dumps([[s, r, w] for s, r, _, w in held]))

@@ -67,3 +67,21 @@ def test_scale_in_reshards_sharded_state_exactly(tmp_path):
     assert fa["step"] == fb["step"] == STEPS
     assert_bit_identical(fa["objects"], fb["objects"], "objects")  # model + rank 0's momentum slice
     assert fa["objects"]["optimizer"]["shards"]["momentum"].numel() == (32 * 64 + 64 + 64 * 4 + 4 + 1) // 2
+
+
+def test_node_replacement_rebuilds_the_lost_slice_from_xor_bit_identical(tmp_path):
+    """World size unchanged: a lost node's momentum slice comes back from XOR parity
+    (no partner copy, no shared tier) and the job ends bit-identical to a fault-free run."""
+    ckpt = {"local_every": 5, "local_redundancy": "xor", "local_xor_group_size": 3, "shared_every_kth": 0}
+    ref = _run(LocalJob(tmp_path, nodes=3, spares=0, steps=STEPS, script=ZERO, checkpoint=ckpt, job_name="ref",
+                        local_dir=tmp_path / "local-ref").start())
+    job = LocalJob(tmp_path, nodes=3, spares=1, steps=STEPS, script=ZERO, checkpoint=ckpt, job_name="job").start()
+    st = job.wait_for_step(INJECT_AFTER + 6)
+    job.launcher.fail_node(st["ranks"][1]["node"])
+    _run(job)
+    assert [d["level"] for d in _events(job, "recovery_done")] == ["node-replacement"]
+    rebuilt = [e for e in _events(job, "rank_checkpoint_rebuilt") if e["ranks"]]
+    assert rebuilt and rebuilt[0]["ranks"] == [1], _events(job, "rank_checkpoint_rebuilt")
+    restored = [e for e in _events(job, "rank_restored") if e.get("resharded")]
+    assert len({e["step"] for e in restored}) == 1 and restored[0]["step"] >= 10
+    assert_bit_identical(final_state(job)["objects"], final_state(ref)["objects"], "objects")

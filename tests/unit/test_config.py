@@ -111,7 +111,8 @@ def test_wrong_type(doc, want):
         ({"reconnect": {"poll_interval_ms": 0}}, "reconnect.poll_interval_ms=0.0 must be > 0"),
         ({"checkpoint": {"local_every": -1}}, "checkpoint.local_every=-1 must be >= 0"),
         ({"checkpoint": {"local_keep": 0}}, "checkpoint.local_keep=0 must be >= 1"),
-        ({"checkpoint": {"local_redundancy": "xor"}}, "checkpoint.local_redundancy='xor' must be"),
+        ({"checkpoint": {"local_redundancy": "raid6"}}, "checkpoint.local_redundancy='raid6' must be"),
+        ({"checkpoint": {"local_xor_group_size": 1}}, "checkpoint.local_xor_group_size=1 must be >= 2"),
     ],
 )
 def test_bad_values(doc, want):
@@ -138,3 +139,11 @@ def test_bad_yaml(tmp_path):
     assert _err(p).startswith(f"invalid YAML in {p}")
     p.write_text("- 1\n- 2\n")
     assert "must hold a mapping of sections" in _err(p)
+
+
+def test_xor_redundancy_reaches_the_tier_spec():
+    from slurm_resilience.checkpoint.tiers import Redundancy
+
+    cfg = load_config({"checkpoint": {"local_redundancy": "xor", "local_xor_group_size": 3}})
+    l1 = next(s for s in cfg.checkpoint.tiers() if s.name == "L1")
+    assert l1.redundancy is Redundancy.XOR and l1.group_size == 3
