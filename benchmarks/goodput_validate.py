@@ -153,7 +153,8 @@ def run_job(a: argparse.Namespace, root: Path, name: str, steps: int,
         thread.start()
         try:
             if schedule:
-                _inject(job_dir, launcher, thread, schedule, random.Random(seed), injections, deadline)
+                quiet_from = steps - 2 * a.checkpoint_every
+                _inject(job_dir, launcher, thread, schedule, random.Random(seed), injections, deadline, quiet_from)
             thread.join(max(0.0, deadline - time.monotonic()))
             if thread.is_alive():
                 raise TimeoutError(f"{name}: still running after {a.timeout_s:g} s (see {root / name}.log)")
@@ -172,8 +173,11 @@ def _status(job_dir: Path) -> dict | None:
         return None
 
 
-def _inject(job_dir: Path, launcher: LocalLauncher, thread: threading.Thread,
-            schedule: tuple[float, ...], rng: random.Random, out: list[Injection], deadline: float) -> None:
+def _inject(job_dir: Path, launcher: LocalLauncher, thread: threading.Thread, schedule: tuple[float, ...],
+            rng: random.Random, out: list[Injection], deadline: float, quiet_from: int) -> None:
+    """Kill at the schedule's times until a rank reaches step ``quiet_from``: a fault
+    while ranks finish can leave the job waiting on a rank that already exited
+    (see docs/goodput.md), so the last two checkpoint intervals are fault-free."""
     while thread.is_alive() and time.monotonic() < deadline:
         st = _status(job_dir)
         if st and st["ranks"] and all(r["pid"] and r["step"] >= 1 for r in st["ranks"]):
@@ -185,9 +189,12 @@ def _inject(job_dir: Path, launcher: LocalLauncher, thread: threading.Thread,
             time.sleep(min(0.01, max(0.0, t0 + offset - time.time())))
         if not thread.is_alive() or time.monotonic() >= deadline:
             return
+        st = _status(job_dir)
+        if st and max((r["step"] for r in st["ranks"]), default=0) >= quiet_from:
+            return
         # Any live process this job started is a rank of the current table (no
         # spares; fenced processes exit on their own), a restarting one included.
-        alive = [st for st in list(launcher.steps) if st.process.poll() is None]
+        alive = [ls for ls in list(launcher.steps) if ls.process.poll() is None]
         if not alive:
             out.append(Injection(t=time.time(), node=None, pid=None))
             continue
