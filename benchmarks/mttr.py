@@ -10,6 +10,8 @@ MTTR = fault injection → first completed step after recovery (the last rank's)
     scale-in          node killed, no spare: 3 ranks continue
     process-restart   node killed, online recovery forced to time out → all relaunched
     requeue           node killed, no spare, scale-in off → scontrol requeue
+    supervisor        the supervisor SIGKILLed → the batch step restarts it and it
+                      re-attaches (MTTR = kill → re-attached; training never pauses)
     baseline          node killed → scancel + sbatch a new job that restores from the
                       last L2 checkpoint (what a job without this toolkit does, with
                       instant detection granted to it)
@@ -39,6 +41,7 @@ CASES = {
     "scale-in": ("", "node", 0),
     "process-restart": ("recovery:\n  online_timeout_s: 0.005\n", "node", 1),
     "requeue": ("recovery:\n  scale_in: false\n  max_requeues: 1\n", "node", 0),
+    "supervisor": ("", "supervisor", 1),
 }
 
 
@@ -64,16 +67,21 @@ def run_case(name: str, root: Path, args) -> dict:
     lab.cluster("reset")
     run = lab.submit(root / name, spares=spares, steps=args.steps, config=config(root, name, extra))
     status = run.wait_for_step(args.kill_at)
-    if fault == "rank":
+    if fault in ("rank", "supervisor"):
         t_fault = time.time()
-        os.kill(status["ranks"][1]["pid"], signal.SIGKILL)
+        os.kill(status["ranks"][1]["pid"] if fault == "rank" else status["supervisor_pid"], signal.SIGKILL)
     else:
         t_fault = lab.kill_node(status["ranks"][1]["node"])
     code = run.wait()
     events = read_events(str(run.job_dir / "events.jsonl"))
     done = [e for e in events if e["kind"] == "recovery_done"]
     out = {"exit_code": code}
-    if done:
+    back = [e for e in events if e["kind"] == "supervisor_reattached"]
+    if fault == "supervisor" and back:
+        out["mttr_s"] = round(back[0]["t"] - t_fault, 3)
+        out["level"] = "supervisor re-attach"
+        out["recoveries"] = len(done)
+    elif done:
         out["mttr_s"] = round(done[0]["first_step"] - t_fault, 3)
         out["level"] = done[0]["level"]
         out["phases_ms"] = {e["phase"]: e["duration_ms"] for e in events
