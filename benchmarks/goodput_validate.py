@@ -214,7 +214,9 @@ def analyse(a: argparse.Namespace, run: Run, control_step_s: float, mtbf: float)
     phases = mean_phases_ms(rows)
     # The fault-free step time of this run's own stretches of training (the load of
     # a shared box drifts between runs); the control's is the cross-check.
-    step_s = productive_step_time(run.events, kills, collective_at=a.collective_at)
+    st = productive_step_time(run.events, kills, collective_at=a.collective_at)
+    step_s = st.step_s
+    stalls = [e["stall_ms"] for e in run.events if e["kind"] == "rank_checkpoint_saved"]
     seen = observed_ettr(steps=win.steps, step_time_s=step_s, wall_s=win.wall_s)
     v = validate_against_run({
         "wall_time_s": win.wall_s, "faults": len(kills), "phases_ms": phases, "step_time_s": step_s,
@@ -240,7 +242,10 @@ def analyse(a: argparse.Namespace, run: Run, control_step_s: float, mtbf: float)
                         for _ in range(a.sim_seeds)])
     return {
         "mtbf_s": mtbf, "job_dir": str(run.job_dir), "steps": win.steps, "wall_s": win.wall_s, "load_avg_1m": run.load,
-        "step_s": step_s, "observed_ettr_control_step": observed_ettr(steps=win.steps, step_time_s=control_step_s,
+        "step_s": step_s, "stretches": st.stretches, "stretches_left_out": st.left_out,
+        "checkpoint_stalls_over_1s": sorted(round(x / 1000, 2) for x in stalls if x > 1000),
+        "checkpoints_failed": sum(1 for e in run.events if e["kind"] == "rank_checkpoint_failed"),
+        "observed_ettr_control_step": observed_ettr(steps=win.steps, step_time_s=control_step_s,
                                                                       wall_s=win.wall_s),
         "faults_injected": len(kills), "kills_skipped": sum(1 for i in run.injections if i.pid is None),
         "recoveries_done": len(rows), "phases_ms": phases, "downtime_per_fault_s": v["downtime_per_fault_s"],
@@ -250,6 +255,16 @@ def analyse(a: argparse.Namespace, run: Run, control_step_s: float, mtbf: float)
         "predicted_ettr_placed_mean": placed["ettr_mean"], "predicted_ettr_placed_std": placed["ettr_std"],
         "kills": [{"t": i.t - win.start, "node": i.node, "pid": i.pid} for i in run.injections],
     }
+
+
+def print_run(r: dict) -> None:
+    lo, hi = r["load_avg_1m"]
+    print(f"mtbf {r['mtbf_s']:g} s: {r['faults_injected']} kills ({r['kills_skipped']} found no live rank) in"
+          f" {r['wall_s']:.1f} s, {r['recoveries_done']} recoveries not superseded; mean phases (ms) "
+          + ", ".join(f"{k} {v:.0f}" for k, v in r["phases_ms"].items()) + f"; load average {lo:.1f} -> {hi:.1f}")
+    print(f"  step time {1000 * r['step_s']:.1f} ms from {r['stretches'] - r['stretches_left_out']} of"
+          f" {r['stretches']} stretches of training; checkpoint writes failed {r['checkpoints_failed']},"
+          f" stalls over 1 s: {r['checkpoint_stalls_over_1s'] or 'none'}", flush=True)
 
 
 def print_table(results: list[dict]) -> None:
@@ -286,7 +301,10 @@ def reanalyse(a: argparse.Namespace) -> list[dict]:
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     if a.reanalyse:
-        print_table(reanalyse(a))
+        results = reanalyse(a)
+        for r in results:
+            print_run(r)
+        print_table(results)
         return 0
     # SIGTERM (e.g. timeout(1)) unwinds through the launchers' close(): no orphans.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -310,10 +328,7 @@ def main(argv: list[str] | None = None) -> int:
         run = run_job(a, root, f"faults-mtbf{mtbf:g}", steps, schedule, seed=a.seed + i)
         r = analyse(a, run, step_s, mtbf)
         results.append(r)
-        print(f"mtbf {mtbf:g} s: {r['faults_injected']} kills ({r['kills_skipped']} found no live rank) in"
-              f" {r['wall_s']:.1f} s, {r['recoveries_done']} recoveries not superseded; mean phases (ms) "
-              + ", ".join(f"{k} {v:.0f}" for k, v in r["phases_ms"].items())
-              + f"; load average {run.load[0]:.1f} -> {run.load[1]:.1f}", flush=True)
+        print_run(r)
     print_table(results)
     print("(observed = steps x step ms / training window; step ms from the run's own stretches of training;"
           f" last column with the control's {step_s * 1000:.1f} ms; work dir {root}; {time.monotonic() - t_all:.0f} s)")

@@ -30,7 +30,8 @@ the state) to the next fault, or to the end::
 A fault before the step's collective (``collective_at`` = 1) leaves the partial
 step it interrupts (half a step on average) inside the stretch but uncounted; a
 fault after it (0) lets the survivors count a step whose last half comes after
-the fault. Faults during a recovery start no stretch.
+the fault. Faults during a recovery start no stretch. A stretch much slower than
+the others had a stall inside (``productive_step_time`` leaves it out).
 """
 
 from __future__ import annotations
@@ -46,7 +47,8 @@ from .strategies import PHASE_NAMES
 
 __all__ = [
     "IncompleteRunError", "poisson_schedule", "TrainingWindow", "training_window",
-    "observed_ettr", "productive_step_time", "recovery_phases_ms", "mean_phases_ms",
+    "observed_ettr", "Stretch", "training_stretches", "StepTime", "productive_step_time",
+    "recovery_phases_ms", "mean_phases_ms",
 ]
 
 
@@ -112,12 +114,21 @@ def observed_ettr(*, steps: int, step_time_s: float, wall_s: float) -> float:
     return steps * step_time_s / wall_s
 
 
-def productive_step_time(events: Sequence[Mapping[str, Any]], fault_times: Iterable[float] = (),
-                         *, collective_at: float = 1.0) -> float:
-    """The mean step time of a finished run's stretches of training (module docstring).
+@dataclass(frozen=True)
+class Stretch:
+    """Training between a generation's restore and the next fault (or re-forming, or the end)."""
+
+    seconds: float
+    steps: float
+    """Steps credited to it; a stretch a fault ended is corrected by ``1/2 - collective_at``."""
+
+
+def training_stretches(events: Sequence[Mapping[str, Any]], fault_times: Iterable[float] = (),
+                       *, collective_at: float = 1.0) -> list[Stretch]:
+    """A finished run's stretches of training, in order (module docstring).
 
     Raises:
-        IncompleteRunError: the run did not finish, or trained no step between faults.
+        IncompleteRunError: the run did not finish, or no generation followed a fault.
         ConfigError: ``collective_at`` outside [0, 1].
     """
     if not 0.0 <= collective_at <= 1.0:
@@ -132,24 +143,57 @@ def productive_step_time(events: Sequence[Mapping[str, Any]], fault_times: Itera
     starts = sorted((max(r["t"] for r in rs), int(rs[0]["step"]))
                     for rs in restores.values() if len({r["rank"] for r in rs}) == world)
     faults = sorted(f for f in fault_times if window.start <= f < window.end)
-    seconds = steps = 0.0
-    cut = 0  # stretches a fault ended
+    out = []
     for i, (t, step) in enumerate(starts):
         fault = next((f for f in faults if f >= t), None)
         nxt = starts[i + 1] if i + 1 < len(starts) else None
         if nxt is not None and (fault is None or nxt[0] <= fault):
-            seconds, steps = seconds + nxt[0] - t, steps + nxt[1] - step  # re-formed without a fault
+            out.append(Stretch(nxt[0] - t, nxt[1] - step))  # re-formed without a fault
         elif fault is not None:
             after = next(((u, s) for u, s in starts[i + 1:] if u > fault), None)
             if after is None:
                 raise IncompleteRunError(f"no generation restored after the fault at {fault}")
-            seconds, steps, cut = seconds + fault - t, steps + after[1] - step, cut + 1
+            out.append(Stretch(fault - t, after[1] - step - (0.5 - collective_at)))
         else:
-            seconds, steps = seconds + window.end - t, steps + window.steps - step
-    counted = steps - cut * (0.5 - collective_at)
-    if counted <= 0:
+            out.append(Stretch(window.end - t, window.steps - step))
+    return out
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepTime:
+    step_s: float
+    """Seconds per step over the stretches kept."""
+    stretches: int
+    """Stretches of training in the run."""
+    left_out: int
+    """Stretches left out: no step credited, or slower than ``slow_factor`` x the median."""
+
+
+def productive_step_time(events: Sequence[Mapping[str, Any]], fault_times: Iterable[float] = (),
+                         *, collective_at: float = 1.0, slow_factor: float = 1.25,
+                         min_steps: float = 10.0) -> StepTime:
+    """The fault-free step time of a finished run, from its stretches of training.
+
+    Seconds over steps, pooled over the stretches; a stretch more than
+    ``slow_factor`` times slower than the median stretch (of those with at least
+    ``min_steps`` steps) is left out: something stalled inside it (a checkpoint
+    that blocked training, say), and that is not the step time.
+
+    Raises:
+        IncompleteRunError: the run did not finish, or trained no step between faults.
+        ConfigError: ``collective_at`` outside [0, 1] or ``slow_factor`` < 1.
+    """
+    if slow_factor < 1.0:
+        raise ConfigError(f"slow_factor={slow_factor} must be >= 1")
+    all_ = training_stretches(events, fault_times, collective_at=collective_at)
+    credited = [s for s in all_ if s.steps > 0]
+    if not credited:
         raise IncompleteRunError("the run trained no step between its faults")
-    return seconds / counted
+    long_ = [s for s in credited if s.steps >= min_steps] or credited
+    median = float(np.median([s.seconds / s.steps for s in long_]))
+    kept = [s for s in credited if s.seconds / s.steps <= slow_factor * median]
+    return StepTime(step_s=sum(s.seconds for s in kept) / sum(s.steps for s in kept),
+                    stretches=len(all_), left_out=len(all_) - len(kept))
 
 
 def recovery_phases_ms(events: Sequence[Mapping[str, Any]],

@@ -10,8 +10,8 @@ from slurm_resilience.simulate.goodput import (
     expected_ettr, simulate, validate_against_run,
 )
 from slurm_resilience.simulate.measured import (
-    IncompleteRunError, mean_phases_ms, observed_ettr, poisson_schedule, productive_step_time, recovery_phases_ms,
-    training_window,
+    IncompleteRunError, Stretch, mean_phases_ms, observed_ettr, poisson_schedule, productive_step_time,
+    recovery_phases_ms, training_stretches, training_window,
 )
 
 ONE = Cluster(gpus=1, gpus_per_node=1)
@@ -94,14 +94,17 @@ def _stretches(restores, done_t, done_step, world=2):
 
 
 def test_productive_step_time_without_faults_is_window_over_steps():
-    assert productive_step_time(_stretches({0: (100.0, 0)}, 130.0, 250)) == pytest.approx(30.0 / 250)
+    got = productive_step_time(_stretches({0: (100.0, 0)}, 130.0, 250))
+    assert got.step_s == pytest.approx(30.0 / 250) and (got.stretches, got.left_out) == (1, 0)
 
 
 def test_productive_step_time_after_the_collective():
     # 0.1 s steps; a fault 100.5 steps in; the survivors finish step 101 and stop:
     # generation 1 restores step 101 at 113 and trains 100 more steps to the end.
     ev = _stretches({0: (100.0, 0), 1: (113.0, 101)}, 123.0, 201)
-    assert productive_step_time(ev, [110.05], collective_at=0.0) == pytest.approx(0.1)
+    assert productive_step_time(ev, [110.05], collective_at=0.0).step_s == pytest.approx(0.1)
+    assert training_stretches(ev, [110.05], collective_at=0.0) == [Stretch(pytest.approx(10.05), 100.5),
+                                                                     Stretch(10.0, 100)]
     # window / steps would count the 3 s recovery as training
     assert training_window(ev).wall_s / 201 == pytest.approx(23.0 / 201)
 
@@ -109,7 +112,7 @@ def test_productive_step_time_after_the_collective():
 def test_productive_step_time_before_the_collective():
     # the same fault before the collective: step 101 is aborted, generation 1 restores 100
     ev = _stretches({0: (100.0, 0), 1: (113.0, 100)}, 123.0, 200)
-    assert productive_step_time(ev, [110.05], collective_at=1.0) == pytest.approx(0.1)
+    assert productive_step_time(ev, [110.05], collective_at=1.0).step_s == pytest.approx(0.1)
 
 
 def test_productive_step_time_fault_during_recovery_and_fault_free_reform():
@@ -118,8 +121,21 @@ def test_productive_step_time_fault_during_recovery_and_fault_free_reform():
     # fault (e.g. a straggler moved); the run ends at 130 with step 271.
     ev = _stretches({0: (100.0, 0), 1: (113.0, 101), 2: (120.0, 171)}, 130.0, 271)
     got = productive_step_time(ev, [110.05, 111.0], collective_at=0.0)
-    assert got == pytest.approx((10.05 + 7.0 + 10.0) / (270.5), rel=1e-9)
-    assert got == pytest.approx(0.1)
+    assert got.step_s == pytest.approx((10.05 + 7.0 + 10.0) / (270.5), rel=1e-9)
+    assert got.step_s == pytest.approx(0.1) and got.stretches == 3
+
+
+def test_productive_step_time_leaves_out_a_stretch_with_a_stall():
+    # 0.1 s steps, a fault 100.5 steps into each stretch; generation 2's stretch also
+    # holds a 15 s stall (a blocked checkpoint): 100.5 steps in 25.05 s.
+    ev = _stretches({0: (100.0, 0), 1: (113.0, 101), 2: (126.0, 202), 3: (154.0, 303)}, 164.0, 403)
+    faults = [110.05, 123.05, 151.05]
+    pooled = (10.05 + 10.05 + 25.05 + 10.0) / (100.5 * 3 + 100)
+    assert pooled == pytest.approx(0.137, abs=1e-3)
+    got = productive_step_time(ev, faults, collective_at=0.0)
+    assert got.step_s == pytest.approx(0.1) and (got.stretches, got.left_out) == (4, 1)
+    with pytest.raises(ConfigError):
+        productive_step_time(ev, faults, slow_factor=0.5)
 
 
 def test_productive_step_time_errors():
