@@ -43,7 +43,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from slurm_resilience.config import load_config  # noqa: E402
+from slurm_resilience.config import ResilienceConfig, load_config  # noqa: E402
 from slurm_resilience.events import read_events  # noqa: E402
 from slurm_resilience.launch.localhost import LocalLauncher  # noqa: E402
 from slurm_resilience.simulate.goodput import (  # noqa: E402
@@ -74,7 +74,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="where in a step the gradient all-reduce sits (fraction); train_mlp.py sleeps its"
                         " emulated compute after the update: 0 (see Strategy.collective_at)")
     p.add_argument("--seed", type=int, default=0, help="fault schedule and victim choice")
-    p.add_argument("--sim-seeds", type=int, default=200, help="Poisson draws for the simulated mean")
+    p.add_argument("--sim-seeds", type=int, default=200, help="simulated runs for the Poisson and placement spreads")
     p.add_argument("--timeout-s", type=float, default=300.0,
                    help="per run; a run whose restarts outlast the fault interval may never finish")
     p.add_argument("--work-dir", type=Path, help="keep the job directories here (default: a temp dir)")
@@ -84,14 +84,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-@dataclass
+@dataclass(frozen=True)
 class Injection:
     t: float
     node: str | None
     pid: int | None
 
 
-@dataclass
+@dataclass(frozen=True)
 class Run:
     job_dir: Path
     code: int
@@ -101,7 +101,7 @@ class Run:
     """1-minute load average at the start and the end (the box is shared)."""
 
 
-def _config(a: argparse.Namespace, root: Path) -> object:
+def _config(a: argparse.Namespace, root: Path) -> ResilienceConfig:
     return load_config({
         "job": {"nodes": a.ranks, "spares": 0},
         # Every kill stays a restart in place: the budget never runs out.
