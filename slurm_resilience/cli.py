@@ -60,7 +60,7 @@ def cmd_supervise(args) -> int:
     if not args.child:
         _no_reattach(args)
         return keep_allocation(cfg, command, args.job_dir)
-    _, port = read_store_address(args.job_dir)
+    _, port = read_store_address(args.job_dir, keeper_pid=os.getppid())
     return supervise_allocation(cfg, command, args.job_dir, store_port=port, reattach=args.reattach)
 
 
@@ -78,7 +78,7 @@ def cmd_local(args) -> int:
         _no_reattach(args)
         return keep_supervisor(cfg, command, _job_dir(args, cfg, f"local-{os.getpid()}"), "127.0.0.1", mode="local")
     job_id = f"local-{os.getppid()}"  # the keeper's pid, as in the job dir's default name
-    _, port = read_store_address(args.job_dir)
+    _, port = read_store_address(args.job_dir, keeper_pid=os.getppid())
     sup = Supervisor(config=cfg, command=command, job_dir=args.job_dir, nodes=nodes,
                      launcher=LocalLauncher(), store_host="127.0.0.1", job_id=job_id,
                      store_port=port, reattach=args.reattach)

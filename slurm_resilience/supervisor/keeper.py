@@ -20,6 +20,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from datetime import timedelta
 from typing import Sequence
@@ -40,10 +41,23 @@ def host_store(host: str, job_dir: str):
     return store
 
 
-def read_store_address(job_dir: str) -> tuple[str, int]:
-    with open(os.path.join(job_dir, STORE_FILE)) as f:
-        d = json.load(f)
-    return str(d["host"]), int(d["port"])
+def read_store_address(job_dir: str, keeper_pid: int | None = None, timeout_s: float = 120.0) -> tuple[str, int]:
+    """Where the keeper's store listens. With ``keeper_pid``, wait until that keeper has
+    written it (the keeper starts its store and the supervisor at the same time, and a
+    requeued job's directory still holds the previous run's file)."""
+    path = os.path.join(job_dir, STORE_FILE)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with open(path) as f:
+                d = json.load(f)
+            if keeper_pid is None or int(d["pid"]) == keeper_pid:
+                return str(d["host"]), int(d["port"])
+        except (FileNotFoundError, json.JSONDecodeError, KeyError, ValueError):
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no store address from keeper pid {keeper_pid} in {path}")
+        time.sleep(0.02)
 
 
 # Signals that end a supervisor on purpose (Slurm ending or requeueing the job, a
@@ -95,7 +109,9 @@ def keep_supervisor(cfg, command: Sequence[str], job_dir: str, host: str, *, mod
 
     makedirs_private(job_dir)
     cfg_path = write_private(os.path.join(job_dir, "supervisor-config.yaml"), yaml.safe_dump(config_to_dict(cfg)))
-    store = host_store(host, job_dir)  # serves the workers for as long as this process lives
+    stores: list = []  # the store serves the workers for as long as this process lives;
+    # it starts in a thread so that the supervisor's own start-up (import torch) overlaps
+    threading.Thread(target=lambda: stores.append(host_store(host, job_dir)), daemon=True).start()
     spec = cfg.job.preempt_signal
     forward = [getattr(signal, "SIG" + spec.split("@")[0].removeprefix("SIG"))] if spec else []
     child = [sys.executable, "-m", "slurm_resilience.cli", mode, "--child", "--config", cfg_path,
@@ -103,7 +119,7 @@ def keep_supervisor(cfg, command: Sequence[str], job_dir: str, host: str, *, mod
     try:
         return keep(child, restarts=cfg.job.supervisor_restarts, forward=[*forward, signal.SIGTERM])
     finally:
-        del store
+        stores.clear()
 
 
 def _with_reattach(argv: list[str]) -> list[str]:
