@@ -53,10 +53,12 @@ def status_dict(sup: Any, workers: Mapping[str, Any]) -> dict[str, Any]:
         "retry_budget": sup.cfg.recovery.fault_retry_times,
         "endpoints": {"host": sup.store_host, "store_port": sup._raw_store.port,
                       "liveness_port": sup.liveness.port, "rejected_connections": sup.liveness.rejected},
+        # a slot whose launch failed has no worker record: pid None, step 0
         "ranks": [{"rank": s.rank, "node": s.node, "worker_id": s.worker_id,
-                   "pid": workers[s.worker_id].pid, "step": workers[s.worker_id].step}
+                   "pid": getattr(workers.get(s.worker_id), "pid", None),
+                   "step": getattr(workers.get(s.worker_id), "step", 0)}
                   for s in sup.table.slots],
-        "spares": [{"node": n, "worker_id": wid, "pid": workers[wid].pid}
+        "spares": [{"node": n, "worker_id": wid, "pid": getattr(workers.get(wid), "pid", None)}
                    for n, wid in sup.standbys.items()],
         "t": time.time(),
     }

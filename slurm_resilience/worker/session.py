@@ -427,11 +427,16 @@ class Session:
 
     # -- endings -----------------------------------------------------------------
     def _finish(self) -> None:
-        self.checkpoints.wait()
+        """Every rank passed the final barrier: report done first, then drain the writer.
+        (Done first, because a peer that has already exited cannot take part in a
+        checkpoint still in flight, and a fault seen while we drain must not start a
+        recovery that needs that peer.)"""
         if self.rank == 0:
             _save_private(self._state_dict(), os.path.join(self._env.job_dir, "final.pt"))
         self._store.set(done_key(self.rank), str(self.step))
         self._emit("done", step=self.step)
+        if not self.checkpoints.wait(timeout=self.config.reconnect.pg_timeout_s):
+            log.warning("rank %d: checkpoints still in flight at exit were abandoned", self.rank)
 
     def _persist_and_exit(self) -> None:
         """PERSIST generation: every rank now holds the same (newest) step; write every
