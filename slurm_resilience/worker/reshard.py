@@ -30,6 +30,7 @@ import dataclasses
 import io
 import json
 import os
+import time
 from typing import Any, Iterable, Mapping, Sequence
 
 import torch
@@ -141,7 +142,7 @@ def restore_sharded(gen, store, engine, names: Sequence[str]) -> dict[str, Any] 
     held, shared, roots = local_holdings(engine)
     key = f"reshard/{gen.generation}"
     store.set(f"{key}/held/{gen.rank}", json.dumps([[s, r, w] for s, r, _, w in held]))
-    infos = {r: json.loads(store.get(f"{key}/held/{r}")) for r in range(gen.world_size)}
+    infos = {r: json.loads(_get(store, f"{key}/held/{r}", gen)) for r in range(gen.world_size)}
     all_held = {r: [(s, o) for s, o, _ in i] for r, i in infos.items()}
     worlds = {s: w for i in infos.values() for s, _, w in i}
     step = choose_step(all_held, shared, worlds)
@@ -166,6 +167,17 @@ def restore_sharded(gen, store, engine, names: Sequence[str]) -> dict[str, Any] 
         totals = base["shard_totals"]
         olds = _exchange(gen, mine, sources, totals, old_world, names)
     return _assemble(base, olds, totals, old_world, gen.world_size, gen.rank, names)
+
+
+def _get(store, key: str, gen) -> bytes:
+    """A store read that a newer plan interrupts (a peer that died never writes ``key``)."""
+    from ..errors import StepAborted
+
+    while not store.check([key]):
+        if gen._interrupted():
+            raise StepAborted(f"resharded restore of generation {gen.generation} abandoned: a newer plan exists")
+        time.sleep(0.005)
+    return store.get(key)
 
 
 def _exchange(gen, mine: Mapping[int, dict], sources: Sequence[int], totals, old_world: int,

@@ -92,6 +92,7 @@ class Session:
         self._sharded: list[str] = []  # names of objects with sharded state (reshard.py)
         self._shard_totals: dict[str, dict[str, int]] = {}
         self._prev_world: int | None = None
+        self._writer_checks = None  # the checkpoint writer's own store client for plan checks
         self.step = 0
         self.position = 0  # global samples consumed by completed steps: the rollback point
         # Every process starts holding a valid state: the (seeded) step-0 state. A
@@ -312,11 +313,16 @@ class Session:
         cfg = self.config.reconnect
 
         def build() -> Generation:
-            store = open_store(self._env)
+            # Two clients: the group's rendezvous can block its client in a store wait for
+            # the whole timeout (a peer died), and a check queued behind it on the same
+            # client would hold the abandonment — and the writer, and training — as long.
             nxt = plan_key(plan.generation + 1)
-            return Generation(store, plan.table, rank, backend="gloo", timeout_s=cfg.pg_timeout_s,
-                              poll_ms=cfg.poll_interval_ms, interrupted=lambda: store.check([nxt]),
-                              channel="ckpt/")
+            if self._writer_checks is None:
+                self._writer_checks = open_store(self._env)  # used by the writer thread only
+            checks = self._writer_checks
+            return Generation(open_store(self._env), plan.table, rank, backend="gloo",
+                              timeout_s=cfg.pg_timeout_s, poll_ms=cfg.poll_interval_ms,
+                              interrupted=lambda: checks.check([nxt]), channel="ckpt/")
 
         return build
 
