@@ -79,3 +79,7 @@ class CheckpointError(ResilienceError):
 
 class ProtocolError(ResilienceError):
     """A supervisor/worker message is malformed or carries the wrong token."""
+
+
+class IncompleteRunError(ResilienceError):
+    """An event log lacks what a finished run writes (start, done, a recovery's phases)."""

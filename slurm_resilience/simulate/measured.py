@@ -41,7 +41,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from slurm_resilience.errors import ConfigError, ResilienceError
+from slurm_resilience.errors import ConfigError, IncompleteRunError
 
 from .strategies import PHASE_NAMES
 
@@ -50,10 +50,6 @@ __all__ = [
     "observed_ettr", "Stretch", "training_stretches", "StepTime", "productive_step_time",
     "recovery_phases_ms", "mean_phases_ms",
 ]
-
-
-class IncompleteRunError(ResilienceError):
-    """An event log lacks what a finished run writes (start, done, a recovery's phases)."""
 
 
 def poisson_schedule(*, mean_interval_s: float, horizon_s: float, seed: int) -> tuple[float, ...]:
