@@ -42,7 +42,10 @@ def main() -> None:
 
     with Session() as session:  # (2) a warm standby waits here until it is adopted
         session.register(model=model, optimizer=opt, scheduler=sched)  # (3)
-        session.extras.setdefault("loss_sum", 0.0)  # user extras: saved and restored with the state
+        # User extras are saved and restored with the state. Like the model they are
+        # replicated: one rank's copy restores every rank, so keep only values that are
+        # the same on every rank (here the sum of learning rates used so far).
+        session.extras.setdefault("lr_sum", 0.0)
         for step in session.steps(args.steps):
             with step:
                 idx = step.samples(sampler)
@@ -54,7 +57,7 @@ def main() -> None:
                 session.all_reduce_gradients(model)  # (4) collectives first, update last
                 opt.step()
                 sched.step()
-                session.extras["loss_sum"] += loss.item()
+                session.extras["lr_sum"] += sched.get_last_lr()[0]
             time.sleep(args.step_time)
             if session.rank == 0 and step.index % 10 == 0:
                 print(f"step {step.index} loss {loss.item():.5f}", flush=True)

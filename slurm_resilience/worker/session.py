@@ -87,7 +87,8 @@ class Session:
         self.config: ResilienceConfig = load_config(self._env.config_path)
         self._objects: dict[str, Any] = {}
         # User extras saved and restored with the state (picklable values and tensors),
-        # e.g. an epoch counter, a gradient-accumulation micro-step, a best-loss record.
+        # e.g. an epoch counter or a gradient-accumulation micro-step. Replicated, like
+        # the model: one rank's copy restores every rank, so per-rank values do not belong here.
         self.extras: dict[str, Any] = {}
         self._sharded: list[str] = []  # names of objects with sharded state (reshard.py)
         self._shard_totals: dict[str, dict[str, int]] = {}

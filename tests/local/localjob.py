@@ -127,5 +127,5 @@ def assert_same_training(got: dict, ref: dict) -> None:
     assert_bit_identical(got["objects"]["optimizer"], ref["objects"]["optimizer"], "optimizer")
     assert ref["objects"]["optimizer"]["state"], "the optimizer has momentum buffers to compare"
     assert got["objects"]["scheduler"] == ref["objects"]["scheduler"], "LR scheduler"
-    assert got["extras"] == ref["extras"] and ref["extras"]["loss_sum"] > 0, "user extras"
+    assert got["extras"] == ref["extras"] and ref["extras"]["lr_sum"] > 0, "user extras"
     assert got["position"] == ref["position"]
