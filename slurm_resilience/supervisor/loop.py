@@ -52,6 +52,8 @@ from .stop import publish_plan, shut_down_standbys
 
 log = logging.getLogger(__name__)
 
+EVENT_HOLE_S = 1.0  # an event counted but unwritten this long is skipped (its writer died)
+
 
 
 @dataclasses.dataclass
@@ -107,6 +109,8 @@ class Supervisor(Actions):
         self._obs: "queue.Queue[Observation]" = queue.Queue()
         self._ids = 0
         self._ev_seen = 0
+        self._ev_hole: tuple[int, float] | None = None  # (event number, since) not yet written
+        self._ev_late: dict[int, float] = {}  # skipped holes still looked for (number → since)
         self._t0 = time.time()
 
     # -- set-up --------------------------------------------------------------
@@ -317,13 +321,33 @@ class Supervisor(Actions):
         while self._ev_seen < n:
             key = event_key(self._ev_seen + 1)
             if not self.store.check([key]):
-                return  # counted but not yet written: next tick
-            ev = json.loads(self.store.get(key))
-            self.store.delete_key(key)
+                # Counted but not yet written: wait a little. A worker killed between
+                # counting and writing never writes it; without this every later event
+                # (recovery marks included) would wait behind the hole forever.
+                now = time.monotonic()
+                if self._ev_hole is None or self._ev_hole[0] != self._ev_seen + 1:
+                    self._ev_hole = (self._ev_seen + 1, now)
+                if now - self._ev_hole[1] < EVENT_HOLE_S:
+                    return
+                self._ev_late[self._ev_seen + 1] = now  # taken late if it still comes
+                self._ev_seen += 1
+                continue
             self._ev_seen += 1
-            kind = ev.pop("kind")
-            self.events.emit(f"rank_{kind}", **ev)
-            self._track_recovery(kind, ev)
+            self._take_event(key)
+        for k, since in list(self._ev_late.items()):
+            if self.store.check([event_key(k)]):
+                del self._ev_late[k]
+                self._take_event(event_key(k))
+            elif time.monotonic() - since > 60:
+                del self._ev_late[k]
+                self.events.emit("event_lost", n=k)
+
+    def _take_event(self, key: str) -> None:
+        ev = json.loads(self.store.get(key))
+        self.store.delete_key(key)
+        kind = ev.pop("kind")
+        self.events.emit(f"rank_{kind}", **ev)
+        self._track_recovery(kind, ev)
 
     def _track_recovery(self, kind: str, ev: dict) -> None:
         rec = self.recovery

@@ -155,3 +155,26 @@ def test_keeper_does_not_restart_a_supervisor_ended_on_purpose(tmp_path):
     out = io.StringIO()
     assert keep([sys.executable, str(script)], restarts=3, out=out) == 128 + 15
     assert "restarting" not in out.getvalue()
+
+
+def test_an_event_whose_writer_died_does_not_hold_up_the_later_ones(tmp_path, monkeypatch):
+    """A worker killed between counting an event and writing it leaves a hole; the
+    supervisor skips it after EVENT_HOLE_S and still takes it if it comes late."""
+    from slurm_resilience.config import load_config
+    from slurm_resilience.supervisor import loop
+
+    monkeypatch.setattr(loop, "EVENT_HOLE_S", 0.0)
+    sup = loop.Supervisor(config=load_config({}), command=["x"], job_dir=str(tmp_path),
+                          nodes=[f"n{i}" for i in range(5)], launcher=None, store_host="127.0.0.1")
+    sup.store, seen = _Store(), []
+    sup.events = types.SimpleNamespace(emit=lambda kind, **f: seen.append((kind, f.get("step"))))
+    sup.store.set(EVENT_COUNTER, "3")
+    for n in (1, 3):
+        sup.store.set(event_key(n), json.dumps({"kind": "first_step", "step": n}))
+    sup.store.delete_key = lambda k: sup.store.d.pop(k)
+    sup._poll_worker_events()  # notices the hole at 2
+    sup._poll_worker_events()  # skips it
+    assert seen == [("rank_first_step", 1), ("rank_first_step", 3)]
+    sup.store.set(event_key(2), json.dumps({"kind": "first_step", "step": 2}))  # the slow writer
+    sup._poll_worker_events()
+    assert seen[-1] == ("rank_first_step", 2) and sup._ev_late == {}
