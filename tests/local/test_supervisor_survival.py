@@ -1,7 +1,6 @@
 """kill-supervisor without Slurm: `slurm-resilience local` runs the same keeper as the
 batch step; a SIGKILLed supervisor is restarted and re-attaches to the running ranks."""
 
-import json
 import os
 import signal
 import subprocess
@@ -11,6 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from slurm_resilience import lab
+from slurm_resilience.events import read_events
+
 from .localjob import TRAIN
 
 pytestmark = pytest.mark.timeout(180)
@@ -18,10 +20,7 @@ CONFIG = Path(__file__).resolve().parents[2] / "examples" / "local-cluster.yaml"
 
 
 def _status(job_dir: Path) -> dict | None:
-    try:
-        return json.loads((job_dir / "status.json").read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
-        return None
+    return lab.JobRun(job_dir=job_dir, process=None).status
 
 
 def _wait(pred, what: str, timeout: float = 60.0):
@@ -36,8 +35,7 @@ def _wait(pred, what: str, timeout: float = 60.0):
 
 def _events(job_dir: Path, kind: str) -> list[dict]:
     path = job_dir / "events.jsonl"
-    lines = path.read_text().splitlines() if path.exists() else []
-    return [e for e in map(json.loads, filter(None, lines)) if e["kind"] == kind]
+    return [e for e in read_events(str(path)) if e["kind"] == kind] if path.exists() else []
 
 
 def test_killed_supervisor_reattaches_and_still_recovers_a_killed_rank(tmp_path):

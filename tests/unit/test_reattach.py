@@ -10,7 +10,6 @@ import pytest
 
 from slurm_resilience.errors import ResilienceError
 from slurm_resilience.lifecycle import JobPhase, Lifecycle
-from slurm_resilience.model import RankTable
 from slurm_resilience.protocol import EVENT_COUNTER, Plan, PlanAction, event_key, plan_key
 from slurm_resilience.supervisor import reattach
 from slurm_resilience.supervisor.keeper import EXIT_SUPERVISOR_LOST, _with_reattach, keep
