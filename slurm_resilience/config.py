@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import signal
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Mapping
@@ -67,6 +68,20 @@ class JobConfig:
     supervisor_node: bool = True
     preempt_signal: str = "USR2@60"
     supervisor_restarts: int = 3
+
+    @property
+    def preempt_signum(self) -> "signal.Signals | None":
+        """The preemption signal as a ``signal.Signals`` (None when disabled); the one
+        parser of ``preempt_signal`` (supervisor, keeper and sessions use it)."""
+        if not self.preempt_signal:
+            return None
+        name = self.preempt_signal.split("@")[0]
+        return signal.Signals[name if name.startswith("SIG") else "SIG" + name]
+
+    @property
+    def preempt_signal_name(self) -> str:
+        """``USR2`` for ``USR2@60`` (empty when disabled)."""
+        return self.preempt_signal.split("@")[0].removeprefix("SIG") if self.preempt_signal else ""
 
     def __post_init__(self) -> None:
         if self.nodes < 1:

@@ -68,40 +68,141 @@ class Plan:
         )
 
 
-# Store keys (all under PrefixStore(token + "/")).
+class _Named(str, enum.Enum):
+    """A closed set of names that travel as plain strings (JSON, store keys)."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+
+class StoreKey(_Named):
+    """Every key the two sides use, all under ``PrefixStore(token + "/")``.
+
+    A value with ``{}`` is a family: fill it with :meth:`of` (``StoreKey.PLAN.of(3)``
+    is ``plan/3``). The fixed keys are used as they are.
+    """
+
+    PLAN = "plan/{}"
+    """generation g's plan (supervisor)."""
+    HEARTBEAT = "hb/{}"
+    """a worker's heartbeat ``{pid, generation, rank, step, t}`` (worker thread)."""
+    EVENT = "ev/{}"
+    """worker event number n (worker); the supervisor reads, logs and deletes it."""
+    EVENT_COUNTER = "ev/count"
+    """how many worker events were counted (worker, ``add``)."""
+    DONE = "done/{}"
+    """rank r finished training (worker)."""
+    PERSIST_REQUEST = "persist/request"
+    """a rank got the preemption signal; the supervisor answers with a PERSIST plan."""
+    LIVENESS_PORT = "liveness/port"
+    """where the supervisor's liveness socket listens now (a restarted one opens a new one)."""
+    SHUTDOWN = "shutdown"
+    """the job is over: warm standbys exit (supervisor)."""
+    RESHARD_HELD = "reshard/{}/held/{}"
+    """sharded restore of generation g: the checkpoint shards rank r's node holds (worker)."""
+    PG_PREFIX = "gen{}/"
+    """prefix of generation g's process-group rendezvous (gloo/NCCL own the keys below it)."""
+
+    def of(self, *parts: object) -> str:
+        """The key of a family member; raises ValueError on a fixed key or a wrong arity."""
+        n = self.value.count("{}")
+        if n == 0 or len(parts) != n:
+            raise ValueError(f"store key {self.name} takes {n} part(s), got {len(parts)}")
+        return self.value.format(*parts)
+
+
+class EventKind(_Named):
+    """What the supervisor writes to ``events.jsonl`` (its only writer)."""
+
+    JOB_START = "job_start"
+    JOB_DONE = "job_done"
+    JOB_FAILED = "job_failed"
+    PLAN = "plan"
+    FAULT_DETECTED = "fault_detected"
+    LADDER = "ladder"
+    RECOVERY_START = "recovery_start"
+    RECOVERY_DONE = "recovery_done"
+    PHASE = "phase"
+    ISOLATED = "isolated"
+    ISOLATE_FAILED = "isolate_failed"
+    STRAGGLER = "straggler"
+    NODE_RETURNED = "node_returned"
+    FALLBACK = "fallback"
+    REQUEUE_START = "requeue_start"
+    REQUEUE = "requeue"
+    RELAUNCH = "relaunch"
+    SUPERVISOR_REATTACHED = "supervisor_reattached"
+    EVENT_LOST = "event_lost"
+
+
+class WorkerEvent(_Named):
+    """What a rank reports through the store; logged as ``rank_<value>`` (:attr:`logged`)."""
+
+    RECONNECTED = "reconnected"
+    RESTORED = "restored"
+    FIRST_STEP = "first_step"
+    DONE = "done"
+    STOPPED = "stopped"
+    FENCED = "fenced"
+    PERSISTED = "persisted"
+    ABORTED = "aborted"
+    CHECKPOINT_SAVED = "checkpoint_saved"
+    CHECKPOINT_FAILED = "checkpoint_failed"
+    CHECKPOINT_DURABLE = "checkpoint_durable"
+    CHECKPOINT_REBUILT = "checkpoint_rebuilt"
+    CHECKPOINT_REBUILD_FAILED = "checkpoint_rebuild_failed"
+    CHECKPOINT_INVALID = "checkpoint_invalid"
+
+    @property
+    def logged(self) -> str:
+        """The kind under which the supervisor logs it (``rank_restored``)."""
+        return "rank_" + self.value
+
+
+class RecoveryPhase(_Named):
+    """The phases of one recovery, in order (``phase`` events, timeline, metrics)::
+
+        detected ─classify─ classified ─replace─ replaced ─ranktable─ published
+            ─reconnect─ last rank joined ─restore─ last rank restored ─first_step─ last rank stepped
+    """
+
+    CLASSIFY = "classify"
+    REPLACE = "replace"
+    RANKTABLE = "ranktable"
+    RECONNECT = "reconnect"
+    RESTORE = "restore"
+    FIRST_STEP = "first_step"
+
+
+# Functions and constants kept for the call sites (each is the StoreKey above).
 def plan_key(generation: int) -> str:
-    return f"plan/{generation}"
+    return StoreKey.PLAN.of(generation)
 
 
 def heartbeat_key(worker_id: str) -> str:
-    return f"hb/{worker_id}"
+    return StoreKey.HEARTBEAT.of(worker_id)
 
 
 def pg_prefix(generation: int) -> str:
     """Fresh prefix per generation: reusing one breaks gloo's full-mesh connect."""
-    return f"gen{generation}/"
-
-
-# Set by a rank that received the preemption signal (sent to the job steps, as
-# submitit does). Only a request: the supervisor answers with a PERSIST plan, so
-# every rank stops at the same step (a rank acting on the key by itself could
-# abandon a step whose collective completed on the others).
-PERSIST_REQUEST_KEY = "persist/request"
-
-
-EVENT_COUNTER = "ev/count"
-# Where the supervisor's liveness socket listens now: a restarted supervisor opens a
-# new one and the workers reconnect to it (their first port comes in SR_LIVENESS_PORT).
-LIVENESS_PORT_KEY = "liveness/port"
-SHUTDOWN_KEY = "shutdown"
+    return StoreKey.PG_PREFIX.of(generation)
 
 
 def event_key(n: int) -> str:
-    return f"ev/{n}"
+    return StoreKey.EVENT.of(n)
 
 
 def done_key(rank: int) -> str:
-    return f"done/{rank}"
+    return StoreKey.DONE.of(rank)
+
+
+PERSIST_REQUEST_KEY = StoreKey.PERSIST_REQUEST.value
+EVENT_COUNTER = StoreKey.EVENT_COUNTER.value
+LIVENESS_PORT_KEY = StoreKey.LIVENESS_PORT.value
+SHUTDOWN_KEY = StoreKey.SHUTDOWN.value
 
 
 class Role(enum.Enum):
