@@ -46,6 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from slurm_resilience.config import ResilienceConfig, load_config  # noqa: E402
 from slurm_resilience.events import read_events  # noqa: E402
 from slurm_resilience.launch.localhost import LocalLauncher  # noqa: E402
+from slurm_resilience.protocol import WorkerEvent  # noqa: E402
 from slurm_resilience.simulate.goodput import (  # noqa: E402
     Cluster, FailureCategory, FailureModel, FaultClass, RecoveryPath, Rollback, Strategy,
     CheckpointSpec, simulate, summarize, validate_against_run,
@@ -216,7 +217,7 @@ def analyse(a: argparse.Namespace, run: Run, control_step_s: float, mtbf: float)
     # a shared box drifts between runs); the control's is the cross-check.
     st = productive_step_time(run.events, kills, collective_at=a.collective_at)
     step_s = st.step_s
-    stalls = [e["stall_ms"] for e in run.events if e["kind"] == "rank_checkpoint_saved"]
+    stalls = [e["stall_ms"] for e in run.events if e["kind"] == WorkerEvent.CHECKPOINT_SAVED.logged]
     seen = observed_ettr(steps=win.steps, step_time_s=step_s, wall_s=win.wall_s)
     v = validate_against_run({
         "wall_time_s": win.wall_s, "faults": len(kills), "phases_ms": phases, "step_time_s": step_s,
@@ -244,7 +245,7 @@ def analyse(a: argparse.Namespace, run: Run, control_step_s: float, mtbf: float)
         "mtbf_s": mtbf, "job_dir": str(run.job_dir), "steps": win.steps, "wall_s": win.wall_s, "load_avg_1m": run.load,
         "step_s": step_s, "stretches": st.stretches, "stretches_left_out": st.left_out,
         "checkpoint_stalls_over_1s": sorted(round(x / 1000, 2) for x in stalls if x > 1000),
-        "checkpoints_failed": sum(1 for e in run.events if e["kind"] == "rank_checkpoint_failed"),
+        "checkpoints_failed": sum(1 for e in run.events if e["kind"] == WorkerEvent.CHECKPOINT_FAILED.logged),
         "observed_ettr_control_step": observed_ettr(steps=win.steps, step_time_s=control_step_s,
                                                                       wall_s=win.wall_s),
         "faults_injected": len(kills), "kills_skipped": sum(1 for i in run.injections if i.pid is None),

@@ -33,6 +33,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from slurm_resilience import lab  # noqa: E402
 from slurm_resilience.events import read_events  # noqa: E402
+from slurm_resilience.protocol import EventKind, WorkerEvent  # noqa: E402
 from slurm_resilience.slurm import commands  # noqa: E402
 
 CASES = {
@@ -53,7 +54,7 @@ def config(tmp: Path, name: str, extra: str) -> Path:
 
 def first_step_after(events: list[dict], t: float) -> float | None:
     """When the last rank of the first world formed after ``t`` completed its first step."""
-    after = [e for e in events if e["kind"] == "rank_first_step" and e["t"] > t]
+    after = [e for e in events if e["kind"] == WorkerEvent.FIRST_STEP.logged and e["t"] > t]
     if not after:
         return None
     first = min(after, key=lambda e: e["t"])
@@ -74,9 +75,9 @@ def run_case(name: str, root: Path, args) -> dict:
         t_fault = lab.kill_node(status["ranks"][1]["node"])
     code = run.wait()
     events = read_events(str(run.job_dir / "events.jsonl"))
-    done = [e for e in events if e["kind"] == "recovery_done"]
+    done = [e for e in events if e["kind"] == EventKind.RECOVERY_DONE]
     out = {"exit_code": code}
-    back = [e for e in events if e["kind"] == "supervisor_reattached"]
+    back = [e for e in events if e["kind"] == EventKind.SUPERVISOR_REATTACHED]
     if fault == "supervisor" and back:
         out["mttr_s"] = round(back[0]["t"] - t_fault, 3)
         out["level"] = "supervisor re-attach"
@@ -85,11 +86,11 @@ def run_case(name: str, root: Path, args) -> dict:
         out["mttr_s"] = round(done[0]["first_step"] - t_fault, 3)
         out["level"] = done[0]["level"]
         out["phases_ms"] = {e["phase"]: e["duration_ms"] for e in events
-                            if e["kind"] == "phase" and e["recovery"] == done[0]["recovery"]}
+                            if e["kind"] == EventKind.PHASE and e["recovery"] == done[0]["recovery"]}
     else:  # requeue: the restarted job's first step
         t_first = first_step_after(events, t_fault)
         out["mttr_s"] = round(t_first - t_fault, 3) if t_first else None
-        out["level"] = "requeue" if any(e["kind"] == "requeue" for e in events) else "?"
+        out["level"] = "requeue" if any(e["kind"] == EventKind.REQUEUE for e in events) else "?"
     return out
 
 
@@ -108,7 +109,7 @@ def baseline(root: Path, args) -> dict:
     assert second.wait() == 0, second.output()
     events = read_events(str(second.job_dir / "events.jsonl"))
     t_first = first_step_after(events, t_fault)
-    restored = [e for e in events if e["kind"] == "rank_restored" and e.get("tier")]
+    restored = [e for e in events if e["kind"] == WorkerEvent.RESTORED.logged and e.get("tier")]
     return {"mttr_s": round(t_first - t_fault, 3), "restored_step": restored[0]["step"] if restored else None,
             "level": "cancel + resubmit + restore (L2)"}
 

@@ -11,6 +11,8 @@ import os
 import time
 from typing import Any, Callable
 
+from .protocol import EventKind
+
 __all__ = ["EventLog", "read_events", "format_timeline"]
 
 
@@ -29,8 +31,12 @@ class EventLog:
         self._file = os.fdopen(fd, "a", encoding="utf-8")
 
     def emit(self, kind: str, **fields: Any) -> dict[str, Any]:
-        """Append one event and return it. Raises OSError, TypeError (not JSON-able)."""
-        event = {"t": self._clock(), "kind": kind, **fields}
+        """Append one event and return it. Raises OSError, TypeError (not JSON-able).
+
+        ``kind`` is an :class:`~slurm_resilience.protocol.EventKind` or a worker's
+        ``WorkerEvent.X.logged``; the line holds its plain string value.
+        """
+        event = {"t": self._clock(), "kind": str(kind), **fields}
         line = json.dumps(event, default=_jsonable)  # insertion order: t, kind, fields
         self._file.write(line + "\n")
         self._file.flush()
@@ -89,6 +95,7 @@ def format_timeline(events: list[dict[str, Any]]) -> str:
     (fields ``recovery``, ``phase``, ``start``, ``end``); a recovery is listed
     when it has a ``recovery_start`` or any phase.
     """
+    start_kinds = (EventKind.RECOVERY_START, EventKind.RECOVERY_DONE, EventKind.PHASE)
     if not events:
         return "(no events)\n"
     t0 = events[0]["t"]
@@ -98,13 +105,13 @@ def format_timeline(events: list[dict[str, Any]]) -> str:
         lines.append(f"+{ev['t'] - t0:.3f}s  {ev['kind']}  {rest}".rstrip())
     recoveries: dict[Any, list[dict[str, Any]]] = {}
     for ev in events:
-        if ev.get("kind") in ("recovery_start", "recovery_done", "phase") and "recovery" in ev:
+        if ev.get("kind") in start_kinds and "recovery" in ev:
             recoveries.setdefault(ev["recovery"], [])
-            if ev["kind"] == "phase":
+            if ev["kind"] == EventKind.PHASE:
                 recoveries[ev["recovery"]].append(ev)
     for rec, phases in recoveries.items():
-        start = next((e["t"] for e in events if e.get("kind") == "recovery_start" and e.get("recovery") == rec), None)
-        done = next((e["t"] for e in events if e.get("kind") == "recovery_done" and e.get("recovery") == rec), None)
+        start = next((e["t"] for e in events if e.get("kind") == EventKind.RECOVERY_START and e.get("recovery") == rec), None)
+        done = next((e["t"] for e in events if e.get("kind") == EventKind.RECOVERY_DONE and e.get("recovery") == rec), None)
         total = f"{(done - start) * 1000:.1f} ms" if start is not None and done is not None else "unfinished"
         lines.append("")
         lines.append(f"recovery {rec}: {total}")

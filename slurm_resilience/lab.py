@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from .events import read_events
+from .protocol import EventKind, RecoveryPhase, WorkerEvent
 
 REPO = Path(__file__).resolve().parents[1]
 LOCAL_CLUSTER = REPO / "scripts" / "local-cluster"
@@ -129,29 +130,32 @@ def _compare(x: Any, y: Any, path: str, diffs: list[str]) -> None:
         diffs.append(path)
 
 
-PHASES = ("detect", "isolate", "replace", "ranktable", "reconnect", "restore", "first_step")
+# The demo summary's rows: the recovery's own phases (``phase`` events) framed by two
+# that no ``phase`` event carries: "detect" (injected fault → detection, known only
+# to whoever injected it) and "isolate" (draining the bad node, off the critical path).
+DETECT, ISOLATE = "detect", "isolate"
+PHASES = (DETECT, ISOLATE, *(p.value for p in RecoveryPhase))
 
 
 def summarize(job_dir: Path, fault_at: float | None) -> dict[str, Any]:
     """Recovery timeline from the job's event log; MTTR is fault → first completed step."""
     events = read_events(str(job_dir / "events.jsonl"))
-    recoveries = [e for e in events if e["kind"] == "recovery_done"]
+    recoveries = [e for e in events if e["kind"] == EventKind.RECOVERY_DONE]
     summary: dict[str, Any] = {"recoveries": len(recoveries), "phases": {}, "mttr_s": None}
     if not recoveries:
         return summary
     first = recoveries[0]
     n = first["recovery"]
-    phases = {e["phase"]: e for e in events if e["kind"] == "phase" and e["recovery"] == n}
+    phases = {e["phase"]: e for e in events if e["kind"] == EventKind.PHASE and e["recovery"] == n}
     detected = first["detected"]
     out: dict[str, dict[str, float]] = {}
     if fault_at is not None:
-        out["detect"] = _span(fault_at, detected)
-    iso = next((e for e in events if e["kind"] == "isolated"), None)
+        out[DETECT] = _span(fault_at, detected)
+    iso = next((e for e in events if e["kind"] == EventKind.ISOLATED), None)
     if iso:
-        out["isolate (off the critical path)"] = _span(iso["start"], iso["end"])
-    out["classify"] = _span(phases["classify"]["start"], phases["classify"]["end"])
-    for name in ("replace", "ranktable", "reconnect", "restore", "first_step"):
-        out[name] = _span(phases[name]["start"], phases[name]["end"])
+        out[f"{ISOLATE} (off the critical path)"] = _span(iso["start"], iso["end"])
+    for name in RecoveryPhase:
+        out[name.value] = _span(phases[name]["start"], phases[name]["end"])
     summary["phases"] = out
     start = fault_at if fault_at is not None else detected
     summary["mttr_s"] = round(first["first_step"] - start, 4)
@@ -163,17 +167,17 @@ def summarize(job_dir: Path, fault_at: float | None) -> dict[str, Any]:
 def checkpoint_overhead(events: list[dict[str, Any]], rank: int = 0) -> dict[str, Any]:
     """Training time lost to checkpoint stalls on one rank, as a share of its training time."""
     mine = [e for e in events if e.get("rank") == rank]
-    stalls = [e["stall_ms"] for e in mine if e["kind"] == "rank_checkpoint_saved"]
-    start = next((e["t"] for e in mine if e["kind"] == "rank_restored"), None)
-    end = next((e["t"] for e in reversed(mine) if e["kind"] == "rank_done"), None)
+    stalls = [e["stall_ms"] for e in mine if e["kind"] == WorkerEvent.CHECKPOINT_SAVED.logged]
+    start = next((e["t"] for e in mine if e["kind"] == WorkerEvent.RESTORED.logged), None)
+    end = next((e["t"] for e in reversed(mine) if e["kind"] == WorkerEvent.DONE.logged), None)
     if not stalls or start is None or end is None:
         return {"checkpoints": len(stalls)}
     train_ms = (end - start) * 1000
-    durable = [e for e in events if e["kind"] == "rank_checkpoint_durable"]
+    durable = [e for e in events if e["kind"] == WorkerEvent.CHECKPOINT_DURABLE.logged]
     return {"checkpoints": len(stalls), "mean_stall_ms": round(sum(stalls) / len(stalls), 3),
             "overhead_pct": round(100 * sum(stalls) / train_ms, 4),
             "durable_writes": len(durable),
-            "failed": sum(1 for e in events if e["kind"] == "rank_checkpoint_failed")}
+            "failed": sum(1 for e in events if e["kind"] == WorkerEvent.CHECKPOINT_FAILED.logged)}
 
 
 def _span(start: float, end: float) -> dict[str, float]:

@@ -9,8 +9,11 @@ from __future__ import annotations
 
 from typing import Any
 
-PHASE_COLOURS = {"classify": "#4e79a7", "replace": "#f28e2b", "ranktable": "#e15759",
-                 "reconnect": "#76b7b2", "restore": "#59a14f", "first_step": "#edc948"}
+from .protocol import EventKind, RecoveryPhase, WorkerEvent
+
+PHASE_COLOURS = {RecoveryPhase.CLASSIFY: "#4e79a7", RecoveryPhase.REPLACE: "#f28e2b",
+                 RecoveryPhase.RANKTABLE: "#e15759", RecoveryPhase.RECONNECT: "#76b7b2",
+                 RecoveryPhase.RESTORE: "#59a14f", RecoveryPhase.FIRST_STEP: "#edc948"}
 
 
 def plot_timeline(events: list[dict[str, Any]], path: str) -> str:
@@ -20,19 +23,19 @@ def plot_timeline(events: list[dict[str, Any]], path: str) -> str:
     import matplotlib.pyplot as plt
 
     t0 = min(e["t"] for e in events)
-    recs = sorted({e["recovery"] for e in events if e["kind"] == "phase"})
+    recs = sorted({e["recovery"] for e in events if e["kind"] == EventKind.PHASE})
     rows = [f"recovery {r}" for r in recs] + ["checkpoint stalls (rank 0)"]
     fig, ax = plt.subplots(figsize=(11, 1.2 + 0.6 * len(rows)))
     for y, r in enumerate(recs):
-        for e in (e for e in events if e["kind"] == "phase" and e["recovery"] == r):
+        for e in (e for e in events if e["kind"] == EventKind.PHASE and e["recovery"] == r):
             ax.barh(y, max(e["end"] - e["start"], 1e-4), left=e["start"] - t0, height=0.5,
                     color=PHASE_COLOURS.get(e["phase"], "grey"), label=e["phase"])
     y = len(recs)
     for e in events:
-        if e["kind"] == "rank_checkpoint_saved" and e.get("rank") == 0:
+        if e["kind"] == WorkerEvent.CHECKPOINT_SAVED.logged and e.get("rank") == 0:
             ax.barh(y, e["stall_ms"] / 1000, left=e["t"] - t0 - e["stall_ms"] / 1000, height=0.5, color="black")
     for e in events:
-        if e["kind"] == "fault_detected":
+        if e["kind"] == EventKind.FAULT_DETECTED:
             ax.axvline(e["observed_at"] - t0, color="red", linestyle="--", linewidth=0.8)
     handles, labels = ax.get_legend_handles_labels()
     uniq = dict(zip(labels, handles))

@@ -8,6 +8,8 @@ import time
 from typing import Any
 
 from .errors import ResilienceError
+from .lifecycle import JobPhase
+from .protocol import WorkerEvent
 
 
 def load_status(job_dir: str) -> dict[str, Any]:
@@ -28,9 +30,17 @@ def checkpoint_latest(job_dir: str) -> dict[str, int]:
     from .events import read_events
 
     for e in read_events(path):
-        if e["kind"] == "rank_checkpoint_durable" and e.get("rank") == 0:
+        if e["kind"] == WorkerEvent.CHECKPOINT_DURABLE.logged and e.get("rank") == 0:
             out[e["tier"]] = max(out.get(e["tier"], -1), int(e["step"]))
     return out
+
+
+def requeue_count(st: dict[str, Any]) -> int:
+    """How often Slurm requeued the job (``SLURM_RESTART_COUNT``).
+
+    Status files of jobs started before the rename carry it as ``restart_count``.
+    """
+    return int(st.get("requeue_count", st.get("restart_count", 0)))
 
 
 def render_status(st: dict[str, Any], *, rate: float | None, tiers: dict[str, int]) -> str:
@@ -39,7 +49,7 @@ def render_status(st: dict[str, Any], *, rate: float | None, tiers: dict[str, in
     used = st.get("restarts", {})
     lines = [
         f"job {st.get('job_id')}  phase {st['phase']}  generation {st['generation']}  "
-        f"recoveries {st['recoveries']}  restarts of the job {st.get('restart_count', 0)}",
+        f"recoveries {st['recoveries']}  requeues {requeue_count(st)}",
         f"throughput {rate:.2f} steps/s" if rate is not None else "throughput -",
         "checkpoints: " + (", ".join(f"{t} step {s}" for t, s in sorted(tiers.items())) or "none yet"),
         f"{'rank':>6}  {'node':<10} {'pid':>8} {'step':>7}  restarts left",
@@ -68,6 +78,6 @@ def watch_status(job_dir: str, *, interval: float, once: bool, out) -> int:
             print(text, file=out)
             return 0
         print("\033[2J\033[H" + text, file=out, flush=True)
-        if st["phase"] in ("SUCCEEDED", "FAILED"):
+        if st["phase"] in (JobPhase.SUCCEEDED.name, JobPhase.FAILED.name):  # status.json holds the name
             return 0
         time.sleep(interval)

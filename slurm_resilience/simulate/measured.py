@@ -42,6 +42,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import numpy as np
 
 from slurm_resilience.errors import ConfigError, IncompleteRunError
+from slurm_resilience.protocol import EventKind, RecoveryPhase, WorkerEvent
 
 from .strategies import PHASE_NAMES
 
@@ -50,6 +51,8 @@ __all__ = [
     "observed_ettr", "Stretch", "training_stretches", "StepTime", "productive_step_time",
     "recovery_phases_ms", "mean_phases_ms",
 ]
+
+_RESTORED = WorkerEvent.RESTORED.logged
 
 
 def poisson_schedule(*, mean_interval_s: float, horizon_s: float, seed: int) -> tuple[float, ...]:
@@ -90,8 +93,8 @@ def training_window(events: Sequence[Mapping[str, Any]]) -> TrainingWindow:
     Raises:
         IncompleteRunError: no generation-0 restore or no rank finished.
     """
-    starts = [e["t"] for e in events if e["kind"] == "rank_restored" and e.get("generation") == 0]
-    dones = [e for e in events if e["kind"] == "rank_done"]
+    starts = [e["t"] for e in events if e["kind"] == _RESTORED and e.get("generation") == 0]
+    dones = [e for e in events if e["kind"] == WorkerEvent.DONE.logged]
     if not starts or not dones:
         raise IncompleteRunError(f"the run has {len(starts)} generation-0 restores and {len(dones)} "
                                  "done events: did it finish?")
@@ -130,10 +133,10 @@ def training_stretches(events: Sequence[Mapping[str, Any]], fault_times: Iterabl
     if not 0.0 <= collective_at <= 1.0:
         raise ConfigError(f"collective_at={collective_at} must be within [0, 1]")
     window = training_window(events)
-    world = len({e["rank"] for e in events if e["kind"] == "rank_restored" and e.get("generation") == 0})
+    world = len({e["rank"] for e in events if e["kind"] == _RESTORED and e.get("generation") == 0})
     restores: dict[int, list[Mapping[str, Any]]] = {}
     for e in events:
-        if e["kind"] == "rank_restored":
+        if e["kind"] == _RESTORED:
             restores.setdefault(int(e["generation"]), []).append(e)
     # (time, step) of every generation all ranks restored into, in time order
     starts = sorted((max(r["t"] for r in rs), int(rs[0]["step"]))
@@ -206,13 +209,13 @@ def recovery_phases_ms(events: Sequence[Mapping[str, Any]],
     faults = sorted(fault_times)
     phases: dict[int, dict[str, float]] = {}
     for e in events:
-        if e["kind"] == "phase":
+        if e["kind"] == EventKind.PHASE:
             phases.setdefault(int(e["recovery"]), {})[e["phase"]] = (e["end"] - e["start"]) * 1000.0
     out = []
-    for done in (e for e in events if e["kind"] == "recovery_done"):
+    for done in (e for e in events if e["kind"] == EventKind.RECOVERY_DONE):
         n = int(done["recovery"])
         row = dict(phases.get(n, {}))
-        missing = [p for p in PHASE_NAMES[1:] if p not in row]
+        missing = [p.value for p in RecoveryPhase if p not in row]
         if missing:
             raise IncompleteRunError(f"recovery {n} has no phase event for {missing}")
         before = [f for f in faults if f <= done["detected"]]

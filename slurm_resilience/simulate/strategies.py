@@ -13,6 +13,7 @@ from enum import Enum
 from typing import Mapping
 
 from slurm_resilience.errors import ConfigError
+from slurm_resilience.protocol import RecoveryPhase
 
 from .failures import DAY_S, FaultClass
 
@@ -106,7 +107,10 @@ class Strategy:
         return max(1, round(self.checkpoint.interval_s / self.step_time_s)) * self.step_time_s
 
 
-PHASE_NAMES = ("detect", "classify", "replace", "ranktable", "reconnect", "restore", "first_step")
+# Fault → first completed step: "detect" (fault → detection; no ``phase`` event holds it,
+# a measured run takes it from the injection time) then the recovery's own phases.
+# They name PhaseTimes' fields, so they are plain strings.
+PHASE_NAMES = ("detect", *(p.value for p in RecoveryPhase))
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -10,6 +10,12 @@ from __future__ import annotations
 import time
 from typing import Any, Mapping
 
+from ..protocol import EventKind, WorkerEvent
+
+# Worker events that carry the step a rank has reached.
+_STEP_EVENTS = frozenset(w.logged for w in (WorkerEvent.FIRST_STEP, WorkerEvent.DONE,
+                                            WorkerEvent.CHECKPOINT_SAVED))
+
 
 class Metrics:
     def __init__(self, clock=time.time) -> None:
@@ -27,28 +33,28 @@ class Metrics:
 
     def observe(self, ev: Mapping[str, Any]) -> None:
         kind = ev.get("kind")
-        if kind == "phase":
+        if kind == EventKind.PHASE:
             self.last_phases[ev["phase"]] = ev["duration_ms"] / 1000
-        elif kind == "recovery_start":
+        elif kind == EventKind.RECOVERY_START:
             self._step_at_fault = self._max_step
-        elif kind == "recovery_done":
+        elif kind == EventKind.RECOVERY_DONE:
             self.recoveries += 1
             self.last_mttr = ev["first_step"] - ev["detected"]
             self.recovery_seconds += self.last_mttr
-        elif kind == "rank_restored" and self._step_at_fault is not None and ev.get("generation"):
+        elif kind == WorkerEvent.RESTORED.logged and self._step_at_fault is not None and ev.get("generation"):
             self.lost_steps += max(0, self._step_at_fault - int(ev["step"]))
             self._step_at_fault = None
-        elif kind in ("rank_first_step", "rank_done", "rank_checkpoint_saved"):
+        elif kind in _STEP_EVENTS:
             self._max_step = max(self._max_step, int(ev.get("step", 0)))
-        if kind == "rank_checkpoint_saved" and ev.get("rank") == 0:
+        if kind == WorkerEvent.CHECKPOINT_SAVED.logged and ev.get("rank") == 0:
             self.ckpt["saved"] += 1
             self.ckpt["stall_last"] = ev["stall_ms"] / 1000
             self.ckpt["stall_sum"] += ev["stall_ms"] / 1000
-        elif kind == "rank_checkpoint_durable" and ev.get("rank") == 0:
+        elif kind == WorkerEvent.CHECKPOINT_DURABLE.logged and ev.get("rank") == 0:
             self.ckpt["durable"] += 1
             self.ckpt["bytes"] += int(ev.get("bytes", 0))
             self.ckpt["persist_seconds"] += float(ev.get("seconds", 0.0))
-        elif kind == "rank_checkpoint_failed" and ev.get("rank") == 0:
+        elif kind == WorkerEvent.CHECKPOINT_FAILED.logged and ev.get("rank") == 0:
             self.ckpt["failed"] += 1
 
     def render(self, status: Mapping[str, Any]) -> str:

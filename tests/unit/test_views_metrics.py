@@ -4,6 +4,7 @@ from slurm_resilience.supervisor.metrics import Metrics
 from slurm_resilience.timeline_plot import plot_timeline
 from slurm_resilience.views import render_status
 
+# Plain strings, as events.jsonl holds them: the enums must compare equal to these.
 EVENTS = [
     {"t": 100.0, "kind": "job_start"},
     {"t": 101.0, "kind": "rank_checkpoint_saved", "rank": 0, "step": 10, "stall_ms": 2.0, "tiers": ["L1"]},
@@ -15,7 +16,7 @@ EVENTS = [
     {"t": 102.3, "kind": "recovery_done", "recovery": 1, "detected": 102.0, "first_step": 102.15,
      "level": "node-replacement", "generation": 1, "detect_to_step_s": 0.15},
 ]
-STATUS = {"job_id": "7", "phase": "RUNNING", "generation": 1, "recoveries": 1, "restart_count": 0,
+STATUS = {"job_id": "7", "phase": "RUNNING", "generation": 1, "recoveries": 1, "requeue_count": 2,
           "ranks": [{"rank": 0, "node": "n2", "pid": 11, "step": 13}, {"rank": 1, "node": "n6", "pid": 12, "step": 13}],
           "spares": [], "excluded": ["n3"], "restarts": {"1": 1}, "retry_budget": 3, "t": 103.0}
 
@@ -42,6 +43,13 @@ def test_status_view_shows_budget_spares_and_tiers():
     assert "spares left: 0" in text and "isolated nodes: n3" in text
     row1 = [line for line in text.splitlines() if line.strip().startswith("1  n6")][0]
     assert row1.split()[-1] == "2"  # 3 - 1 restart used
+    assert "requeues 2" in text
+
+
+def test_status_view_reads_requeues_of_older_status_files():
+    old = {k: v for k, v in STATUS.items() if k != "requeue_count"}
+    assert "requeues 0" in render_status(old, rate=None, tiers={})
+    assert "requeues 3" in render_status({**old, "restart_count": 3}, rate=None, tiers={})
 
 
 def test_timeline_png_is_written(tmp_path):
