@@ -260,7 +260,7 @@ _ENV_MAP: dict[str, tuple[str, Callable[[str | None], object]]] = {
     "nodelist": ("SLURM_JOB_NODELIST", _nodelist),
     "node_name": ("SLURMD_NODENAME", _opt),
     "step_id": ("SLURM_STEP_ID", _opt),
-    "restart_count": ("SLURM_RESTART_COUNT", _count),
+    "requeue_count": ("SLURM_RESTART_COUNT", _count),
     "submit_dir": ("SLURM_SUBMIT_DIR", _opt),
     "het_size": ("SLURM_HET_SIZE", _count),
 }
@@ -280,7 +280,8 @@ class SlurmEnv:
     nodelist: tuple[str, ...]
     node_name: str | None
     step_id: str | None
-    restart_count: int
+    requeue_count: int
+    """How often Slurm requeued this job (``SLURM_RESTART_COUNT``; 0 on the first run)."""
     submit_dir: str | None
     het_size: int = 0
     het_job_ids: tuple[str, ...] = ()

@@ -64,7 +64,7 @@ def test_hetjob_node_loss_finishes_on_spare_bit_identical(cluster, jobs_root, re
     # released from component 1 before it was marked DOWN: Slurm never requeued the hetjob
     assert [e["node"] for e in _events(run.job_dir, "isolated")] == [victim]
     assert not _events(run.job_dir, "isolate_failed") and not _events(run.job_dir, "requeue")
-    assert run.status["restart_count"] == 0
+    assert run.status["requeue_count"] == 0
     assert "#SBATCH hetjob" in (run.job_dir / "job.sbatch").read_text()
 
 

@@ -110,9 +110,9 @@ def test_slurm_env():
         "SLURM_STEP_ID": "0", "SLURM_RESTART_COUNT": "2", "SLURM_SUBMIT_DIR": "/home/x", "OTHER": "y",
     })
     assert env == SlurmEnv(job_id="42", nodelist=("n1", "n2", "n3"), node_name="n2", step_id="0",
-                           restart_count=2, submit_dir="/home/x")
+                           requeue_count=2, submit_dir="/home/x")
     empty = SlurmEnv.from_environ({})
-    assert empty == SlurmEnv(job_id=None, nodelist=(), node_name=None, step_id=None, restart_count=0, submit_dir=None)
+    assert empty == SlurmEnv(job_id=None, nodelist=(), node_name=None, step_id=None, requeue_count=0, submit_dir=None)
     with pytest.raises(ValueError, match="SLURM_RESTART_COUNT"):
         SlurmEnv.from_environ({"SLURM_RESTART_COUNT": "x"})
     with pytest.raises(ValueError, match="SLURM_JOB_NODELIST"):
