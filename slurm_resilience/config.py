@@ -22,8 +22,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-import yaml
-
+from slurm_resilience.config_io import check_type, read_source
 from slurm_resilience.errors import ConfigError
 
 __all__ = [
@@ -305,34 +304,6 @@ _SECTIONS: dict[str, type] = {
 }
 
 
-def _check_type(where: str, value: Any, annotation: Any) -> Any:
-    """Return ``value`` (ints widened to float) or raise ConfigError."""
-    args = typing.get_args(annotation)
-    optional = type(None) in args
-    base = next((a for a in args if a is not type(None)), annotation) if args else annotation
-    if value is None:
-        if optional:
-            return None
-        raise ConfigError(f"{where} must be {_type_word(base)}, got null")
-    if base is bool:
-        if isinstance(value, bool):
-            return value
-    elif base is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    elif base is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-    elif base is str:
-        if isinstance(value, str):
-            return value
-    raise ConfigError(f"{where} must be {_type_word(base)}, got {value!r}")
-
-
-def _type_word(tp: Any) -> str:
-    return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(tp, str(tp))
-
-
 def _build_section(name: str, raw: Any, origin: str) -> Any:
     cls = _SECTIONS[name]
     if raw is None:
@@ -345,35 +316,8 @@ def _build_section(name: str, raw: Any, origin: str) -> Any:
     for key, value in raw.items():
         if key not in valid:
             raise ConfigError(f"unknown key '{name}.{key}' in {origin}; valid keys: {', '.join(valid)}")
-        kwargs[key] = _check_type(f"{name}.{key}", value, hints[key])
+        kwargs[key] = check_type(f"{name}.{key}", value, hints[key])
     return cls(**kwargs)
-
-
-def _read_source(source: str | os.PathLike | Mapping | None) -> tuple[Mapping, str]:
-    if source is None:
-        return {}, "defaults"
-    if isinstance(source, Mapping):
-        return source, "config"
-    path = os.fspath(source)
-    try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-    except FileNotFoundError:
-        raise ConfigError(f"config file not found: {path}") from None
-    except OSError as exc:
-        raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
-    try:
-        doc = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        problem = getattr(exc, "problem", None) or type(exc).__name__
-        raise ConfigError(f"invalid YAML in {path}{where}: {problem}") from None
-    if doc is None:
-        doc = {}
-    if not isinstance(doc, Mapping):
-        raise ConfigError(f"{path} must hold a mapping of sections ({', '.join(_SECTIONS)}), got {type(doc).__name__}")
-    return doc, os.path.basename(path)
 
 
 def load_config(
@@ -386,7 +330,7 @@ def load_config(
         ConfigError: missing file, bad YAML, unknown section/key, wrong type,
             or a value that fails a component's checks.
     """
-    doc, origin = _read_source(source)
+    doc, origin = read_source(source, _SECTIONS)
     merged: dict[str, dict] = {}
     for layer, where in ((doc, origin), (overrides or {}, "overrides")):
         for name, section in layer.items():
