@@ -8,6 +8,7 @@ from slurm_resilience.errors import RecoveryError
 from slurm_resilience.events import EventLog, format_timeline, read_events
 from slurm_resilience.lifecycle import TRANSITIONS, JobPhase, Lifecycle
 from slurm_resilience.model import Fault, FaultKind
+from slurm_resilience.protocol import EventKind, RecoveryPhase, WorkerEvent
 
 
 class Clock:
@@ -33,6 +34,18 @@ def test_event_log_roundtrip(tmp_path):
     with EventLog(path) as log:  # append, not truncate
         log.emit("again")
     assert len(read_events(path)) == 3
+
+
+def test_event_log_writes_enum_kinds_as_plain_strings(tmp_path):
+    path = str(tmp_path / "events.jsonl")
+    seen = []
+    with EventLog(path, clock=Clock(), on_event=seen.append) as log:
+        log.emit(EventKind.PHASE, recovery=1, phase=RecoveryPhase.RESTORE, start=0.0, end=1.0)
+        log.emit(WorkerEvent.RESTORED.logged, rank=0)
+    assert [type(e["kind"]) for e in seen] == [str, str]  # observers get what a reader gets
+    assert read_events(path)[0] == {"t": 1000.0, "kind": "phase", "recovery": 1, "phase": "restore",
+                                    "start": 0.0, "end": 1.0}
+    assert read_events(path)[1]["kind"] == "rank_restored"
 
 
 def test_read_truncated_last_line(tmp_path):

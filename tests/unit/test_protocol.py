@@ -8,8 +8,8 @@ from hypothesis import given, settings, strategies as st
 from slurm_resilience.errors import ConfigError
 from slurm_resilience.model import RankSlot, RankTable
 from slurm_resilience.protocol import (
-    TOKEN_FILE, Plan, PlanAction, Role, WorkerEnv, done_key, event_key, heartbeat_key,
-    pg_prefix, plan_key, read_token, write_token,
+    TOKEN_FILE, EventKind, Plan, PlanAction, RecoveryPhase, Role, StoreKey, WorkerEnv, WorkerEvent,
+    done_key, event_key, heartbeat_key, pg_prefix, plan_key, read_token, write_token,
 )
 from slurm_resilience.supervisor.ranktable import initial_table
 
@@ -125,3 +125,56 @@ def test_extra_vars_ignored(tmp_path):
     write_token(str(tmp_path), env.token)
     environ = {**os.environ, **env.to_environ(), "SR_UNRELATED": "x"}
     assert WorkerEnv.from_environ(environ) == env
+
+
+@pytest.mark.parametrize("key", [k for k in StoreKey if "{}" in k.value])
+def test_store_key_family_fills_every_part(key):
+    n = key.value.count("{}")
+    filled = key.of(*range(7, 7 + n))
+    assert "{}" not in filled and filled.startswith(key.value.split("{}")[0])
+    for wrong in (n - 1, n + 1):
+        with pytest.raises(ValueError, match=f"{key.name} takes {n} part"):
+            key.of(*range(wrong))
+
+
+@pytest.mark.parametrize("key", [k for k in StoreKey if "{}" not in k.value])
+def test_fixed_store_key_takes_no_parts(key):
+    with pytest.raises(ValueError, match="takes 0 part"):
+        key.of(1)
+    with pytest.raises(ValueError):
+        key.of()
+
+
+def test_store_keys_of_two_parts_and_the_helpers_agree():
+    assert StoreKey.RESHARD_HELD.of(3, 1) == "reshard/3/held/1"
+    assert plan_key(3) == StoreKey.PLAN.of(3) == "plan/3"
+    assert event_key(5) == "ev/5" and done_key(2) == "done/2" and pg_prefix(4) == "gen4/"
+
+
+def test_store_key_families_do_not_swallow_fixed_keys():
+    # ev/count sits beside ev/{n}: a worker event number never reads as the counter
+    assert StoreKey.EVENT.of(0) != StoreKey.EVENT_COUNTER
+    assert len({k.value for k in StoreKey}) == len(StoreKey)
+
+
+def test_worker_event_logged_name():
+    assert WorkerEvent.RESTORED.logged == "rank_restored"
+    assert WorkerEvent.CHECKPOINT_DURABLE.logged == "rank_checkpoint_durable"
+    logged = {w.logged for w in WorkerEvent}
+    assert len(logged) == len(WorkerEvent)
+    assert not logged & {k.value for k in EventKind}  # the log's two vocabularies never clash
+
+
+@pytest.mark.parametrize("member", [*EventKind, *WorkerEvent, *RecoveryPhase, *StoreKey])
+def test_names_are_the_strings_on_the_wire(member):
+    # readers compare events.jsonl's plain strings with the enums and look them up in dicts
+    plain = member.value
+    assert member == plain and hash(member) == hash(plain)
+    assert {plain: 1}[member] == 1 and {member: 1}[plain] == 1
+    assert str(member) == f"{member}" == plain
+    assert json.loads(json.dumps({"kind": member})) == {"kind": plain}
+
+
+def test_recovery_phases_in_order():
+    assert [p.value for p in RecoveryPhase] == [
+        "classify", "replace", "ranktable", "reconnect", "restore", "first_step"]

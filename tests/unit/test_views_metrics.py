@@ -57,3 +57,20 @@ def test_timeline_png_is_written(tmp_path):
     data = open(out, "rb").read()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 2000
     json.dumps(EVENTS)
+
+
+def test_lab_summary_rows_follow_the_recovery_phases(tmp_path):
+    from slurm_resilience import lab
+
+    names = lab.PHASES[2:]
+    events = [{"t": 100.0, "kind": "isolated", "node": "n1", "start": 100.2, "end": 100.9}]
+    events += [{"t": 101.0, "kind": "phase", "recovery": 1, "phase": p, "start": 100.0 + i / 10,
+                "end": 100.1 + i / 10} for i, p in enumerate(names)]
+    events.append({"t": 101.0, "kind": "recovery_done", "recovery": 1, "detected": 100.0,
+                   "first_step": 100.6, "level": "online"})
+    (tmp_path / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    summary = lab.summarize(tmp_path, fault_at=99.9)
+    assert list(summary["phases"]) == ["detect", "isolate (off the critical path)", *names]
+    assert names[0] == "classify" and names[-1] == "first_step"
+    assert summary["mttr_s"] == 0.7 and summary["level"] == "online"
+    assert "MTTR" in lab.format_summary(summary, 99.9)
