@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from slurm_resilience.checkpoint import layout  # noqa: E402
 from slurm_resilience.checkpoint.engine import CheckpointEngine  # noqa: E402
 from slurm_resilience.checkpoint.hdf5_format import verify_shard  # noqa: E402
 from slurm_resilience.checkpoint.shard_io import CRC32_IMPL, IO_THREADS  # noqa: E402
@@ -145,7 +146,7 @@ def run(args) -> dict:
             runs["ours_stall_s"].append(stall)
             runs["ours_l1_persist_s"].append(
                 [s["seconds"] for s in eng.stats if s["step"] == step and s["tier"] == "L1"][0])
-            cand = (step, "L1", str(root / "ours" / f"step-{step:08d}" / "rank-00000.h5"))
+            cand = (step, "L1", layout.shard_path(str(root / "ours"), step, 0))
             runs["ours_verify_s"].append(timed(lambda: verify_shard(cand[2]))[0])
             runs["ours_restore_s"].append(timed(lambda: eng.load(cand))[0])
         eng.close()

@@ -231,6 +231,11 @@ class CheckpointConfig:
         shared_every_kth: L2 drains every K-th L1 checkpoint (0: off).
         shared_dir: shared-filesystem directory (Lustre or any shared path).
         shared_keep: L2 checkpoints kept (>= 1); ``shared_keep_every``: also every M-th step.
+        lustre_stripe_count: when ``shared_dir`` is on Lustre (mount table), each new L2
+            step directory is striped over this many OSTs (``lfs setstripe -c``): -1 all,
+            0 leave the filesystem's default layout, else 1..2000. Ignored elsewhere.
+        lustre_stripe_size: Lustre stripe size (``lfs setstripe -S``), e.g. ``"4M"``;
+            a multiple of 64K below 4G.
         mtbf_s: mean time between failures assumed until failures are observed.
     """
 
@@ -245,6 +250,8 @@ class CheckpointConfig:
     shared_dir: str = "{job_dir}/checkpoints"
     shared_keep: int = 2
     shared_keep_every: int = 0
+    lustre_stripe_count: int = 4
+    lustre_stripe_size: str = "4M"
     mtbf_s: float = 86400.0
 
     def __post_init__(self) -> None:
@@ -264,6 +271,9 @@ class CheckpointConfig:
             raise ConfigError("checkpoint.shared_every_kth drains L1 checkpoints: set local_every or local_auto")
         if self.mtbf_s <= 0:
             raise ConfigError(f"checkpoint.mtbf_s={self.mtbf_s} must be > 0")
+        from .checkpoint.lustre import check_striping
+
+        check_striping("checkpoint.lustre_", self.lustre_stripe_count, self.lustre_stripe_size)
 
     def tiers(self):
         """The tier specs this section describes (see ``checkpoint/tiers.py``)."""
@@ -280,7 +290,8 @@ class CheckpointConfig:
         if self.shared_every_kth:
             specs.append(TierSpec(name="L2", storage="shared", path=self.shared_dir,
                                   every_kth=self.shared_every_kth, keep=self.shared_keep,
-                                  keep_every=self.shared_keep_every or None))
+                                  keep_every=self.shared_keep_every or None,
+                                  stripe_count=self.lustre_stripe_count, stripe_size=self.lustre_stripe_size))
         return tuple(specs)
 
 

@@ -85,7 +85,9 @@ def inject(fault: str, job_dir: str, *, rank: int = 1, seconds: float = 5.0,
         os.kill(pid, signal.SIGKILL)
         return {"fault": fault, "pid": pid, "at": at}
     if fault == "corrupt-checkpoint":
-        return {"fault": fault, "at": at, **corrupt_newest(path or os.path.join(job_dir, "checkpoints"))}
+        from .checkpoint.layout import job_checkpoints
+
+        return {"fault": fault, "at": at, **corrupt_newest(path or job_checkpoints(job_dir))}
     if fault == "fill-disk":
         if not path:
             raise ResilienceError("fill-disk needs --path (a directory on the filesystem to fill)")

@@ -155,6 +155,7 @@ class WorkerEvent(_Named):
     CHECKPOINT_REBUILT = "checkpoint_rebuilt"
     CHECKPOINT_REBUILD_FAILED = "checkpoint_rebuild_failed"
     CHECKPOINT_INVALID = "checkpoint_invalid"
+    CHECKPOINT_STRIPE_FAILED = "checkpoint_stripe_failed"
 
     @property
     def logged(self) -> str:

@@ -8,7 +8,8 @@
       │     XOR: parity row of our group, exchanged over the transfer group → our disk
       ├─ vote: every rank reports durable/failed (collective on the transfer group)
       │     all durable → manifest, then ``latest`` (never before)
-      └─ L2: every K-th: shard copied to the shared filesystem, vote, rank 0 commits
+      └─ L2: every K-th: rank 0 creates the step directory (on Lustre: ``lfs setstripe``),
+            shard copied to the shared filesystem, vote, rank 0 commits
 
 A failing checkpoint (disk full, I/O error, a peer lost mid-transfer) is reported
 as an event, never raised into training, and never touches an older checkpoint.
@@ -16,6 +17,8 @@ as an event, never raised into training, and never touches an older checkpoint.
 Restore: :meth:`CheckpointEngine.rebuild_missing` (collective) first rebuilds XOR
 shards lost with a node into the rank that now holds the slot; then every rank
 walks ``candidates()`` fastest-first, verifying checksums (``best``).
+
+What the writer does per tier is in ``persist``; every path comes from ``layout``.
 """
 
 from __future__ import annotations
@@ -31,17 +34,16 @@ from typing import Any, Callable, Sequence
 import torch
 
 from ..errors import CheckpointError
-from ..files import makedirs_private, write_private
+from . import layout
 from . import manifest as mf
-from .hdf5_format import flatten_state, read_shard, shard_crc32, unflatten_state, verify_shard, write_shard
-from .partner_tier import exchange_partner
-from .tiers import IntervalEstimator, Redundancy, TierSpec, base_tier, expand_path, tier_for_step
+from .hdf5_format import flatten_state, read_shard, unflatten_state, verify_shard
+from .intervals import IntervalEstimator
+from .lustre import LustreStriping, Striping
+from .persist import Job, Lazy, first_line, persist_local, persist_shared
+from .tiers import Redundancy, TierSpec, base_tier, tier_for_step
 from .xor_rebuild import rebuild_tier
-from .xor_tier import encode_step, parity_name
 
 log = logging.getLogger(__name__)
-
-PARTNER_DIR = "partner"
 
 
 @dataclasses.dataclass
@@ -50,17 +52,6 @@ class _BufferSet:
     skeleton: bytes = b""
     step: int = -1
     busy: bool = False
-
-
-@dataclasses.dataclass
-class _Job:
-    step: int
-    tiers: list[str]
-    buffers: _BufferSet
-    transfer: Any
-    rank: int
-    world_size: int
-    nodes: tuple[str, ...]
 
 
 @dataclasses.dataclass
@@ -73,10 +64,15 @@ class _Rebuild:
 
 
 class CheckpointEngine:
-    """Multi-level checkpoints of one rank. Not thread-safe: one caller (the training loop)."""
+    """Multi-level checkpoints of one rank. Not thread-safe: one caller (the training loop).
+
+    ``striping`` is the filesystem adapter for shared tiers (default: the mount table
+    and ``lfs``, :class:`~.lustre.LustreStriping`); tests inject a fake.
+    """
 
     def __init__(self, specs: Sequence[TierSpec], *, job_id: str, job_dir: str, node: str,
-                 emit: Callable[..., None] = lambda kind, **f: None, mtbf_s: float = 86400.0) -> None:
+                 emit: Callable[..., None] = lambda kind, **f: None, mtbf_s: float = 86400.0,
+                 striping: Striping | None = None) -> None:
         self.specs = tuple(specs)
         self._by_storage = {s.storage: s for s in reversed(self.specs)}
         self.job_id, self.job_dir, self.node = job_id, job_dir, node
@@ -85,7 +81,7 @@ class CheckpointEngine:
         self._sets = [_BufferSet({}), _BufferSet({})]
         self._l0: _BufferSet | None = None
         self._lock = threading.Condition()
-        self._queue: "queue.Queue[_Job | _Rebuild | None]" = queue.Queue()
+        self._queue: "queue.Queue[Job | _Rebuild | None]" = queue.Queue()
         self._last: dict[str, tuple[int, float]] = {}
         self._counts: dict[str, int] = {}
         self.estimator = IntervalEstimator(mtbf_s=mtbf_s) if any(s.auto for s in self.specs) else None
@@ -93,6 +89,8 @@ class CheckpointEngine:
         self.stats: list[dict[str, float]] = []
         self.failures: list[tuple[int, str]] = []  # (step, why) of checkpoints not committed
         self._verified: dict[str, tuple[int, int, int]] = {}  # path -> stat key of a verified shard
+        self._striping = striping if striping is not None else LustreStriping()
+        self._on_lustre: dict[str, bool] = {}  # tier root -> detected once (writer thread)
         self._thread = threading.Thread(target=self._writer, name="sr-ckpt-writer", daemon=True)
         self._thread.start()
 
@@ -106,7 +104,7 @@ class CheckpointEngine:
         off the recovery's critical path.
         """
         self.rank, self.world_size, self.nodes = rank, world_size, tuple(nodes)
-        self._transfer = _Lazy(transfer) if transfer is not None else None
+        self._transfer = Lazy(transfer) if transfer is not None else None
 
     @property
     def needs_agreement(self) -> bool:
@@ -114,7 +112,8 @@ class CheckpointEngine:
         return any(s.interval_s is not None or s.auto for s in self.specs)
 
     def root(self, spec: TierSpec, rank: int | None = None) -> str:
-        return expand_path(spec, job_id=self.job_id, node=self.node,
+        """The tier root of ``spec`` for this job, node and ``rank`` (default: ours)."""
+        return layout.expand_path(spec, job_id=self.job_id, node=self.node,
                            rank=self.rank if rank is None else rank, job_dir=self.job_dir)
 
     # -- save --------------------------------------------------------------------
@@ -163,7 +162,7 @@ class CheckpointEngine:
         disk = [n for n in tiers if self._spec(n).storage != "memory"]
         if disk:
             buf.busy = True
-            self._queue.put(_Job(step, disk, buf, self._transfer, self.rank, self.world_size, self.nodes))
+            self._queue.put(Job(step, disk, buf, self._transfer, self.rank, self.world_size, self.nodes))
         if self.estimator is not None:
             self.estimator.observe_checkpoint(stall)
         self._emit("checkpoint_saved", step=step, tiers=tiers, stall_ms=round(stall * 1000, 3))
@@ -211,14 +210,14 @@ class CheckpointEngine:
                 self._persist(job)
             except Exception as exc:  # reported, never raised into training
                 log.warning("checkpoint of step %d failed: %s", job.step, exc)
-                self.failures.append((job.step, _line(exc)))
-                self._emit("checkpoint_failed", step=job.step, tiers=job.tiers, error=_line(exc))
+                self.failures.append((job.step, first_line(exc)))
+                self._emit("checkpoint_failed", step=job.step, tiers=job.tiers, error=first_line(exc))
             finally:
                 with self._lock:
                     job.buffers.busy = False
                     self._lock.notify_all()
 
-    def _persist(self, job: _Job) -> None:
+    def _persist(self, job: Job) -> None:
         state = unflatten_state(job.buffers.tensors, job.buffers.skeleton)
         attrs = {"step": job.step, "rank": job.rank, "world_size": job.world_size}
         local_path = None
@@ -227,9 +226,10 @@ class CheckpointEngine:
             t0 = time.perf_counter()
             root = self.root(spec, job.rank)
             if spec.storage == "local":
-                local_path, nbytes = self._persist_local(spec, root, job, state, attrs)
+                local_path, nbytes = persist_local(spec, root, job, state, attrs)
             else:
-                nbytes = self._persist_shared(spec, root, job, state, attrs, local_path)
+                nbytes = persist_shared(spec, root, job, state, attrs, local_path,
+                                        stripe_new_dir=self._stripe_new_dir)
             dt = time.perf_counter() - t0  # until committed (latest moved); pruning is after
             self.stats.append({"tier": name, "step": job.step, "seconds": dt, "bytes": nbytes})
             self._emit("checkpoint_durable", step=job.step, tier=name, seconds=round(dt, 4),
@@ -237,75 +237,22 @@ class CheckpointEngine:
             if spec.storage == "local":
                 mf.prune(root, keep_last=spec.keep)
 
-    def _persist_local(self, spec, root, job, state, attrs):
-        path = mf.shard_path(root, job.step, job.rank)
-        ok, info, err = 1, None, ""
-        try:
-            info = write_shard(path, state, attrs=attrs)
-        except (OSError, CheckpointError) as exc:
-            ok, err = 0, _line(exc)
-        copies: dict[int, mf.ShardRecord] = {}
-        extra: dict[str, Any] = {}
-        if spec.redundancy is Redundancy.PARTNER and job.world_size > 1:
-            copies = exchange_partner(job.transfer.get(), os.path.join(root, PARTNER_DIR), step=job.step,
-                                      rank=job.rank, nodes=job.nodes, path=path if ok else None)
-        elif spec.redundancy is Redundancy.XOR and job.world_size > 1:
-            size, why = encode_step(job.transfer.get(), root_step_dir=mf.step_dir(root, job.step), step=job.step,
-                                    rank=job.rank, nodes=job.nodes, group_size=spec.group_size,
-                                    shard=(path, info.nbytes, info.crc32) if ok else None)
-            ok, err = (0, err or why) if why else (ok, err)
-            extra = {"xor": {"parity": parity_name(job.rank), "nbytes": size}}
-        votes = self._vote(job, ok)
-        if not all(votes):
-            failed = [r for r, v in enumerate(votes) if not v]
-            raise CheckpointError(f"step {job.step} not committed on {spec.name}: ranks {failed} failed"
-                                  + (f" (here: {err})" if err else ""))
-        man = mf.Manifest(step=job.step, world_size=job.world_size, tier=spec.name,
-                          shards={job.rank: mf.ShardRecord(os.path.basename(path), info.nbytes, info.crc32)},
-                          created=time.time(), extra=extra)
-        mf.write_manifest(root, man)
-        if copies:  # the partner copies this node holds form a tier root of their own
-            proot = os.path.join(root, PARTNER_DIR)
-            mf.write_manifest(proot, mf.Manifest(step=job.step, world_size=job.world_size,
-                                                 tier=f"{spec.name}-partner", shards=copies,
-                                                 created=time.time(), extra={}))
-            mf.prune(proot, keep_last=spec.keep)
-        mf.set_latest(root, job.step)
-        return path, info.nbytes
+    def _stripe_new_dir(self, spec: TierSpec, directory: str) -> None:
+        """Writer thread, rank 0: stripe a new step directory of a shared tier on Lustre.
 
-    def _persist_shared(self, spec, root, job, state, attrs, local_path) -> int:
-        path = mf.shard_path(root, job.step, job.rank)
-        ok, nbytes, crc = 1, 0, 0
+        Detection runs once per tier root; a failure is a warning and a
+        ``checkpoint_stripe_failed`` event (the files get the default layout).
+        """
+        root = os.path.dirname(directory)
+        if root not in self._on_lustre:
+            self._on_lustre[root] = self._striping.is_lustre(root)
+        if not self._on_lustre[root] or spec.stripe_count == 0:
+            return
         try:
-            if local_path and os.path.exists(local_path):
-                makedirs_private(os.path.dirname(path))
-                with open(local_path, "rb") as f:
-                    write_private(path, f.read())
-                nbytes, crc = os.path.getsize(path), shard_crc32(path)
-            else:
-                info = write_shard(path, state, attrs=attrs)
-                nbytes, crc = info.nbytes, info.crc32
-        except (OSError, CheckpointError) as exc:
-            ok = 0
-            log.warning("L2 write failed: %s", exc)
-        votes = self._vote(job, ok)
-        if not all(votes):
-            raise CheckpointError(f"step {job.step} not committed on {spec.name}: ranks "
-                                  f"{[r for r, v in enumerate(votes) if not v]} failed")
-        sizes = _gather(job, nbytes)
-        crcs = _gather(job, crc)
-        if job.rank == 0:
-            shards = {r: mf.ShardRecord(f"rank-{r:05d}.h5", sizes[r], crcs[r]) for r in range(job.world_size)}
-            mf.write_manifest(root, mf.Manifest(step=job.step, world_size=job.world_size, tier=spec.name,
-                                                shards=shards, created=time.time(), extra={}))
-            mf.set_latest(root, job.step)
-            mf.prune(root, keep_last=spec.keep, keep_every=spec.keep_every)
-        _gather(job, 1)  # nobody reports L2 durable before rank 0 committed
-        return nbytes
-
-    def _vote(self, job: _Job, ok: int) -> list[int]:
-        """Collective: every rank's durable flag."""
-        return _gather(job, ok)
+            self._striping.stripe(directory, spec.stripe_count, spec.stripe_size)
+        except CheckpointError as exc:
+            log.warning("striping %s failed: %s", directory, exc)
+            self._emit("checkpoint_stripe_failed", tier=spec.name, path=directory, error=first_line(exc))
 
     # -- restore -------------------------------------------------------------------
     def rebuild_missing(self) -> list[tuple[int, int, bool]]:
@@ -341,7 +288,7 @@ class CheckpointEngine:
                            failed=[r for r, ok in out if not ok], seconds=round(time.perf_counter() - t0, 4))
         except Exception as exc:  # reported; restore falls back to other copies
             log.warning("XOR rebuild failed: %s", exc)
-            self._emit("checkpoint_rebuild_failed", error=_line(exc))
+            self._emit("checkpoint_rebuild_failed", error=first_line(exc))
         finally:
             job.done.set()
 
@@ -371,15 +318,15 @@ class CheckpointEngine:
             for step in reversed(mf.complete_steps(root)):
                 man = mf.read_manifest(root, step)
                 if spec.storage == "local" and self.rank in man.shards:
-                    out.append((step, spec.name, mf.shard_path(root, step, self.rank)))
+                    out.append((step, spec.name, layout.shard_path(root, step, self.rank)))
                 elif spec.storage == "shared":
                     rank = self.rank if self.rank in man.shards else min(man.shards)
-                    out.append((step, spec.name, mf.shard_path(root, step, rank)))
-            proot = os.path.join(root, PARTNER_DIR)
+                    out.append((step, spec.name, layout.shard_path(root, step, rank)))
+            proot = layout.partner_root(root)
             if spec.storage == "local" and os.path.isdir(proot):
                 for step in reversed(mf.complete_steps(proot)):
                     for r in mf.read_manifest(proot, step).shards:
-                        out.append((step, f"{spec.name}-partner", mf.shard_path(proot, step, r)))
+                        out.append((step, f"{spec.name}-partner", layout.shard_path(proot, step, r)))
         order = {name: i for i, name in enumerate(["L0"] + [s.name for s in self.specs])}
         out.sort(key=lambda c: (-c[0], order.get(c[1].split("-")[0], 99), c[1]))
         return out
@@ -401,26 +348,3 @@ class CheckpointEngine:
             return unflatten_state({k: v.clone() for k, v in self._l0.tensors.items()}, self._l0.skeleton)
         state, _ = read_shard(path)
         return state
-
-
-class _Lazy:
-    """Builds the transfer group on first use (in the writer thread), once."""
-
-    def __init__(self, factory: Callable[[], Any]) -> None:
-        self._factory, self._group = factory, None
-
-    def get(self) -> Any:
-        if self._group is None:
-            self._group = self._factory()
-        return self._group
-
-
-def _gather(job: _Job, value: int) -> list[int]:
-    if job.transfer is None or job.world_size == 1:
-        return [value]
-    return job.transfer.get().all_gather_ints(int(value))
-
-
-def _line(exc: BaseException) -> str:
-    s = str(exc).strip()
-    return (s.splitlines()[0] if s else type(exc).__name__)[:300]

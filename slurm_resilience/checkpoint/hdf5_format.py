@@ -40,7 +40,9 @@ import torch
 
 from ..errors import CheckpointError
 from ..files import fsync_dir, makedirs_private
-from .shard_io import crc32, crc_extents, read_extents, write_extents
+from .layout import TEMP_SUFFIX, shard_temp_prefix
+from .hdf5_extents import Bulk, DatasetLayout, bulk_read, bytes_of, first_line, plan_bulk
+from .shard_io import crc32, write_extents
 from .state_tree import TensorRef, flatten_state, refs, unflatten_state
 
 __all__ = [
@@ -115,50 +117,6 @@ def _check_attrs(attrs: Mapping[str, int | float | str]) -> None:
             raise CheckpointError(f"shard attribute {key!r} must be int, float or str, not {type(value).__name__}")
 
 
-class _Layout:
-    """Creates datasets through h5py's low-level API (a third of the high-level cost per
-    dataset): contiguous storage allocated at creation and never filled, so each
-    dataset's file offset is known at once and every byte is written exactly once."""
-
-    def __init__(self, f: h5py.File) -> None:
-        self.f = f
-        self.dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
-        self.dcpl.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)
-        self.dcpl.set_fill_time(h5py.h5d.FILL_TIME_NEVER)
-        self.lcpl = h5py.h5p.create(h5py.h5p.LINK_CREATE)
-        self.lcpl.set_create_intermediate_group(True)
-        self.lcpl.set_char_encoding(h5py.h5t.CSET_UTF8)
-        self.u32 = h5py.h5t.py_create(np.dtype(np.uint32))
-
-    def create(self, name: str, arr: np.ndarray, torch_dtype: str | None) -> int | None:
-        """Create ``name`` (crc32 attribute 0 for now); its bytes' file offset, or None
-        when they are not one plain run (empty, or a dtype stored differently)."""
-        space = h5py.h5s.create_simple(arr.shape) if arr.shape else h5py.h5s.create(h5py.h5s.SCALAR)
-        dsid = h5py.h5d.create(self.f.id, name.encode(), h5py.h5t.py_create(arr.dtype, logical=True), space,
-                               dcpl=self.dcpl, lcpl=self.lcpl)
-        h5py.h5a.create(dsid, b"crc32", self.u32, h5py.h5s.create(h5py.h5s.SCALAR)).write(np.zeros((), np.uint32))
-        if torch_dtype is not None:
-            h5py.Dataset(dsid).attrs["torch_dtype"] = torch_dtype
-        offset = dsid.get_offset() if arr.nbytes else None
-        if offset is None or dsid.get_storage_size() != arr.nbytes:
-            if arr.size:
-                h5py.Dataset(dsid).write_direct(arr)
-            return None
-        return offset
-
-
-def _raw_extent(ds: h5py.Dataset, nbytes: int) -> int | None:
-    """File offset of a dataset's bytes when they are one plain contiguous run, else None."""
-    if nbytes == 0 or ds.id.get_create_plist().get_layout() != h5py.h5d.CONTIGUOUS or ds.compression:
-        return None
-    offset = ds.id.get_offset()
-    return offset if offset is not None and ds.id.get_storage_size() == nbytes else None
-
-
-def _bytes_of(arr: np.ndarray) -> memoryview:
-    return memoryview(arr.reshape(-1).view(np.uint8))
-
-
 def _write_hdf5(
     path: str, tensors: Mapping[str, torch.Tensor], skeleton: bytes, attrs: Mapping[str, int | float | str]
 ) -> dict[str, int]:
@@ -173,7 +131,7 @@ def _write_hdf5(
         f.attrs["format"] = FORMAT
         for key, value in attrs.items():
             f.attrs[key] = value
-        layout = _Layout(f)
+        layout = DatasetLayout(f)
         for name, (arr, torch_dtype) in arrays.items():
             offset = layout.create(name, arr, torch_dtype)
             if offset is None:  # written by h5py already
@@ -185,7 +143,7 @@ def _write_hdf5(
             np.uint32(checksums[SKELETON])
     fd = os.open(path, os.O_WRONLY)
     try:
-        crcs = write_extents(fd, [(off, _bytes_of(arrays[name][0])) for name, off in extents.items()])
+        crcs = write_extents(fd, [(off, bytes_of(arrays[name][0])) for name, off in extents.items()])
         checksums.update(zip(extents, crcs))
         with h5py.File(path, "r+", locking=False) as f:
             for name in arrays:
@@ -212,7 +170,7 @@ def write_shard(path: str, state: Any, *, attrs: Mapping[str, int | float | str]
     directory = os.path.dirname(os.path.abspath(path))
     try:
         makedirs_private(directory)
-        fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
+        fd, tmp = tempfile.mkstemp(prefix=shard_temp_prefix(path), suffix=TEMP_SUFFIX, dir=directory)
     except OSError as e:
         raise CheckpointError(f"cannot write shard {path}: {e}") from e
     os.close(fd)  # mkstemp made it 0600; h5py reopens it by name and truncates it
@@ -239,7 +197,7 @@ def _open(path: str) -> Iterator[h5py.File]:
     try:
         f = h5py.File(path, "r", locking=False)
     except OSError as e:
-        raise CheckpointError(f"corrupt shard {path}: not HDF5 or truncated ({_first_line(e)})") from e
+        raise CheckpointError(f"corrupt shard {path}: not HDF5 or truncated ({first_line(e)})") from e
     with f:
         fmt = f.attrs.get("format")
         if isinstance(fmt, bytes):
@@ -247,10 +205,6 @@ def _open(path: str) -> Iterator[h5py.File]:
         if fmt != FORMAT:
             raise CheckpointError(f"corrupt shard {path}: format attribute is {fmt!r}, expected {FORMAT!r}")
         yield f
-
-
-def _first_line(e: BaseException) -> str:
-    return (str(e).splitlines() or [type(e).__name__])[0]
 
 
 def _datasets(f: h5py.File) -> dict[str, h5py.Dataset]:
@@ -268,7 +222,7 @@ def _read_dataset(ds: h5py.Dataset, path: str, name: str, verify: bool) -> np.nd
             ds.read_direct(arr)
         stored = ds.attrs.get("crc32")
     except (OSError, KeyError, ValueError, TypeError) as e:
-        raise CheckpointError(f"corrupt shard {path}: dataset {name} unreadable ({_first_line(e)})") from e
+        raise CheckpointError(f"corrupt shard {path}: dataset {name} unreadable ({first_line(e)})") from e
     if verify:
         _check_crc(path, name, stored, crc32(arr))
     return arr
@@ -279,60 +233,6 @@ def _check_crc(path: str, name: str, stored: Any, crc: int) -> None:
         raise CheckpointError(f"corrupt shard {path}: dataset {name} has no checksum")
     if crc != int(stored):
         raise CheckpointError(f"corrupt shard {path}: dataset {name} checksum mismatch")
-
-
-@dataclass
-class _Bulk:
-    """A dataset whose bytes are read past h5py, straight from its file offset."""
-
-    name: str
-    offset: int
-    nbytes: int
-    stored: Any  # the crc32 attribute (None when absent)
-    array: np.ndarray | None = None
-
-
-def _plan_bulk(ds: h5py.Dataset, path: str, name: str, allocate: bool) -> _Bulk | None:
-    """A bulk read for ``name``, or None when h5py must read it (empty, not contiguous ...).
-
-    Raises: CheckpointError when the dataset's metadata is unreadable.
-    """
-    try:
-        nbytes = int(np.prod(ds.shape, dtype=np.int64)) * ds.dtype.itemsize
-        offset = _raw_extent(ds, nbytes)
-        if offset is None:
-            return None
-        stored = ds.attrs.get("crc32")
-        array = _empty(ds.shape, ds.dtype, nbytes) if allocate else None
-    except (OSError, KeyError, ValueError, TypeError) as e:
-        raise CheckpointError(f"corrupt shard {path}: dataset {name} unreadable ({_first_line(e)})") from e
-    return _Bulk(name, offset, nbytes, stored, array)
-
-
-def _empty(shape: tuple[int, ...], dtype: np.dtype, nbytes: int) -> np.ndarray:
-    """Uninitialized memory from torch's allocator, as a numpy array of ``dtype``. Not
-    np.empty: numpy asks for transparent huge pages, and the kernel's synchronous
-    compaction for them made some restores several times slower."""
-    return torch.empty(nbytes, dtype=torch.uint8).numpy().view(dtype).reshape(shape)
-
-
-def _bulk_read(path: str, bulk: list[_Bulk], *, keep: bool) -> list[int]:
-    """CRC32 of every bulk dataset, read in parallel (into its array when ``keep``).
-
-    Raises: CheckpointError when the file cannot be read or is truncated.
-    """
-    if not bulk:
-        return []
-    try:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            if keep:
-                return read_extents(fd, [(b.offset, _bytes_of(b.array)) for b in bulk])
-            return crc_extents(fd, [(b.offset, b.nbytes) for b in bulk])
-        finally:
-            os.close(fd)
-    except OSError as e:
-        raise CheckpointError(f"corrupt shard {path}: truncated or unreadable ({_first_line(e)})") from e
 
 
 def _to_tensor(ds: h5py.Dataset, path: str, name: str, arr: np.ndarray) -> torch.Tensor:
@@ -370,18 +270,18 @@ def read_shard(path: str, *, verify: bool = True) -> tuple[Any, dict[str, int | 
             raise CheckpointError(f"corrupt shard {path}: no {SKELETON} dataset")
         skeleton = _read_dataset(names[SKELETON], path, SKELETON, verify).tobytes()
         arrays: dict[str, np.ndarray] = {}
-        bulk: list[_Bulk] = []
+        bulk: list[Bulk] = []
         for name, ds in names.items():
             if name == SKELETON:
                 continue
-            plan = _plan_bulk(ds, path, name, allocate=True)
+            plan = plan_bulk(ds, path, name, allocate=True)
             if plan is None:
                 arrays[name] = _read_dataset(ds, path, name, verify)
             else:
                 bulk.append(plan)
                 arrays[name] = plan.array
         attrs = {k: _attr_value(v) for k, v in f.attrs.items() if k not in _RESERVED_ATTRS}
-        for b, crc in zip(bulk, _bulk_read(path, bulk, keep=True)):
+        for b, crc in zip(bulk, bulk_read(path, bulk, keep=True)):
             if verify:
                 _check_crc(path, b.name, b.stored, crc)
         tensors = {name: _to_tensor(names[name], path, name, arr) for name, arr in arrays.items()}
@@ -403,17 +303,17 @@ def verify_shard(path: str) -> list[str]:
     try:
         with _open(path) as f:
             names = _datasets(f)
-            bulk: list[_Bulk] = []
+            bulk: list[Bulk] = []
             for name, ds in names.items():
                 try:
-                    plan = _plan_bulk(ds, path, name, allocate=False)
+                    plan = plan_bulk(ds, path, name, allocate=False)
                     if plan is None:
                         _read_dataset(ds, path, name, verify=True)
                     else:
                         bulk.append(plan)
                 except CheckpointError as e:
                     problems.append(str(e))
-            for b, crc in zip(bulk, _bulk_read(path, bulk, keep=False)):
+            for b, crc in zip(bulk, bulk_read(path, bulk, keep=False)):
                 try:
                     _check_crc(path, b.name, b.stored, crc)
                 except CheckpointError as e:
@@ -425,7 +325,7 @@ def verify_shard(path: str) -> list[str]:
                 try:
                     missing = sorted(set(refs(skeleton)) - set(names))
                 except Exception as e:  # unpickling raises almost anything on corrupt input
-                    problems.append(f"corrupt shard {path}: skeleton cannot be unpickled ({_first_line(e)})")
+                    problems.append(f"corrupt shard {path}: skeleton cannot be unpickled ({first_line(e)})")
                 else:
                     problems.extend(f"corrupt shard {path}: skeleton names missing dataset {m}" for m in missing)
     except CheckpointError as e:

@@ -10,6 +10,7 @@ import json
 import os
 
 from ..errors import CheckpointError, ResilienceError
+from . import layout
 
 
 class _LazyManifest:
@@ -25,16 +26,14 @@ mf = _LazyManifest()
 
 
 def tier_root(path: str) -> str:
+    """The tier root DIR names: DIR itself, or a job directory's ``checkpoints``."""
     if not os.path.isdir(path):
         raise ResilienceError(f"no such directory: {path}")
-    sub = os.path.join(path, "checkpoints")
-    return sub if os.path.isdir(sub) else path
+    return layout.resolve_root(path)
 
 
 def _steps(root: str) -> tuple[list[int], list[int]]:
-    complete = mf.complete_steps(root)
-    dirs = sorted(int(d[5:]) for d in os.listdir(root) if d.startswith("step-") and d[5:].isdigit())
-    return complete, [s for s in dirs if s not in complete]
+    return mf.complete_steps(root), mf.incomplete_steps(root)
 
 
 def cmd_list(args) -> int:

@@ -1,9 +1,9 @@
 """Step directories, manifests and the ``latest`` pointer of one tier's root.
 
-Layout::
+The names of these files are ``layout``'s (re-exported here: ``step_dir``,
+``shard_path``, ``shard_name``, ``manifest_path``)::
 
     ROOT/step-00000100/rank-00000.h5    one shard per rank (hdf5_format)
-    ROOT/step-00000100/rank-00001.h5
     ROOT/step-00000100/manifest.json    written last, once every shard is durable
     ROOT/latest                         "100\\n", moved only after the manifest
 
@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -28,6 +27,7 @@ from typing import Any, Collection, Mapping, Sequence
 from ..errors import CheckpointError, ConfigError
 from ..files import fsync_dir, write_private
 from .hdf5_format import shard_crc32, verify_shard
+from .layout import latest_path, manifest_path, shard_name, shard_path, step_dir, step_dirs
 
 __all__ = [
     "MANIFEST_FORMAT",
@@ -49,9 +49,6 @@ __all__ = [
 ]
 
 MANIFEST_FORMAT = "slurm_resilience/manifest/1"
-_MANIFEST = "manifest.json"
-_LATEST = "latest"
-_STEP_RE = re.compile(r"step-(\d{8,})")
 
 
 @dataclass(frozen=True)
@@ -168,29 +165,6 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-# --------------------------------------------------------------------------- paths
-
-
-def step_dir(root: str, step: int) -> str:
-    """``ROOT/step-{step:08d}``."""
-    return os.path.join(root, f"step-{step:08d}")
-
-
-def shard_path(root: str, step: int, rank: int) -> str:
-    """``ROOT/step-{step:08d}/rank-{rank:05d}.h5``."""
-    return os.path.join(step_dir(root, step), shard_name(rank))
-
-
-def shard_name(rank: int) -> str:
-    """The shard's file name inside its step directory: ``rank-{rank:05d}.h5``."""
-    return f"rank-{rank:05d}.h5"
-
-
-def manifest_path(root: str, step: int) -> str:
-    """``ROOT/step-{step:08d}/manifest.json``."""
-    return os.path.join(step_dir(root, step), _MANIFEST)
-
-
 # --------------------------------------------------------------------------- commit
 
 
@@ -248,9 +222,9 @@ def set_latest(root: str, step: int) -> None:
     if not os.path.isfile(manifest_path(root, step)):
         raise CheckpointError(f"refusing to set latest to step {step}: it has no manifest under {root}")
     try:
-        write_private(os.path.join(root, _LATEST), f"{step}\n")
+        write_private(latest_path(root), f"{step}\n")
     except OSError as e:
-        raise CheckpointError(f"cannot write {os.path.join(root, _LATEST)}: {e}") from e
+        raise CheckpointError(f"cannot write {latest_path(root)}: {e}") from e
 
 
 def read_latest(root: str) -> int | None:
@@ -259,7 +233,7 @@ def read_latest(root: str) -> int | None:
     Raises:
         CheckpointError: the file is unreadable or does not hold a step number.
     """
-    path = os.path.join(root, _LATEST)
+    path = latest_path(root)
     try:
         with open(path, encoding="ascii") as f:
             text = f.read().strip()
@@ -275,28 +249,14 @@ def read_latest(root: str) -> int | None:
 # --------------------------------------------------------------------------- scan
 
 
-def _step_dirs(root: str) -> dict[int, str]:
-    try:
-        names = os.listdir(root)
-    except FileNotFoundError:
-        return {}
-    steps = {}
-    for name in names:
-        m = _STEP_RE.fullmatch(name)
-        # Only canonical names: "step-1" and "step-00000001" must not both count.
-        if m and os.path.basename(step_dir(root, int(m.group(1)))) == name and os.path.isdir(os.path.join(root, name)):
-            steps[int(m.group(1))] = os.path.join(root, name)
-    return steps
-
-
 def complete_steps(root: str) -> list[int]:
     """Steps under ``root`` that have a manifest, ascending (a missing root: [])."""
-    return sorted(s for s, d in _step_dirs(root).items() if os.path.isfile(os.path.join(d, _MANIFEST)))
+    return sorted(s for s in step_dirs(root) if os.path.isfile(manifest_path(root, s)))
 
 
 def incomplete_steps(root: str) -> list[int]:
     """Step directories under ``root`` without a manifest, ascending."""
-    return sorted(s for s, d in _step_dirs(root).items() if not os.path.isfile(os.path.join(d, _MANIFEST)))
+    return sorted(s for s in step_dirs(root) if not os.path.isfile(manifest_path(root, s)))
 
 
 def _shard_problems(root: str, manifest: Manifest) -> list[str]:

@@ -15,12 +15,12 @@ send/recv waits are not).
 
 from __future__ import annotations
 
-import os
 from typing import Any, Sequence
 
 import torch
 
 from ..files import write_private
+from . import layout
 from . import manifest as mf
 from .hdf5_format import shard_crc32
 from .redundancy import partner_of, partner_sources
@@ -58,8 +58,8 @@ def exchange_partner(g: Any, proot: str, *, step: int, rank: int, nodes: Sequenc
     for r in range(world):
         n = out_splits[r]
         if n:
-            dest = mf.shard_path(proot, step, r)
+            dest = layout.shard_path(proot, step, r)
             write_private(dest, memoryview(out[offset:offset + n].numpy()))
-            kept[r] = mf.ShardRecord(os.path.basename(dest), n, shard_crc32(dest))
+            kept[r] = mf.ShardRecord(layout.shard_name(r), n, shard_crc32(dest))
             offset += n
     return kept

@@ -9,26 +9,26 @@ redundancy and how many checkpoints it keeps. The usual three levels::
     L2  shared  every 5th L1 checkpoint, drained  (anything else)
 
 :func:`tier_for_step` picks the tiers for a step (SCR's
-``scr_reddesc_for_checkpoint``); :func:`young_daly_interval`, :func:`daly_interval`
-and :class:`IntervalEstimator` size an ``auto`` interval from checkpoint cost and
-the mean time between failures.
+``scr_reddesc_for_checkpoint``); ``intervals`` sizes an ``auto`` interval from
+checkpoint cost and the mean time between failures.
 
 Path templates may use ``{job_id}`` (Slurm job id), ``{node}`` (host name of the
 rank), ``{rank}`` (global rank) and ``{job_dir}`` (``job.job_dir`` of the config,
-already expanded); :func:`expand_path` fills them in.
+already expanded); ``layout.expand_path`` fills them in.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
-import math
 import string
-import time
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 from slurm_resilience.errors import CheckpointError, ConfigError
+
+from .layout import JOB_CHECKPOINTS
+from .lustre import check_striping
 
 __all__ = [
     "Redundancy",
@@ -37,14 +37,9 @@ __all__ = [
     "PATH_PLACEHOLDERS",
     "tier_for_step",
     "base_tier",
-    "young_daly_interval",
-    "daly_interval",
-    "auto_steps",
-    "IntervalEstimator",
     "parse_tiers",
     "check_tiers",
     "default_tiers",
-    "expand_path",
 ]
 
 STORAGES = ("memory", "local", "shared")
@@ -88,6 +83,11 @@ class TierSpec:
             required for "local" and "shared", absent for "memory".
         every_kth: shared tiers only: drain every K-th checkpoint of the base tier
             (see :func:`base_tier`, :func:`tier_for_step`).
+        stripe_count: shared tiers on Lustre only: each new step directory is striped
+            over this many OSTs (``lfs setstripe -c``; -1: all, 0: leave the
+            filesystem's default layout). See ``lustre``.
+        stripe_size: shared tiers on Lustre only: stripe size (``lfs setstripe -S``),
+            e.g. "4M": a multiple of 64K below 4G.
 
     Exactly one of interval_steps, interval_s, auto, every_kth is set.
     """
@@ -103,6 +103,8 @@ class TierSpec:
     keep_every: int | None = None
     path: str | None = None
     every_kth: int | None = None
+    stripe_count: int = 4
+    stripe_size: str = "4M"
 
     def __post_init__(self) -> None:
         where = f"tier {self.name!r}"
@@ -145,6 +147,7 @@ class TierSpec:
             if not self.path:
                 raise ConfigError(f"{where}: storage {self.storage!r} needs a path such as '/tmp/ckpt/{{job_id}}'")
             _check_template(where, self.path)
+        check_striping(f"{where}: ", self.stripe_count, self.stripe_size)
 
 
 def _check_template(where: str, template: str) -> None:
@@ -158,20 +161,6 @@ def _check_template(where: str, template: str) -> None:
                 f"{where}: path placeholder {{{f}}} is unknown; valid: "
                 + ", ".join("{" + p + "}" for p in PATH_PLACEHOLDERS)
             )
-
-
-def expand_path(spec: TierSpec, **values: Any) -> str:
-    """Fill the placeholders of ``spec.path`` from ``values`` (job_id, node, rank, job_dir).
-
-    Raises:
-        ConfigError: the tier has no path or a placeholder it uses is not given.
-    """
-    if spec.path is None:
-        raise ConfigError(f"tier {spec.name!r}: storage {spec.storage!r} has no path to expand")
-    try:
-        return spec.path.format_map(values)
-    except KeyError as exc:
-        raise ConfigError(f"tier {spec.name!r}: path {spec.path!r} needs a value for {{{exc.args[0]}}}") from None
 
 
 def base_tier(specs: Sequence[TierSpec]) -> TierSpec | None:
@@ -239,122 +228,8 @@ def _due(
     return step - last.get(spec.name, (0, 0.0))[0] >= autos[spec.name]
 
 
-def young_daly_interval(checkpoint_cost_s: float, mtbf_s: float) -> float:
-    """Young's first-order optimum compute time between checkpoints: ``sqrt(2 C M)``.
-
-    J. W. Young, "A first order approximation to the optimum checkpoint interval",
-    CACM 17(9), 1974; C = checkpoint cost, M = mean time between failures (seconds).
-
-    Raises:
-        ConfigError: C < 0 or M <= 0.
-    """
-    _check_cost_mtbf(checkpoint_cost_s, mtbf_s)
-    return math.sqrt(2.0 * checkpoint_cost_s * mtbf_s)
-
-
-def daly_interval(checkpoint_cost_s: float, mtbf_s: float) -> float:
-    """Daly's higher-order optimum compute time between checkpoints.
-
-    ``sqrt(2CM) * (1 + sqrt(C/(2M))/3 + C/(18M)) - C`` for ``C < 2M``, else ``M``.
-    J. T. Daly, "A higher order estimate of the optimum checkpoint interval for
-    restart dumps", FGCS 22(3), 2006.
-
-    Raises:
-        ConfigError: C < 0 or M <= 0.
-    """
-    _check_cost_mtbf(checkpoint_cost_s, mtbf_s)
-    c, m = checkpoint_cost_s, mtbf_s
-    if c >= 2.0 * m:
-        return m
-    return math.sqrt(2.0 * c * m) * (1.0 + math.sqrt(c / (2.0 * m)) / 3.0 + c / (18.0 * m)) - c
-
-
-def auto_steps(cost_s: float, mtbf_s: float, step_time_s: float) -> int:
-    """Daly's interval in whole training steps (rounded down, at least 1).
-
-    Raises:
-        ConfigError: cost < 0, mtbf <= 0 or step_time <= 0.
-    """
-    if not step_time_s > 0:
-        raise ConfigError(f"step_time_s={step_time_s} must be > 0")
-    return max(1, int(daly_interval(cost_s, mtbf_s) // step_time_s))
-
-
-def _check_cost_mtbf(cost: float, mtbf: float) -> None:
-    if not cost >= 0:
-        raise ConfigError(f"checkpoint cost {cost} s must be >= 0")
-    if not mtbf > 0:
-        raise ConfigError(f"mtbf {mtbf} s must be > 0")
-
-
-class IntervalEstimator:
-    """Online ``auto`` interval: EWMA of checkpoint cost and step time, observed MTBF.
-
-    MTBF is ``elapsed / failures`` (elapsed since construction, by the injected
-    clock) once at least two failures were observed, else the configured
-    ``mtbf_s``. Until one checkpoint and one step were observed,
-    :meth:`interval_steps` returns ``initial_steps``. Deterministic given the clock.
-    """
-
-    def __init__(
-        self,
-        *,
-        mtbf_s: float,
-        initial_steps: int = 100,
-        alpha: float = 0.3,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        """Raises: ConfigError: mtbf_s <= 0, initial_steps < 1 or alpha outside (0, 1]."""
-        if not mtbf_s > 0:
-            raise ConfigError(f"mtbf_s={mtbf_s} must be > 0")
-        if initial_steps < 1:
-            raise ConfigError(f"initial_steps={initial_steps} must be >= 1")
-        if not 0 < alpha <= 1:
-            raise ConfigError(f"alpha={alpha} must be in (0, 1]")
-        self._mtbf_s = mtbf_s
-        self._initial = initial_steps
-        self._alpha = alpha
-        self._clock = clock
-        self._start = clock()
-        self._cost: float | None = None
-        self._step: float | None = None
-        self._failures: list[float] = []
-
-    def _ewma(self, old: float | None, x: float) -> float:
-        return x if old is None else self._alpha * x + (1 - self._alpha) * old
-
-    def observe_checkpoint(self, cost_s: float) -> None:
-        """Record the blocking cost of one checkpoint (seconds, >= 0)."""
-        if not cost_s >= 0:
-            raise ConfigError(f"checkpoint cost {cost_s} s must be >= 0")
-        self._cost = self._ewma(self._cost, cost_s)
-
-    def observe_step(self, duration_s: float) -> None:
-        """Record the duration of one training step (seconds, > 0)."""
-        if not duration_s > 0:
-            raise ConfigError(f"step duration {duration_s} s must be > 0")
-        self._step = self._ewma(self._step, duration_s)
-
-    def observe_failure(self, t: float | None = None) -> None:
-        """Record a failure at clock time ``t`` (default: now)."""
-        self._failures.append(self._clock() if t is None else t)
-
-    def mtbf_s(self) -> float:
-        """Observed MTBF after >= 2 failures, else the configured one."""
-        if len(self._failures) < 2:
-            return self._mtbf_s
-        elapsed = max(self._clock(), self._failures[-1]) - self._start
-        return max(elapsed, 1e-9) / len(self._failures)
-
-    def interval_steps(self) -> int:
-        """Steps between checkpoints per :func:`auto_steps` (>= 1)."""
-        if self._cost is None or self._step is None:
-            return self._initial
-        return auto_steps(self._cost, self.mtbf_s(), self._step)
-
-
 _FIELDS = {f.name: f for f in dataclasses.fields(TierSpec)}
-_INT_KEYS = ("interval_steps", "group_size", "keep", "keep_every", "every_kth")
+_INT_KEYS = ("interval_steps", "group_size", "keep", "keep_every", "every_kth", "stripe_count")
 _OPTIONAL = ("interval_steps", "interval_s", "keep_every", "path", "every_kth")
 
 
@@ -447,5 +322,5 @@ def default_tiers() -> tuple[TierSpec, ...]:
             redundancy=Redundancy.PARTNER,
             path="/tmp/slurm_resilience/{job_id}/{node}/ckpt",
         ),
-        TierSpec(name="L2", storage="shared", every_kth=5, path="{job_dir}/checkpoints", keep=2),
+        TierSpec(name="L2", storage="shared", every_kth=5, path="{job_dir}/" + JOB_CHECKPOINTS, keep=2),
     )

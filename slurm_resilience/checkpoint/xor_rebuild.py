@@ -30,12 +30,13 @@ import torch
 
 from ..errors import CheckpointError
 from ..files import write_private
+from . import layout
 from . import manifest as mf
 from .hdf5_format import shard_crc32, verify_shard
-from .redundancy import rebuild_sources, xor_groups, xor_into
+from .redundancy import rebuild_sources, xor_groups
 from .shard_io import crc32
-from .xor_tier import (ROUND_BYTES, ParityHeader, gather_rows, group_of, parity_name, pread_into,
-                       read_parity, rounds, write_parity)
+from .xor_math import xor_into
+from .xor_tier import ROUND_BYTES, ParityHeader, gather_rows, group_of, pread_into, read_parity, rounds, write_parity
 
 __all__ = ["RebuildPlan", "plan_rebuild", "held_steps", "rebuild_tier"]
 
@@ -81,10 +82,10 @@ def held_steps(root: str, *, rank: int, group: Sequence[int], world_size: int, l
     for step in list(reversed(mf.complete_steps(root)))[:limit]:
         try:
             rec = mf.read_manifest(root, step).shards.get(rank)
-            hdr, _, _ = read_parity(os.path.join(mf.step_dir(root, step), parity_name(rank)))
+            hdr, _, _ = read_parity(layout.parity_path(root, step, rank))
         except CheckpointError:
             continue
-        path = mf.shard_path(root, step, rank)
+        path = layout.shard_path(root, step, rank)
         if (rec is not None and hdr.step == step and hdr.world_size == world_size
                 and list(hdr.group) == list(group) and hdr.group[hdr.member] == rank
                 and hdr.lengths[hdr.member] == rec.nbytes and hdr.shard_crc32[hdr.member] == rec.crc32
@@ -123,12 +124,11 @@ def rebuild_tier(g: Any, *, root: str, tier: str, rank: int, nodes: Sequence[str
 def _execute(g: Any, plan: RebuildPlan, *, root: str, tier: str, rank: int, round_bytes: int) -> str:
     """Collective: move the pieces and, on a lost rank, commit the shard. Returns "" or why it failed."""
     step = plan.step
-    sdir = mf.step_dir(root, step)
     target = next((lost for lost, grp in plan.lost.items() if rank in grp and rank != lost), None)
     hdr = offset = None
     if target is not None:
         try:
-            hdr, offset, _ = read_parity(os.path.join(sdir, parity_name(rank)), data=False)
+            hdr, offset, _ = read_parity(layout.parity_path(root, step, rank), data=False)
         except CheckpointError:
             target = None  # held_steps just read it; gone now: the lost shard fails its check
     head = hdr.to_bytes() if hdr else b""
@@ -139,7 +139,7 @@ def _execute(g: Any, plan: RebuildPlan, *, root: str, tier: str, rank: int, roun
     recv = _exchange(g, head, target, {r: table[r][0] for r in senders})
     lost = _Lost(mine, rank, recv) if mine else None
     error = lost.error if lost else ""
-    fds = _open_sources(sdir, rank) if hdr else (-1, -1)
+    fds = _open_sources(root, step, rank) if hdr else (-1, -1)
     try:
         for k in range(total):
             c0 = k * round_bytes
@@ -179,11 +179,11 @@ def _exchange(g: Any, send: bytes | np.ndarray, target: int | None, sizes: Mappi
     return got
 
 
-def _open_sources(sdir: str, rank: int) -> tuple[int, int]:
+def _open_sources(root: str, step: int, rank: int) -> tuple[int, int]:
     fds = []
-    for name in (mf.shard_name(rank), parity_name(rank)):
+    for path in (layout.shard_path(root, step, rank), layout.parity_path(root, step, rank)):
         try:
-            fds.append(os.open(os.path.join(sdir, name), os.O_RDONLY))
+            fds.append(os.open(path, os.O_RDONLY))
         except OSError:
             fds.append(-1)
     return fds[0], fds[1]
@@ -243,7 +243,7 @@ class _Lost:
         length, crc = self.hdr.lengths[self.member], self.hdr.shard_crc32[self.member]
         if self.acc[length:].any():
             return "rebuilt shard does not match the parity (padding not zero)"
-        path = mf.shard_path(root, step, self.hdr.group[self.member])
+        path = layout.shard_path(root, step, self.hdr.group[self.member])
         try:
             write_private(path, memoryview(self.acc)[:length])
             problems = verify_shard(path) or ([] if _crc_ok(path, crc) else
@@ -252,12 +252,12 @@ class _Lost:
                 os.unlink(path)
                 return f"rebuilt shard is invalid: {problems[0]}"
             hdr = dataclasses.replace(self.hdr, parity_crc32=crc32(self.row))
-            name = parity_name(hdr.group[self.member])
-            write_parity(os.path.join(mf.step_dir(root, step), name), hdr, self.row)
             rank = hdr.group[self.member]
+            write_parity(layout.parity_path(root, step, rank), hdr, self.row)
             man = mf.Manifest(step=step, world_size=world_size, tier=tier,
-                              shards={rank: mf.ShardRecord(mf.shard_name(rank), length, crc)},
-                              extra={"xor": {"parity": name, "group": list(hdr.group), "rebuilt": True}})
+                              shards={rank: mf.ShardRecord(layout.shard_name(rank), length, crc)},
+                              extra={"xor": {"parity": layout.parity_name(rank), "group": list(hdr.group),
+                                             "rebuilt": True}})
             mf.write_manifest(root, man)
             latest = mf.read_latest(root)
             if latest is None or latest < step:

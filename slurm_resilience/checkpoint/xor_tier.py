@@ -28,10 +28,12 @@ import torch
 
 from ..errors import CheckpointError
 from ..files import write_private
-from .redundancy import segment_in_row, segment_size, xor_groups, xor_into
+from .layout import parity_path
+from .redundancy import segment_in_row, xor_groups
+from .xor_math import segment_size, xor_into
 from .shard_io import crc32
 
-__all__ = ["ROUND_BYTES", "ParityHeader", "parity_name", "write_parity", "read_parity",
+__all__ = ["ROUND_BYTES", "ParityHeader", "write_parity", "read_parity",
            "group_of", "gather_rows", "rounds", "pread_into", "encode_step"]
 
 ROUND_BYTES = 32 << 20  # columns of parity exchanged per all-to-all round
@@ -87,11 +89,6 @@ class ParityHeader:
         if not (len(hdr.group) == len(hdr.lengths) == len(hdr.shard_crc32) >= 2 and 0 <= hdr.member < len(hdr.group)):
             raise CheckpointError("malformed XOR parity header: group, lengths and checksums disagree")
         return hdr, 12 + n
-
-
-def parity_name(rank: int) -> str:
-    """The parity file of ``rank`` inside its step directory."""
-    return f"xor-{rank:05d}.bin"
 
 
 def write_parity(path: str, header: ParityHeader, parity: np.ndarray) -> int:
@@ -157,10 +154,10 @@ def pread_into(fd: int, buf: memoryview, offset: int, limit: int) -> None:
         buf[n:] = bytes(len(buf) - n)
 
 
-def encode_step(g: Any, *, root_step_dir: str, step: int, rank: int, nodes: Sequence[str],
+def encode_step(g: Any, *, root: str, step: int, rank: int, nodes: Sequence[str],
                 group_size: int, shard: tuple[str, int, int] | None,
                 round_bytes: int = ROUND_BYTES) -> tuple[int, str]:
-    """Collective (transfer group): compute and store this rank's parity row for ``step``.
+    """Collective (transfer group): compute and store this rank's parity row for ``step`` under tier ``root``.
 
     ``shard`` is (path, size, combined crc32) of this rank's durable shard, or None
     when it failed. Every rank must call it at the same checkpoint; a missing rank
@@ -211,7 +208,7 @@ def encode_step(g: Any, *, root_step_dir: str, step: int, rank: int, nodes: Sequ
     header = ParityHeader(step=step, world_size=g.world_size, group=tuple(group), member=me, lengths=lengths,
                           shard_crc32=tuple(table[r][1] for r in group), parity_crc32=crc32(parity))
     try:
-        return write_parity(os.path.join(root_step_dir, parity_name(rank)), header, parity), ""
+        return write_parity(parity_path(root, step, rank), header, parity), ""
     except OSError as e:
         return 0, f"cannot write XOR parity: {e.strerror or e}"
 

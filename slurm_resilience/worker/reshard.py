@@ -35,6 +35,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
+from ..checkpoint import layout
 from ..checkpoint import manifest as mf
 from ..checkpoint.hdf5_format import read_shard
 
@@ -108,7 +109,7 @@ def local_holdings(engine) -> tuple[list[tuple[int, int, str]], dict[int, int], 
         if spec.storage == "memory":
             continue
         root = engine.root(spec)
-        dirs = [root, os.path.join(root, "partner")] if spec.storage == "local" else [root]
+        dirs = [root, layout.partner_root(root)] if spec.storage == "local" else [root]
         for d in dirs:
             if not os.path.isdir(d):
                 continue
@@ -118,7 +119,7 @@ def local_holdings(engine) -> tuple[list[tuple[int, int, str]], dict[int, int], 
                     shared.setdefault(step, man.world_size)
                     roots.setdefault(step, d)
                 else:
-                    held += [(step, r, mf.shard_path(d, step, r), man.world_size) for r in man.shards]
+                    held += [(step, r, layout.shard_path(d, step, r), man.world_size) for r in man.shards]
     return held, shared, roots
 
 
@@ -153,7 +154,7 @@ def restore_sharded(gen, store, engine, names: Sequence[str]) -> dict[str, Any] 
     old_world = shared[step] if on_shared else worlds[step]
     sources = assign_sources(all_held, step, old_world, on_shared)
     if on_shared:  # every rank reads what it needs itself
-        path = lambda old: mf.shard_path(roots[step], step, old)  # noqa: E731
+        path = lambda old: layout.shard_path(roots[step], step, old)  # noqa: E731
         base, _ = read_shard(path(0))
         totals = base["shard_totals"]
         olds = {old: base if old == 0 else read_shard(path(old))[0]

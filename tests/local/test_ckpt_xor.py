@@ -26,7 +26,8 @@ import torch.distributed as dist
 
 from slurm_resilience.checkpoint import manifest as mf
 from slurm_resilience.checkpoint.hdf5_format import verify_shard
-from slurm_resilience.checkpoint.xor_tier import parity_name, read_parity
+from slurm_resilience.checkpoint.layout import parity_path
+from slurm_resilience.checkpoint.xor_tier import read_parity
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -126,7 +127,7 @@ def _write(root: Path, nodes: list[str], group_size: int, round_bytes: int = 0) 
     for rank, node in enumerate(nodes):
         l1 = _l1(root, node)
         assert mf.complete_steps(l1) == [2, 3] and mf.read_latest(l1) == 3
-        assert os.path.isfile(os.path.join(mf.step_dir(l1, 3), parity_name(rank)))
+        assert os.path.isfile(parity_path(l1, 3, rank))
         shards[rank] = Path(mf.shard_path(l1, 3, rank)).read_bytes()
     return shards
 
@@ -136,7 +137,7 @@ def test_one_lost_node_per_group_is_rebuilt_bit_identical(tmp_path, replacement)
     # 5 ranks, group_size 3: groups [0, 1, 2] and [3, 4]; nodes n1 and n4 are lost.
     nodes = [f"n{i}" for i in range(5)]
     shards = _write(tmp_path, nodes, group_size=3, round_bytes=4096)
-    old_parity = {r: read_parity(os.path.join(mf.step_dir(_l1(tmp_path, nodes[r]), 3), parity_name(r)))[2].tobytes()
+    old_parity = {r: read_parity(parity_path(_l1(tmp_path, nodes[r]), 3, r))[2].tobytes()
                   for r in (1, 4)}
     for lost in (1, 4):
         shutil.rmtree(tmp_path / nodes[lost])
@@ -158,7 +159,7 @@ def test_one_lost_node_per_group_is_rebuilt_bit_identical(tmp_path, replacement)
         assert verify_shard(path) == []
         assert mf.validate_step(l1, 3, deep=True) == []
         assert mf.read_latest(l1) == 3
-        hdr, _, row = read_parity(os.path.join(mf.step_dir(l1, 3), parity_name(lost)))
+        hdr, _, row = read_parity(parity_path(l1, 3, lost))
         assert row.tobytes() == old_parity[lost]  # the lost parity row is recomputed too
         assert mf.complete_steps(l1) == [3]  # only the newest step is rebuilt
     rebuilt_events = [e[1] for e in outs[0]["events"] if e[0] == "checkpoint_rebuilt"]

@@ -1,7 +1,8 @@
 """CheckpointEngine in one process (world 1): tiers, restore, corruption, disk full, SIGKILL, CLI.
 
 Real files, real HDF5, a real tmpfs for the disk-full case, a real SIGKILL of a
-writer process. No fakes beyond the ``emit`` callback that records events.
+writer process. No fakes beyond the ``emit`` callback that records events and a
+gate that holds the writer thread (to show that ``save`` does not wait for it).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import stat
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import h5py
@@ -319,26 +321,54 @@ def test_sigkill_mid_write_leaves_previous_checkpoint(tmp_path):
 # -- 5. the background writer does not block training ----------------------------------------
 
 
-def test_save_stall_is_much_less_than_persist(tmp_path):
+def test_save_returns_before_the_disk_write(tmp_path, monkeypatch):
+    """save() is the host copy only: it returns while the writer is still held before
+    the L1 write, and what is written is the state as it was at save(), even though
+    training changes the tensors in place meanwhile. No durations are compared (the
+    stall against the persist time is a benchmark figure, benchmarks/checkpoint.py)."""
+    import slurm_resilience.checkpoint.engine as engine_mod
+
+    gate, started = threading.Event(), threading.Event()
+    real = engine_mod.persist_local
+
+    def held(*args, **kw):
+        started.set()
+        if not gate.wait(60):
+            raise RuntimeError("test gate never opened")
+        return real(*args, **kw)
+
+    monkeypatch.setattr(engine_mod, "persist_local", held)
     events = Events()
     eng = make_engine(specs(tmp_path, l2=False), tmp_path, events)
     try:
-        state = big_state(1, mbytes=128)
+        state = big_state(1, mbytes=8)
+        expected = state["objects"]["model"]["w"].clone()
+        out = []
         t0 = time.perf_counter()
-        stall = eng.save(1, state)
+        saver = threading.Thread(target=lambda: out.append(eng.save(1, state)))
+        saver.start()
+        saver.join(60)  # a hang detector, not a speed bound: save() must not wait for the gate
         returned = time.perf_counter() - t0
+        assert not saver.is_alive(), "save() waited for the background write"
+        assert started.wait(60), "the writer never picked up the checkpoint"
+        assert not eng.wait(timeout=0) and eng.stats == []
+        assert mf.read_latest(str(tmp_path / "l1")) is None
+        state["objects"]["model"]["w"].add_(1.0)  # training goes on, in place
+        gate.set()
         assert eng.wait(timeout=100)
-        total = time.perf_counter() - t0
     finally:
+        gate.set()
         eng.close()
-    persist = [s for s in eng.stats if s["tier"] == "L1" and s["step"] == 1]
-    assert len(persist) == 1 and persist[0]["bytes"] >= 128 * (1 << 20)
-    seconds = persist[0]["seconds"]
-    assert stall <= returned < total
-    # Relative, not absolute: the host copy is less than the HDF5 write + checksums + fsync
-    # (which copies the same bytes once more and waits for the disk).
-    assert stall < seconds, (stall, seconds)
-    assert returned < seconds, (returned, seconds)
+    stall = out[0]
+    assert 0 <= stall <= returned
+    assert [s["step"] for s in eng.stats if s["tier"] == "L1"] == [1]
+    best = make_engine(specs(tmp_path, l2=False), tmp_path, Events())
+    try:
+        cand = best.best()
+        assert cand is not None and cand[:2] == (1, "L1")
+        assert torch.equal(best.load(cand)["objects"]["model"]["w"], expected)
+    finally:
+        best.close()
     assert [f["stall_ms"] for f in events.of("checkpoint_saved")] == [round(stall * 1000, 3)]
 
 

@@ -2,19 +2,16 @@ import math
 
 import pytest
 
+from slurm_resilience.checkpoint.intervals import IntervalEstimator, auto_steps, daly_interval, young_daly_interval
+from slurm_resilience.checkpoint.layout import expand_path
 from slurm_resilience.checkpoint.tiers import (
-    IntervalEstimator,
     Redundancy,
     TierSpec,
-    auto_steps,
     base_tier,
     check_tiers,
-    daly_interval,
     default_tiers,
-    expand_path,
     parse_tiers,
     tier_for_step,
-    young_daly_interval,
 )
 from slurm_resilience.errors import CheckpointError, ConfigError
 

@@ -10,15 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from slurm_resilience.checkpoint.redundancy import (
-    encode_group_distributed,
-    rebuild_sources,
-    segment_in_row,
-    segment_row,
-    segment_size,
-    xor_groups,
-    xor_into,
-)
+from slurm_resilience.checkpoint.redundancy import rebuild_sources, segment_in_row, segment_row, xor_groups
+from slurm_resilience.checkpoint.xor_math import encode_group_distributed, segment_size, xor_into
 from slurm_resilience.checkpoint.xor_rebuild import plan_rebuild
 from slurm_resilience.checkpoint.xor_tier import ParityHeader, pread_into, read_parity, rounds, write_parity
 from slurm_resilience.errors import CheckpointError

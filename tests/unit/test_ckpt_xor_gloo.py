@@ -18,6 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from slurm_resilience.checkpoint import layout
 from slurm_resilience.checkpoint import manifest as mf
 from slurm_resilience.checkpoint import xor_rebuild, xor_tier
 from slurm_resilience.checkpoint.engine import CheckpointEngine
@@ -106,7 +107,7 @@ def test_encode_then_rebuild_a_lost_node(tmp_path, small_rounds):
         l1 = str(tmp_path / node / "l1")
         man = mf.read_manifest(l1, 2)
         assert man.extra["xor"]["parity"] == f"xor-{r:05d}.bin"
-        hdr, _, row = xor_tier.read_parity(os.path.join(mf.step_dir(l1, 2), f"xor-{r:05d}.bin"))
+        hdr, _, row = xor_tier.read_parity(layout.parity_path(l1, 2, r))
         assert hdr.group == (0, 1, 2, 3) and hdr.member == r and hdr.step == 2
         assert len(row) * 3 >= max(hdr.lengths)  # a row is about a third of a shard
     lost = (tmp_path / "c" / "l1" / "step-00000002" / "rank-00002.h5").read_bytes()

@@ -8,18 +8,20 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from slurm_resilience.checkpoint.redundancy import (
+    partner_of,
+    partner_sources,
+    segment_row,
+    xor_groups,
+    xor_parity_holder,
+)
+from slurm_resilience.checkpoint.xor_math import (
     ParityBlock,
     encode_group,
     encode_group_distributed,
     member_rows,
-    partner_of,
-    partner_sources,
     rebuild,
     rebuild_distributed,
-    segment_row,
     xor_encode,
-    xor_groups,
-    xor_parity_holder,
 )
 from slurm_resilience.errors import CheckpointError
 

@@ -1,0 +1,128 @@
+"""Where a shard's tensor bytes sit in the HDF5 file, and moving them past h5py.
+
+Every tensor's dataset is contiguous and allocated when it is created
+(:class:`DatasetLayout`), so its file offset is known before any byte is written;
+``shard_io``'s thread pool then writes (or reads, :func:`plan_bulk` /
+:func:`bulk_read`) the bytes straight between the tensor's memory and that offset,
+computing CRC32s on the way. A dataset that is not one plain contiguous run
+(another writer's chunked or compressed file) goes through h5py instead
+(``hdf5_format``).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import h5py
+import numpy as np
+import torch
+
+from ..errors import CheckpointError
+from .shard_io import crc_extents, read_extents
+
+__all__ = ["DatasetLayout", "raw_extent", "bytes_of", "Bulk", "plan_bulk", "empty", "bulk_read", "first_line"]
+
+
+class DatasetLayout:
+    """Creates datasets through h5py's low-level API (a third of the high-level cost per
+    dataset): contiguous storage allocated at creation and never filled, so each
+    dataset's file offset is known at once and every byte is written exactly once."""
+
+    def __init__(self, f: h5py.File) -> None:
+        self.f = f
+        self.dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
+        self.dcpl.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)
+        self.dcpl.set_fill_time(h5py.h5d.FILL_TIME_NEVER)
+        self.lcpl = h5py.h5p.create(h5py.h5p.LINK_CREATE)
+        self.lcpl.set_create_intermediate_group(True)
+        self.lcpl.set_char_encoding(h5py.h5t.CSET_UTF8)
+        self.u32 = h5py.h5t.py_create(np.dtype(np.uint32))
+
+    def create(self, name: str, arr: np.ndarray, torch_dtype: str | None) -> int | None:
+        """Create ``name`` (crc32 attribute 0 for now); its bytes' file offset, or None
+        when they are not one plain run (empty, or a dtype stored differently)."""
+        space = h5py.h5s.create_simple(arr.shape) if arr.shape else h5py.h5s.create(h5py.h5s.SCALAR)
+        dsid = h5py.h5d.create(self.f.id, name.encode(), h5py.h5t.py_create(arr.dtype, logical=True), space,
+                               dcpl=self.dcpl, lcpl=self.lcpl)
+        h5py.h5a.create(dsid, b"crc32", self.u32, h5py.h5s.create(h5py.h5s.SCALAR)).write(np.zeros((), np.uint32))
+        if torch_dtype is not None:
+            h5py.Dataset(dsid).attrs["torch_dtype"] = torch_dtype
+        offset = dsid.get_offset() if arr.nbytes else None
+        if offset is None or dsid.get_storage_size() != arr.nbytes:
+            if arr.size:
+                h5py.Dataset(dsid).write_direct(arr)
+            return None
+        return offset
+
+
+def raw_extent(ds: h5py.Dataset, nbytes: int) -> int | None:
+    """File offset of a dataset's bytes when they are one plain contiguous run, else None."""
+    if nbytes == 0 or ds.id.get_create_plist().get_layout() != h5py.h5d.CONTIGUOUS or ds.compression:
+        return None
+    offset = ds.id.get_offset()
+    return offset if offset is not None and ds.id.get_storage_size() == nbytes else None
+
+
+def bytes_of(arr: np.ndarray) -> memoryview:
+    return memoryview(arr.reshape(-1).view(np.uint8))
+
+
+@dataclass
+class Bulk:
+    """A dataset whose bytes are read past h5py, straight from its file offset."""
+
+    name: str
+    offset: int
+    nbytes: int
+    stored: Any  # the crc32 attribute (None when absent)
+    array: np.ndarray | None = None
+
+
+def plan_bulk(ds: h5py.Dataset, path: str, name: str, allocate: bool) -> Bulk | None:
+    """A bulk read for ``name``, or None when h5py must read it (empty, not contiguous ...).
+
+    Raises: CheckpointError when the dataset's metadata is unreadable.
+    """
+    try:
+        nbytes = int(np.prod(ds.shape, dtype=np.int64)) * ds.dtype.itemsize
+        offset = raw_extent(ds, nbytes)
+        if offset is None:
+            return None
+        stored = ds.attrs.get("crc32")
+        array = empty(ds.shape, ds.dtype, nbytes) if allocate else None
+    except (OSError, KeyError, ValueError, TypeError) as e:
+        raise CheckpointError(f"corrupt shard {path}: dataset {name} unreadable ({first_line(e)})") from e
+    return Bulk(name, offset, nbytes, stored, array)
+
+
+def empty(shape: tuple[int, ...], dtype: np.dtype, nbytes: int) -> np.ndarray:
+    """Uninitialized memory from torch's allocator, as a numpy array of ``dtype``. Not
+    np.empty: numpy asks for transparent huge pages, and the kernel's synchronous
+    compaction for them made some restores several times slower."""
+    return torch.empty(nbytes, dtype=torch.uint8).numpy().view(dtype).reshape(shape)
+
+
+def bulk_read(path: str, bulk: list[Bulk], *, keep: bool) -> list[int]:
+    """CRC32 of every bulk dataset, read in parallel (into its array when ``keep``).
+
+    Raises: CheckpointError when the file cannot be read or is truncated.
+    """
+    if not bulk:
+        return []
+    try:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            if keep:
+                return read_extents(fd, [(b.offset, bytes_of(b.array)) for b in bulk])
+            return crc_extents(fd, [(b.offset, b.nbytes) for b in bulk])
+        finally:
+            os.close(fd)
+    except OSError as e:
+        raise CheckpointError(f"corrupt shard {path}: truncated or unreadable ({first_line(e)})") from e
+
+
+def first_line(e: BaseException) -> str:
+    """The first line of an exception's message (h5py's run to many), for one-line errors."""
+    return (str(e).splitlines() or [type(e).__name__])[0]
