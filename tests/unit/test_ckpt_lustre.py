@@ -14,7 +14,7 @@ from slurm_resilience.checkpoint import manifest as mf
 from slurm_resilience.checkpoint.engine import CheckpointEngine
 from slurm_resilience.checkpoint.lustre import LustreStriping, check_striping, fstype_of, parse_mounts, stripe_argv
 from slurm_resilience.checkpoint.tiers import TierSpec
-from slurm_resilience.config import CheckpointConfig
+from slurm_resilience.config import CheckpointConfig, load_config
 from slurm_resilience.errors import CheckpointError, ConfigError
 
 pytestmark = pytest.mark.timeout(120)
@@ -120,6 +120,24 @@ def test_invalid_striping(count, size, msg):
         check_striping("checkpoint.lustre_", count, size)
     with pytest.raises(ConfigError, match=msg):
         TierSpec(name="L2", storage="shared", every_kth=1, path="/x", stripe_count=count, stripe_size=size)
+
+
+@pytest.mark.parametrize("yaml,message", [
+    ("checkpoint: {lustre_stripe_count: -2}",
+     "checkpoint.lustre_stripe_count=-2 must be -1 (all OSTs), 0 (do not stripe) or 1..2000"),
+    ("checkpoint: {lustre_stripe_count: all}", "checkpoint.lustre_stripe_count must be an integer, got 'all'"),
+    ("checkpoint: {lustre_stripe_size: 4MB}",
+     "checkpoint.lustre_stripe_size='4MB' must be a number with an optional K, M or G suffix, such as '4M'"),
+    ("checkpoint: {lustre_stripe_size: 100K}", "checkpoint.lustre_stripe_size='100K' must be a multiple of 64K below 4G"),
+    ("checkpoint: {lustre_stripe_size: 4194304}", "checkpoint.lustre_stripe_size must be a string, got 4194304"),
+])
+def test_bad_striping_in_yaml_is_one_line(tmp_path, yaml, message):
+    """The rows of the bad-input table in docs/configuration.md."""
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(yaml + "\n")
+    with pytest.raises(ConfigError) as ei:
+        load_config(cfg)
+    assert str(ei.value) == message
 
 
 def test_config_passes_striping_to_the_shared_tier():
