@@ -68,7 +68,7 @@ def cmd_local(args) -> int:
     """No Slurm: workers are local processes on named pseudo-nodes (for development)."""
     from .launch.allocation import write_result
     from .launch.localhost import LocalLauncher
-    from .supervisor.loop import Supervisor
+    from .supervisor.online import Supervisor
 
     from .supervisor.keeper import keep_supervisor, read_store_address
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from typing import Any, Callable
 
@@ -29,6 +30,7 @@ class EventLog:
             os.makedirs(parent, exist_ok=True)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         self._file = os.fdopen(fd, "a", encoding="utf-8")
+        self._lock = threading.Lock()  # background isolations emit too
 
     def emit(self, kind: str, **fields: Any) -> dict[str, Any]:
         """Append one event and return it. Raises OSError, TypeError (not JSON-able).
@@ -38,11 +40,12 @@ class EventLog:
         """
         event = {"t": self._clock(), "kind": str(kind), **fields}
         line = json.dumps(event, default=_jsonable)  # insertion order: t, kind, fields
-        self._file.write(line + "\n")
-        self._file.flush()
-        os.fsync(self._file.fileno())
-        if self._on_event is not None:
-            self._on_event(event)
+        with self._lock:
+            self._file.write(line + "\n")
+            self._file.flush()
+            os.fsync(self._file.fileno())
+            if self._on_event is not None:
+                self._on_event(event)
         return event
 
     def close(self) -> None:

@@ -46,17 +46,17 @@ def requeue_count(st: dict[str, Any]) -> int:
 def render_status(st: dict[str, Any], *, rate: float | None, tiers: dict[str, int]) -> str:
     """Pure: the status screen."""
     budget = st.get("retry_budget")
-    used = st.get("restarts", {})
+    used = st.get("fault_retries_used", 0)
     lines = [
         f"job {st.get('job_id')}  phase {st['phase']}  generation {st['generation']}  "
         f"recoveries {st['recoveries']}  requeues {requeue_count(st)}",
         f"throughput {rate:.2f} steps/s" if rate is not None else "throughput -",
         "checkpoints: " + (", ".join(f"{t} step {s}" for t, s in sorted(tiers.items())) or "none yet"),
-        f"{'rank':>6}  {'node':<10} {'pid':>8} {'step':>7}  restarts left",
+        "fault retries left (restarts in place, per job): " + ("-" if budget is None else str(budget - used)),
+        f"{'rank':>6}  {'node':<10} {'pid':>8} {'step':>7}",
     ]
     for r in st["ranks"]:
-        left = "-" if budget is None else budget - used.get(str(r["rank"]), 0)
-        lines.append(f"{r['rank']:>6}  {r['node']:<10} {str(r['pid']):>8} {r['step']:>7}  {left}")
+        lines.append(f"{r['rank']:>6}  {r['node']:<10} {str(r['pid']):>8} {r['step']:>7}")
     lines.append(f"spares left: {len(st['spares'])}" + (
         "  (" + ", ".join(s["node"] for s in st["spares"]) + ")" if st["spares"] else ""))
     if st.get("excluded"):

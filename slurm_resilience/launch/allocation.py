@@ -66,7 +66,7 @@ def supervise_allocation(cfg: ResilienceConfig, command: Sequence[str], job_dir:
     """
     from ..slurm.parse import SlurmEnv
     from ..slurm.steps import SrunLauncher
-    from ..supervisor.loop import Supervisor
+    from ..supervisor.online import Supervisor
 
     env = SlurmEnv.from_environ(environ)
     if env.job_id is None:
@@ -79,7 +79,7 @@ def supervise_allocation(cfg: ResilienceConfig, command: Sequence[str], job_dir:
     job_dir = os.path.abspath((job_dir or cfg.job.job_dir.format(job_id=env.job_id)).replace("%j", env.job_id))
     sup = Supervisor(config=cfg, command=command, job_dir=job_dir, nodes=pool, launcher=launcher,
                      store_host=launcher.address(me) if me else "127.0.0.1", job_id=env.job_id,
-                     restart_count=env.restart_count, store_port=store_port, reattach=reattach)
+                     requeue_count=env.requeue_count, store_port=store_port, reattach=reattach)
     return write_result(job_dir, sup.run())
 
 

@@ -7,7 +7,7 @@ LOCAL_WORLD_SIZE (tasks on this node), GROUP_RANK=SLURM_NODEID, MASTER_ADDR,
 MASTER_PORT and SR_RESTART (relaunches before this one), so an unmodified
 ``dist.init_process_group(init_method="env://")`` script runs as under torchrun.
 The supervisor picks MASTER_ADDR (NodeAddr of the step's first node, which Slurm
-gives task 0) and MASTER_PORT (``supervisor.restart_loop.master_port``).
+gives task 0) and MASTER_PORT (``supervisor.relaunch.master_port``).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 ``slurm-resilience run`` renders ``sbatch_templates/restart.sbatch.tmpl`` and
 submits it; the batch host then runs ``slurm-resilience restart-supervise``, which
-is ``supervise_restart`` below (``supervisor/restart_loop.py`` does the work).
+is ``supervise_restart`` below (``supervisor/relaunch.py`` carries out ``supervisor/decide.py``'s decisions).
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ def supervise_restart(cfg: ResilienceConfig, command: Sequence[str], job_dir: st
     """
     from ..slurm.parse import SlurmEnv
     from ..slurm.steps import SrunLauncher
-    from ..supervisor.restart_loop import RestartSupervisor, layout
+    from ..supervisor.relaunch import RelaunchExecutor, layout
 
     env = SlurmEnv.from_environ(environ)
     if env.job_id is None:
@@ -83,6 +83,6 @@ def supervise_restart(cfg: ResilienceConfig, command: Sequence[str], job_dir: st
     lay = layout(env.nodelist, env.node_name, cfg.job.nodes, supervisor_node=cfg.job.supervisor_node)
     job_dir = os.path.abspath(job_dir or cfg.job.job_dir.format(job_id=env.job_id))
     launcher = SrunLauncher(env.job_id, [*lay.workers, *lay.spares])
-    sup = RestartSupervisor(config=cfg, command=command, job_dir=job_dir, job_id=env.job_id, layout=lay,
+    sup = RelaunchExecutor(config=cfg, command=command, job_dir=job_dir, job_id=env.job_id, layout=lay,
                             allocation=env.nodelist, launcher=launcher, mpi=mpi)
     return write_result(job_dir, sup.run())

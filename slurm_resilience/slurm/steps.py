@@ -52,19 +52,29 @@ class AttachedSrunStep:
         return None if running is None or self.name in running else -1
 
 
-def srun_argv(job_id: str, node: str, name: str, het_group: int | None = None) -> list[str]:
-    """Pure: the ``srun`` prefix of one worker step on ``node``.
+def srun_argv(*, job_id: str, name: str, nodes: Sequence[str], tasks_per_node: int = 1,
+              het_group: int | None = None, mpi: bool = False) -> list[str]:
+    """Pure: the ``srun`` prefix of a job step on ``nodes`` (the one builder: a worker's
+    step on one node, and the all-ranks step of relaunch mode). The command follows.
 
     Raises:
-        ValueError: invalid node name or a negative ``het_group``.
+        ValueError: invalid node name, no node, ``tasks_per_node`` < 1 or a negative ``het_group``.
     """
-    validate_node_name(node)
-    argv = ["srun", "--no-kill", "--overlap", "-N1", "-n1", "-w", node, f"--jobid={job_id}"]
+    if not nodes:
+        raise ValueError("a step needs at least one node")
+    for n in nodes:
+        validate_node_name(n)
+    if tasks_per_node < 1:
+        raise ValueError(f"tasks_per_node={tasks_per_node} must be >= 1")
+    n = len(nodes)
+    argv = ["srun", "--no-kill", "--overlap", "-N", str(n), "-n", str(n * tasks_per_node),
+            f"--ntasks-per-node={tasks_per_node}", "-w", ",".join(nodes), f"--jobid={job_id}"]
     if het_group is not None:
         if het_group < 0:
             raise ValueError(f"het_group={het_group} must be >= 0")
         argv.append(f"--het-group={het_group}")
-    return [*argv, f"--job-name={name}", "--kill-on-bad-exit=0"]
+    argv += [f"--job-name={name}", "--kill-on-bad-exit=0"]
+    return [*argv, "--mpi=pmix"] if mpi else argv
 
 
 def nodes_after_release(job: Mapping[str, str], node: str) -> list[str] | None:
@@ -108,7 +118,7 @@ class SrunLauncher:
 
     def launch(self, *, name: str, node: str, argv: Sequence[str],
                env: Mapping[str, str], log_path: str) -> SrunStep:
-        srun = srun_argv(self.job_id, node, name, self.het_group)
+        srun = srun_argv(job_id=self.job_id, name=name, nodes=[node], het_group=self.het_group)
         fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         with os.fdopen(fd, "ab") as log:
             proc = subprocess.Popen([*srun, *argv], env={**os.environ, **env},

@@ -18,11 +18,14 @@ should only classify when something looks wrong.
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Mapping, Sequence
+
 from slurm_resilience.errors import RecoveryError
 from slurm_resilience.model import Fault, FaultKind
-from slurm_resilience.slurm.parse import node_state_flags
+from slurm_resilience.slurm.parse import compress_hostlist, node_state_flags
 
-__all__ = ["classify_fault", "is_node_fault", "UNHEALTHY_FLAGS"]
+__all__ = ["classify_fault", "find_faults", "is_node_fault", "node_unhealthy", "UNHEALTHY_FLAGS"]
 
 UNHEALTHY_FLAGS = frozenset({"DOWN", "DRAIN", "DRAINING", "DRAINED", "FAIL", "FAILING", "NOT_RESPONDING"})
 
@@ -31,6 +34,12 @@ def _unhealthy_flags(state: str | None) -> list[str]:
     if not state:
         return []
     return sorted(node_state_flags(state) & UNHEALTHY_FLAGS)
+
+
+def node_unhealthy(state: str | None) -> bool:
+    """The one health check of a Slurm node state (``IDLE+DRAIN``, ``DOWN*``, ...): True
+    when any flag in ``UNHEALTHY_FLAGS`` is set. Used for ranks, spares and returning nodes."""
+    return bool(_unhealthy_flags(state))
 
 
 def classify_fault(
@@ -79,3 +88,24 @@ def classify_fault(
 def is_node_fault(kind: FaultKind) -> bool:
     """True when the node itself must be replaced (NODE_LOST, NODE_UNHEALTHY)."""
     return kind in (FaultKind.NODE_LOST, FaultKind.NODE_UNHEALTHY)
+
+
+def find_faults(nodes: Sequence[str], *, exit_code: int | None, reachable: Mapping[str, bool | None],
+                states: Mapping[str, str], now: float) -> list[Fault]:
+    """Classify what was observed about one all-ranks step on ``nodes`` (relaunch mode).
+
+    Every unreachable or unhealthy node is a node fault; otherwise a non-zero exit
+    is one PROCESS_DIED fault of the whole step (which rank is unknown). A clean
+    exit on healthy nodes, or a running step on healthy nodes, is no fault.
+    """
+    faults = []
+    for node in nodes:
+        if reachable.get(node) is False or node_unhealthy(states.get(node)):
+            faults.append(classify_fault(rank=None, node=node, process_exited=exit_code is not None,
+                                         slurmd_reachable=reachable.get(node), heartbeat_stale=False,
+                                         slurm_node_state=states.get(node), now=now))
+    if not faults and exit_code not in (None, 0):
+        fault = classify_fault(rank=None, node=compress_hostlist(nodes), process_exited=True,
+                               slurmd_reachable=True, heartbeat_stale=False, slurm_node_state=None, now=now)
+        faults.append(dataclasses.replace(fault, detail=f"{fault.detail}; step exit code {exit_code}"))
+    return faults

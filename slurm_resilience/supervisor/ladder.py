@@ -13,9 +13,12 @@
                       resumes from L1/L2
     FAIL              nothing left: clean error, state kept
 
-A process fault on a healthy node is retried in place within the per-rank budget
-(``fault_retry_times``); past it the node is treated as bad, like a node fault.
-A level that failed or timed out for this incident is never chosen again for it.
+A process fault on a healthy node is retried in place within the job's budget
+(``fault_retry_times``, counted per job); past it the node is treated as bad, like a
+node fault. A level that failed or timed out for this incident is never chosen again
+for it, and after a time-out only levels that relaunch every process remain
+(PROCESS_RESTART, then REQUEUE): a recovery that hung may have a hung survivor.
+In relaunch mode (unmodified programs) there is no ONLINE and no SCALE_IN.
 """
 
 from __future__ import annotations
@@ -36,21 +39,35 @@ class Level(enum.Enum):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class LadderPolicy:
+    """The configuration the ladder reads (``recovery.*``), with what the executor can do."""
+
+    retry_budget: int  # recovery.fault_retry_times, per job
+    min_world_size: int = 1
+    scale_in: bool = True
+    relaunch: bool = True  # recovery.fallback_relaunch (always True in relaunch mode)
+    online: bool = True  # survivors can keep their processes (Session); False: relaunch mode
+    max_requeues: int = 0
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class LadderInput:
     """Everything the decision depends on (no I/O, no clock)."""
 
     fault: FaultKind
     spares_left: int
-    restarts_used: int  # restarts in place already spent on this rank
+    retries_used: int  # process faults of this job already answered in place
     retry_budget: int  # recovery.fault_retry_times
     world_size: int
     lost: int = 1  # ranks lost in this incident
     min_world_size: int = 1
     scale_in: bool = True
     relaunch: bool = True  # recovery.fallback_relaunch
+    online: bool = True
     requeues_used: int = 0
     max_requeues: int = 0
     failed: frozenset[Level] = frozenset()
+    timed_out: bool = False  # a level of this incident timed out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,20 +77,29 @@ class Decision:
 
 
 _PROCESS_FAULTS = (FaultKind.PROCESS_DIED, FaultKind.PROCESS_HUNG)
+# Levels that keep the survivors' processes: after a time-out they are not trusted again
+# for the incident (something in the survivors may hang), so only relaunching every
+# process, a requeue or failing remain.
+_KEEP_SURVIVORS = (Level.ONLINE, Level.NODE_REPLACEMENT, Level.SCALE_IN)
 
 
 def choose_level(inp: LadderInput) -> Decision:
     """The finest level whose preconditions hold and that has not failed for this incident."""
     process_fault = inp.fault in _PROCESS_FAULTS
-    budget_left = inp.restarts_used < inp.retry_budget
+    budget_left = inp.retries_used < inp.retry_budget
     order = []
-    if process_fault and budget_left:
+    if inp.timed_out:
+        order += [Level.PROCESS_RESTART]
+    elif process_fault and budget_left:
         order += [Level.ONLINE, Level.PROCESS_RESTART]
     order += [Level.NODE_REPLACEMENT, Level.SCALE_IN, Level.REQUEUE]
     why_not: list[str] = []
     for level in order:
         if level in inp.failed:
             why_not.append(f"{level.value} already failed")
+            continue
+        if inp.timed_out and level in _KEEP_SURVIVORS:
+            why_not.append(f"{level.value} keeps survivors, and a level timed out")
             continue
         ok, why = _allowed(level, inp)
         if ok:
@@ -84,9 +110,15 @@ def choose_level(inp: LadderInput) -> Decision:
 
 def _allowed(level: Level, inp: LadderInput) -> tuple[bool, str]:
     if level is Level.ONLINE:
-        return True, f"process fault on a healthy node: restart in place ({inp.restarts_used + 1}/{inp.retry_budget})"
+        if not inp.online:
+            return False, "online recovery needs Session (relaunch mode)"
+        return True, f"process fault on a healthy node: restart in place ({inp.retries_used + 1}/{inp.retry_budget})"
     if level is Level.PROCESS_RESTART:
-        return inp.relaunch, ("relaunch every rank in place" if inp.relaunch else "relaunch disabled")
+        if not inp.relaunch:
+            return False, "relaunch disabled"
+        if inp.timed_out:
+            return True, "a level timed out: relaunch every rank in place"
+        return True, f"relaunch every rank in place ({inp.retries_used + 1}/{inp.retry_budget})"
     if level is Level.NODE_REPLACEMENT:
         if inp.spares_left >= inp.lost:
             return True, f"{inp.spares_left} spare(s) left"
@@ -107,12 +139,11 @@ def _allowed(level: Level, inp: LadderInput) -> tuple[bool, str]:
 
 @dataclasses.dataclass(frozen=True)
 class FaultCase:
-    """One rank's fault as classified."""
+    """One rank's fault as classified (``rank`` None: a whole step's, rank unknown)."""
 
-    rank: int
+    rank: int | None
     node: str
     kind: FaultKind
-    restarts_used: int = 0
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -131,35 +162,35 @@ _ORDER = [Level.ONLINE, Level.PROCESS_RESTART, Level.NODE_REPLACEMENT, Level.SCA
           Level.REQUEUE, Level.FAIL]
 
 
-def plan_recovery(cases: list[FaultCase], *, spares: list[str], world_size: int,
-                  retry_budget: int, min_world_size: int = 1, scale_in: bool = True,
-                  relaunch: bool = True, requeues_used: int = 0, max_requeues: int = 0,
-                  failed: frozenset[Level] = frozenset()) -> RecoveryPlan:
+def plan_recovery(cases: list[FaultCase], *, spares: list[str], world_size: int, policy: LadderPolicy,
+                  retries_used: int = 0, requeues_used: int = 0,
+                  failed: frozenset[Level] = frozenset(), timed_out: bool = False) -> RecoveryPlan:
     """Pure: one plan for every fault of the incident; the coarsest level needed wins.
 
     Spares are handed out in order, one per lost node; faults beyond the spares
     scale in (if allowed) as one shrink; if any fault needs a requeue or nothing
-    applies, the whole incident does.
+    applies, the whole incident does. A node fault whose rank is unknown (a whole
+    step's) cannot be given a spare.
     """
     free = list(spares)
-    node_faults = [c for c in cases if c.kind not in _PROCESS_FAULTS
-                   or c.restarts_used >= retry_budget]
+    node_faults = [c for c in cases if c.kind not in _PROCESS_FAULTS or retries_used >= policy.retry_budget]
     decisions: list[tuple[FaultCase, Decision]] = []
     lost_so_far = 0
     for c in cases:
         d = choose_level(LadderInput(
-            fault=c.kind, spares_left=len(free), restarts_used=c.restarts_used,
-            retry_budget=retry_budget, world_size=world_size - lost_so_far, lost=1,
-            min_world_size=min_world_size, scale_in=scale_in, relaunch=relaunch,
-            requeues_used=requeues_used, max_requeues=max_requeues, failed=failed))
+            fault=c.kind, spares_left=len(free) if c.rank is not None else 0, retries_used=retries_used,
+            retry_budget=policy.retry_budget, world_size=world_size - lost_so_far, lost=1,
+            min_world_size=policy.min_world_size, scale_in=policy.scale_in and c.rank is not None,
+            relaunch=policy.relaunch, online=policy.online, requeues_used=requeues_used,
+            max_requeues=policy.max_requeues, failed=failed, timed_out=timed_out))
         if d.level is Level.NODE_REPLACEMENT:
             free.pop(0)
         if d.level is Level.SCALE_IN:
             lost_so_far += 1
         decisions.append((c, d))
     worst = max((d.level for _, d in decisions), key=_ORDER.index)
-    reason = "; ".join(f"rank {c.rank} on {c.node}: {d.level.value} ({d.reason})" for c, d in decisions)
-    isolate = tuple(sorted({c.node for c in node_faults}))
+    reason = "; ".join(f"{_who(c)} on {c.node}: {d.level.value} ({d.reason})" for c, d in decisions)
+    isolate = tuple(sorted({c.node for c in node_faults if c.rank is not None or c.kind not in _PROCESS_FAULTS}))
     if worst in (Level.REQUEUE, Level.FAIL, Level.PROCESS_RESTART):
         return RecoveryPlan(level=worst, isolate=isolate, reason=reason)
     handed = iter(spares)
@@ -169,3 +200,7 @@ def plan_recovery(cases: list[FaultCase], *, spares: list[str], world_size: int,
         restarts=tuple(c.rank for c, d in decisions if d.level is Level.ONLINE),
         lost=tuple(c.rank for c, d in decisions if d.level is Level.SCALE_IN),
         isolate=isolate, reason=reason)
+
+
+def _who(c: FaultCase) -> str:
+    return f"rank {c.rank}" if c.rank is not None else "step"

@@ -1,64 +1,64 @@
-"""What the supervisor reports: recovery phases (pure) and the status file.
+"""What the supervisor reports: recovery phases (pure) and the one status writer.
 
 Phases of one recovery, from the supervisor's marks and the ranks' events::
 
     detected ─classify─ classified ─replace─ replaced ─ranktable─ published
         ─reconnect─ last rank joined ─restore─ last rank restored ─first_step─ last rank stepped
+
+Both executors (online and relaunch) write ``status.json`` through
+:func:`write_status`, so ``slurm-resilience status`` reads one format.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import json
 import os
 import time
 from typing import Any, Mapping
 
-from ..model import Fault
+from ..files import write_private
+from ..protocol import RecoveryPhase
+from .state import SupervisorState
+
+STATUS_FILE = "status.json"
 
 
-@dataclasses.dataclass
-class Recovery:
-    """One recovery in flight: its marks (unix times) become the timeline's phases."""
-
-    number: int
-    generation: int
-    level: str
-    faults: list[Fault]
-    marks: dict[str, float]
-    deadline: float
-    worker_marks: dict[str, dict[int, float]] = dataclasses.field(default_factory=dict)
-
-
-def recovery_phases(rec: Recovery) -> list[tuple[str, float, float]]:
+def recovery_phases(marks: Mapping[str, float],
+                    worker_marks: Mapping[str, Mapping[int, float]]) -> list[tuple[RecoveryPhase, float, float]]:
     """Pure: (phase, start, end) for a finished recovery; the last rank sets each end."""
-    last = {k: max(v.values()) for k, v in rec.worker_marks.items()}
-    m = rec.marks
+    last = {k: max(v.values()) for k, v in worker_marks.items() if v}
+    m = marks
     joined = last.get("reconnected", m["published"])
     restored = last.get("restored", joined)
-    return [("classify", m["detected"], m["classified"]),
-            ("replace", m["classified"], m["replaced"]),
-            ("ranktable", m["replaced"], m["published"]),
-            ("reconnect", m["published"], joined),
-            ("restore", joined, restored),
-            ("first_step", restored, last["first_step"])]
+    return [(RecoveryPhase.CLASSIFY, m["detected"], m["classified"]),
+            (RecoveryPhase.REPLACE, m["classified"], m["replaced"]),
+            (RecoveryPhase.RANKTABLE, m["replaced"], m["published"]),
+            (RecoveryPhase.RECONNECT, m["published"], joined),
+            (RecoveryPhase.RESTORE, joined, restored),
+            (RecoveryPhase.FIRST_STEP, restored, last["first_step"])]
 
 
-def status_dict(sup: Any, workers: Mapping[str, Any]) -> dict[str, Any]:
-    """The status file's content (``slurm-resilience status`` reads it)."""
+def status_dict(state: SupervisorState, *, mode: str, retry_budget: int,
+                endpoints: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The status file's content (pure but for the pid and clock)."""
+    workers = state.workers
     return {
-        "job_id": sup.job_id, "restart_count": sup.restart_count, "supervisor_pid": os.getpid(),
-        "phase": sup.lifecycle.phase.name, "generation": sup.table.generation,
-        "recoveries": sup.recoveries, "excluded": sorted(sup.excluded),
-        "restarts": {str(r): n for r, n in sup.restarts.items()},
-        "retry_budget": sup.cfg.recovery.fault_retry_times,
-        "endpoints": {"host": sup.store_host, "store_port": sup._raw_store.port,
-                      "liveness_port": sup.liveness.port, "rejected_connections": sup.liveness.rejected},
-        # a slot whose launch failed has no worker record: pid None, step 0
+        "job_id": state.job_id, "mode": mode, "requeue_count": state.requeue_count,
+        "supervisor_pid": os.getpid(), "phase": state.phase.name, "generation": state.table.generation,
+        "recoveries": state.recoveries, "relaunches": state.relaunches, "nodes": list(state.table.nodes),
+        "excluded": sorted(state.excluded), "fault_retries_used": state.fault_retries_used,
+        "retry_budget": retry_budget, **({"endpoints": dict(endpoints)} if endpoints else {}),
+        # a slot whose launch failed (or relaunch mode) has no worker record: pid None, step 0
         "ranks": [{"rank": s.rank, "node": s.node, "worker_id": s.worker_id,
                    "pid": getattr(workers.get(s.worker_id), "pid", None),
                    "step": getattr(workers.get(s.worker_id), "step", 0)}
-                  for s in sup.table.slots],
-        "spares": [{"node": n, "worker_id": wid, "pid": getattr(workers.get(wid), "pid", None)}
-                   for n, wid in sup.standbys.items()],
+                  for s in state.table.slots],
+        "spares": ([{"node": n, "worker_id": wid, "pid": getattr(workers.get(wid), "pid", None)}
+                    for n, wid in state.standbys.items()] if mode == "online" else
+                   [{"node": n, "worker_id": None, "pid": None} for n in state.free_spares()]),
         "t": time.time(),
     }
+
+
+def write_status(job_dir: str, status: Mapping[str, Any]) -> None:
+    write_private(os.path.join(job_dir, STATUS_FILE), json.dumps(status))

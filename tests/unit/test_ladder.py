@@ -6,7 +6,7 @@ import pytest
 
 from slurm_resilience.model import FaultKind
 from slurm_resilience.supervisor.ladder import (
-    FaultCase, LadderInput, Level, choose_level, plan_recovery,
+    FaultCase, LadderInput, LadderPolicy, Level, choose_level, plan_recovery,
 )
 
 PROCESS = (FaultKind.PROCESS_DIED, FaultKind.PROCESS_HUNG)
@@ -16,11 +16,14 @@ NODE = (FaultKind.NODE_LOST, FaultKind.NODE_UNHEALTHY)
 def expected(inp: LadderInput) -> Level:
     """An independent statement of the rules."""
     order = []
-    if inp.fault in PROCESS and inp.restarts_used < inp.retry_budget:
-        order += [Level.ONLINE, Level.PROCESS_RESTART]
-    order += [Level.NODE_REPLACEMENT, Level.SCALE_IN, Level.REQUEUE]
+    if inp.timed_out:  # only levels that relaunch every process remain
+        order += [Level.PROCESS_RESTART, Level.REQUEUE]
+    else:
+        if inp.fault in PROCESS and inp.retries_used < inp.retry_budget:
+            order += [Level.ONLINE, Level.PROCESS_RESTART]
+        order += [Level.NODE_REPLACEMENT, Level.SCALE_IN, Level.REQUEUE]
     ok = {
-        Level.ONLINE: True,
+        Level.ONLINE: inp.online,
         Level.PROCESS_RESTART: inp.relaunch,
         Level.NODE_REPLACEMENT: inp.spares_left >= inp.lost,
         Level.SCALE_IN: inp.scale_in and inp.world_size - inp.lost >= inp.min_world_size,
@@ -39,12 +42,13 @@ FAILED_SETS = [frozenset(), frozenset({Level.ONLINE}), frozenset({Level.ONLINE, 
 @pytest.mark.parametrize("fault", list(FaultKind))
 def test_exhaustive(fault):
     n = 0
-    for spares, used, budget, world, minw, scale, relaunch, rq_used, rq_max, failed in itertools.product(
-            (0, 1, 2), (0, 2, 3), (0, 3), (1, 2, 4), (1, 3), (True, False), (True, False),
-            (0, 1), (0, 1), FAILED_SETS):
-        inp = LadderInput(fault=fault, spares_left=spares, restarts_used=used, retry_budget=budget,
+    for spares, used, budget, world, minw, scale, relaunch, rq_used, rq_max, failed, online, timed_out in \
+            itertools.product((0, 1, 2), (0, 2, 3), (0, 3), (1, 2, 4), (1, 3), (True, False), (True, False),
+                              (0, 1), (0, 1), FAILED_SETS, (True, False), (False, True)):
+        inp = LadderInput(fault=fault, spares_left=spares, retries_used=used, retry_budget=budget,
                           world_size=world, min_world_size=minw, scale_in=scale, relaunch=relaunch,
-                          requeues_used=rq_used, max_requeues=rq_max, failed=failed)
+                          requeues_used=rq_used, max_requeues=rq_max, failed=failed, online=online,
+                          timed_out=timed_out)
         d = choose_level(inp)
         assert d.level is expected(inp), inp
         assert d.reason
@@ -53,7 +57,7 @@ def test_exhaustive(fault):
 
 
 def test_fail_reason_names_every_level_it_skipped():
-    d = choose_level(LadderInput(fault=FaultKind.NODE_LOST, spares_left=0, restarts_used=0, retry_budget=3,
+    d = choose_level(LadderInput(fault=FaultKind.NODE_LOST, spares_left=0, retries_used=0, retry_budget=3,
                                  world_size=4, scale_in=False, max_requeues=0))
     assert d.level is Level.FAIL
     assert "no spare left" in d.reason and "scale-in disabled" in d.reason and "requeue" in d.reason
@@ -61,8 +65,8 @@ def test_fail_reason_names_every_level_it_skipped():
 
 def test_incident_hands_out_spares_in_order_then_scales_in():
     cases = [FaultCase(1, "n2", FaultKind.NODE_LOST), FaultCase(2, "n3", FaultKind.NODE_LOST),
-             FaultCase(3, "n4", FaultKind.PROCESS_DIED, 0)]
-    p = plan_recovery(cases, spares=["n6"], world_size=5, retry_budget=3)
+             FaultCase(3, "n4", FaultKind.PROCESS_DIED)]
+    p = plan_recovery(cases, spares=["n6"], world_size=5, policy=LadderPolicy(retry_budget=3))
     assert p.level is Level.SCALE_IN
     assert p.spares == ((1, "n6"),) and p.lost == (2,) and p.restarts == (3,)
     assert p.isolate == ("n2", "n3")
@@ -70,15 +74,32 @@ def test_incident_hands_out_spares_in_order_then_scales_in():
 
 def test_incident_needing_requeue_requeues_as_a_whole():
     cases = [FaultCase(1, "n2", FaultKind.NODE_LOST), FaultCase(2, "n3", FaultKind.NODE_LOST)]
-    p = plan_recovery(cases, spares=["n6"], world_size=2, retry_budget=3, scale_in=True,
-                      min_world_size=2, max_requeues=1)
+    p = plan_recovery(cases, spares=["n6"], world_size=2,
+                      policy=LadderPolicy(retry_budget=3, scale_in=True, min_world_size=2, max_requeues=1))
     assert p.level is Level.REQUEUE and not p.spares and not p.lost
 
 
 def test_budget_spent_treats_node_as_bad():
-    p = plan_recovery([FaultCase(0, "n2", FaultKind.PROCESS_DIED, restarts_used=3)], spares=["n6"],
-                      world_size=4, retry_budget=3)
+    p = plan_recovery([FaultCase(0, "n2", FaultKind.PROCESS_DIED)], spares=["n6"],
+                      world_size=4, policy=LadderPolicy(retry_budget=3), retries_used=3)
     assert p.level is Level.NODE_REPLACEMENT and p.isolate == ("n2",) and p.spares == ((0, "n6"),)
+
+
+def test_a_whole_step_fault_gets_no_spare_and_its_hostlist_is_not_isolated():
+    """Relaunch mode: a non-zero exit of the all-ranks step names no rank and no single node."""
+    p = plan_recovery([FaultCase(None, "n[2-4]", FaultKind.PROCESS_DIED)], spares=["n6"], world_size=3,
+                      policy=LadderPolicy(retry_budget=1, online=False, scale_in=False), retries_used=1)
+    assert p.level is Level.FAIL and p.isolate == () and "step on n[2-4]" in p.reason
+
+
+def test_after_a_time_out_only_relaunching_levels_remain():
+    inp = dict(fault=FaultKind.NODE_LOST, spares_left=2, retries_used=0, retry_budget=3, world_size=4,
+               max_requeues=1, timed_out=True)
+    assert choose_level(LadderInput(**inp)).level is Level.PROCESS_RESTART
+    d = choose_level(LadderInput(**inp, failed=frozenset({Level.PROCESS_RESTART})))
+    assert d.level is Level.REQUEUE
+    d = choose_level(LadderInput(**{**inp, "max_requeues": 0}, failed=frozenset({Level.PROCESS_RESTART})))
+    assert d.level is Level.FAIL and "node-replacement keeps survivors" in d.reason
 
 
 def test_shrink_then_grow_keeps_survivor_order():

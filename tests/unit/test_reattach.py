@@ -10,7 +10,7 @@ import pytest
 
 from slurm_resilience.errors import ResilienceError
 from slurm_resilience.lifecycle import JobPhase, Lifecycle
-from slurm_resilience.protocol import EVENT_COUNTER, Plan, PlanAction, event_key, plan_key
+from slurm_resilience.protocol import EVENT_COUNTER, Plan, PlanAction, event_key
 from slurm_resilience.supervisor import reattach
 from slurm_resilience.supervisor.keeper import EXIT_SUPERVISOR_LOST, _with_reattach, keep
 from slurm_resilience.supervisor.ranktable import initial_table
@@ -98,30 +98,33 @@ def _sup(tmp_path, table):
     return sup
 
 
-def test_state_round_trip_adopts_newer_plans_and_skips_read_events(tmp_path):
+def test_state_file_round_trip_is_private_and_keeps_the_event_position(tmp_path):
+    from slurm_resilience.supervisor.state import SupervisorState, WorkerRecord
+    from slurm_resilience.protocol import Role
+
     table = initial_table(["n1", "n2", "n3"], ["n1.1", "n2.2", "n3.3"], {n: "127.0.0.1" for n in ["n1", "n2", "n3"]})
-    old = _sup(tmp_path, table)
-    reattach.save(old)
-    state = reattach.load(str(tmp_path))
+    workers = {s.worker_id: WorkerRecord(worker_id=s.worker_id, node=s.node, role=Role.RANK, pid=100 + i)
+               for i, s in enumerate(table.slots)}
+    state = SupervisorState(job_id="9", phase=JobPhase.RECOVERING, table=table, target_world=3,
+                            worker_nodes=("n1", "n2", "n3"), spare_nodes=("n4",),
+                            addresses={n: "127.0.0.1" for n in ("n1", "n2", "n3", "n4")},
+                            standbys={"n4": "n4.4"}, workers=workers, fault_retries_used=1, recoveries=2,
+                            next_id=4, excluded=frozenset({"n5"}))
+    reattach.save(str(tmp_path), state, events_seen=5)
     assert (tmp_path / reattach.STATE_FILE).stat().st_mode & 0o777 == 0o600
-    # after the save, the old supervisor published generation 1 (the spare takes rank 1)
-    slots = list(table.slots)
+    back, seen, written = reattach.load(str(tmp_path))
+    assert seen == 5 and written > 0 and back.table == table and back.standbys == {"n4": "n4.4"}
+    assert back.workers["n2.2"].pid == 101 and back.fault_retries_used == 1 and back.recoveries == 2
+    assert back.excluded == {"n5"} and back.next_id == 4
+    assert back.phase is JobPhase.RUNNING  # an in-flight recovery's bookkeeping is not kept
+    # the old supervisor published generation 1 after its last write (the spare took rank 1)
     import dataclasses
 
+    slots = list(table.slots)
     slots[1] = dataclasses.replace(slots[1], node="n4", worker_id="n4.4")
     newer = dataclasses.replace(table, generation=1, slots=tuple(slots))
-    new = _sup(tmp_path, table)
-    new.workers, new.standbys, new.lifecycle = {}, {}, None
-    new.store.set(plan_key(1), Plan(1, PlanAction.RUN, newer, joining=(1,)).to_json())
-    new.store.set(EVENT_COUNTER, "6")
-    new.store.set(event_key(6), "{}")  # 4 and 5 were read (and deleted) by the old one
-    taken = reattach.reattach(new, state)
-    assert new.table.generation == 1 and new.table.slots[1].node == "n4"
-    assert new.standbys == {}  # the spare became a rank
-    assert sorted(taken) == ["n1.1", "n2.2", "n3.3", "n4.4"]
-    assert new.workers["n2.2"].handle.pid == 101
-    assert new._ev_seen == 5 and new.restarts == {1: 1} and new.recoveries == 2
-    assert new.lifecycle.phase is JobPhase.RUNNING  # an in-flight recovery's bookkeeping is not kept
+    adopted = reattach.adopt_plans(back, [Plan(1, PlanAction.RUN, newer, joining=(1,))])
+    assert adopted.table.slots[1].node == "n4" and adopted.standbys == {}  # the spare became a rank
 
 
 def test_load_without_state_is_a_one_line_error(tmp_path):
@@ -160,20 +163,23 @@ def test_an_event_whose_writer_died_does_not_hold_up_the_later_ones(tmp_path, mo
     """A worker killed between counting an event and writing it leaves a hole; the
     supervisor skips it after EVENT_HOLE_S and still takes it if it comes late."""
     from slurm_resilience.config import load_config
-    from slurm_resilience.supervisor import loop
+    from slurm_resilience.supervisor import watch
+    from slurm_resilience.supervisor.state import SupervisorState
 
-    monkeypatch.setattr(loop, "EVENT_HOLE_S", 0.0)
-    sup = loop.Supervisor(config=load_config({}), command=["x"], job_dir=str(tmp_path),
-                          nodes=[f"n{i}" for i in range(5)], launcher=None, store_host="127.0.0.1")
-    sup.store, seen = _Store(), []
-    sup.events = types.SimpleNamespace(emit=lambda kind, **f: seen.append((kind, f.get("step"))))
-    sup.store.set(EVENT_COUNTER, "3")
+    monkeypatch.setattr(watch, "EVENT_HOLE_S", 0.0)
+    store, seen = _Store(), []
+    store.delete_key = lambda k: store.d.pop(k)
+    events = types.SimpleNamespace(emit=lambda kind, **f: seen.append((kind, f.get("step"))))
+    w = watch.Watch(cfg=load_config({}), store=store, seen=None, launcher=None, handles={}, events=events,
+                    preempted=lambda: False)
+    state = SupervisorState(job_id="1", phase=JobPhase.RUNNING, table=initial_table(["n1"], ["n1.1"], {"n1": "x"}),
+                            target_world=1, worker_nodes=("n1",), spare_nodes=(), addresses={"n1": "x"})
+    store.set(EVENT_COUNTER, "3")
     for n in (1, 3):
-        sup.store.set(event_key(n), json.dumps({"kind": "first_step", "step": n}))
-    sup.store.delete_key = lambda k: sup.store.d.pop(k)
-    sup._poll_worker_events()  # notices the hole at 2
-    sup._poll_worker_events()  # skips it
+        store.set(event_key(n), json.dumps({"kind": "first_step", "step": n, "rank": 0, "generation": 0, "t": 1.0}))
+    marks = w.poll_events(state) + w.poll_events(state)  # the hole at 2 is skipped
     assert seen == [("rank_first_step", 1), ("rank_first_step", 3)]
-    sup.store.set(event_key(2), json.dumps({"kind": "first_step", "step": 2}))  # the slow writer
-    sup._poll_worker_events()
-    assert seen[-1] == ("rank_first_step", 2) and sup._ev_late == {}
+    assert len(marks) == 2 and marks[0].rank == 0  # recovery marks for decide
+    store.set(event_key(2), json.dumps({"kind": "first_step", "step": 2}))  # the slow writer
+    w.poll_events(state)
+    assert seen[-1] == ("rank_first_step", 2) and w._late == {}

@@ -11,23 +11,23 @@ from slurm_resilience.slurm.steps import SrunLauncher, SrunStep, nodes_after_rel
 
 
 def test_srun_argv_plain_and_het_group():
-    plain = srun_argv("42", "n3", "sr-w1")
-    assert plain == ["srun", "--no-kill", "--overlap", "-N1", "-n1", "-w", "n3", "--jobid=42",
-                     "--job-name=sr-w1", "--kill-on-bad-exit=0"]
-    het = srun_argv("40", "n3", "sr-w1", het_group=1)
-    assert het == [*plain[:7], "--jobid=40", "--het-group=1", *plain[8:]]  # the leader's id, not 41
+    plain = srun_argv(job_id="42", name="sr-w1", nodes=["n3"])
+    assert plain == ["srun", "--no-kill", "--overlap", "-N", "1", "-n", "1", "--ntasks-per-node=1", "-w", "n3",
+                     "--jobid=42", "--job-name=sr-w1", "--kill-on-bad-exit=0"]
+    het = srun_argv(job_id="40", name="sr-w1", nodes=["n3"], het_group=1)
+    assert het == [*plain[:10], "--jobid=40", "--het-group=1", *plain[11:]]  # the leader's id, not 41
     assert not any(a.startswith("--het-group") for a in plain)
 
 
 @pytest.mark.parametrize("node", ["-n1", "n1;x", ""])
 def test_srun_argv_rejects_bad_node(node):
     with pytest.raises(ValueError):
-        srun_argv("42", node, "sr-w1")
+        srun_argv(job_id="42", name="sr-w1", nodes=[node])
 
 
 def test_srun_argv_rejects_negative_group():
     with pytest.raises(ValueError, match="het_group"):
-        srun_argv("42", "n1", "sr-w1", het_group=-1)
+        srun_argv(job_id="42", name="sr-w1", nodes=["n1"], het_group=-1)
 
 
 COMPONENT = {"JobId": "41", "NodeList": "n[2-5]", "BatchHost": "n2"}
@@ -135,7 +135,7 @@ def test_het_launch_uses_the_leader_and_group(monkeypatch, tmp_path):
 
     monkeypatch.setattr(steps.subprocess, "Popen", fake_popen)
     step = launcher.launch(name="sr-w1", node="n3", argv=["python", "t.py"], env={}, log_path=str(tmp_path / "l"))
-    assert seen["argv"] == [*srun_argv("40", "n3", "sr-w1", 1), "python", "t.py"] and step.node == "n3"
+    assert seen["argv"] == [*srun_argv(job_id="40", name="sr-w1", nodes=["n3"], het_group=1), "python", "t.py"] and step.node == "n3"
 
 
 class FakeProc:
@@ -153,7 +153,7 @@ def test_het_release_ends_the_srun_clients_on_that_node(monkeypatch, tmp_path):
     """A resize does not notify srun (a node failure would): the client would wait forever."""
     fake, launcher = _het(monkeypatch)
     procs = {}
-    monkeypatch.setattr(steps.subprocess, "Popen", lambda argv, **kw: procs.setdefault(argv[6], FakeProc()))
+    monkeypatch.setattr(steps.subprocess, "Popen", lambda argv, **kw: procs.setdefault(argv[argv.index("-w") + 1], FakeProc()))
     for node in ("n3", "n4"):
         launcher.launch(name=f"sr-{node}", node=node, argv=["x"], env={}, log_path=str(tmp_path / node))
     launcher.isolate("n3", "DOWN", "lost")

@@ -18,7 +18,7 @@ EVENTS = [
 ]
 STATUS = {"job_id": "7", "phase": "RUNNING", "generation": 1, "recoveries": 1, "requeue_count": 2,
           "ranks": [{"rank": 0, "node": "n2", "pid": 11, "step": 13}, {"rank": 1, "node": "n6", "pid": 12, "step": 13}],
-          "spares": [], "excluded": ["n3"], "restarts": {"1": 1}, "retry_budget": 3, "t": 103.0}
+          "spares": [], "excluded": ["n3"], "fault_retries_used": 1, "retry_budget": 3, "t": 103.0}
 
 
 def test_metrics_render_prometheus_text():
@@ -41,8 +41,9 @@ def test_status_view_shows_budget_spares_and_tiers():
     text = render_status(STATUS, rate=4.0, tiers={"L1": 10, "L2": 10})
     assert "generation 1" in text and "4.00 steps/s" in text and "L1 step 10" in text
     assert "spares left: 0" in text and "isolated nodes: n3" in text
+    assert "fault retries left (restarts in place, per job): 2" in text  # 3 - 1 used
     row1 = [line for line in text.splitlines() if line.strip().startswith("1  n6")][0]
-    assert row1.split()[-1] == "2"  # 3 - 1 restart used
+    assert row1.split()[1] == "n6"
     assert "requeues 2" in text
 
 

@@ -1,0 +1,230 @@
+"""Pure: the supervisor's every decision, ``decide(state, observation, now, policy)``.
+
+    observation ──► decide ──► (new SupervisorState, [Action])
+                      │
+                      ├─ Start            launch generation 0 (+ standbys)
+                      ├─ Suspects/...     classify → ladder → plan (recover.py)
+                      ├─ Published        a recovery's plan is out: its deadline starts
+                      ├─ WorkerMark       recovery phases; the last rank's first step ends it
+                      ├─ Tick             a recovery past its deadline falls back (ladder, failed set)
+                      ├─ AllDone          finish
+                      ├─ Preempted        persist at one step, requeue
+                      ├─ NodeBack         scale back out (a standby first)
+                      └─ Straggler        report; migrate to a spare if configured
+
+No I/O and no clock (``now`` is given): executors (``online.py`` for ``Session``
+programs, ``relaunch.py`` for unmodified ones) gather observations and carry the
+actions out. The shape is torch elastic's rendezvous: a pure op returns an action,
+an executor does the I/O.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ..errors import RecoveryError
+from ..lifecycle import TRANSITIONS, JobPhase
+from ..protocol import EventKind, Plan, PlanAction, Role, WorkerEvent
+from . import recover
+from .messages import (
+    Action, AllDone, Connected, DrainEvents, Exit, Launch, NodeBack, Observation, Phase, Preempted,
+    Publish, Published, Reap, Relaunch, Requeue, Say, ShutDownStandbys, Start, StepFaults, Straggler,
+    Suspects, Tick, WorkerMark, emit,
+)
+from .ranktable import initial_table
+from .report import recovery_phases
+from .state import Mode, Policy, SupervisorState, WorkerRecord
+
+EXIT_OK, EXIT_FAILED, EXIT_REQUEUED = 0, 3, 4
+
+Decision = tuple[SupervisorState, list[Action]]
+
+
+def decide(state: SupervisorState, obs: Observation, now: float, policy: Policy) -> Decision:
+    """The new state and the actions that carry the change out, in order."""
+    if isinstance(obs, Start):
+        return _start(state, obs, policy)
+    if isinstance(obs, Connected):
+        return _connected(state, obs, now, policy)
+    if isinstance(obs, Suspects):
+        return recover.on_suspects(state, obs, now, policy)
+    if isinstance(obs, StepFaults):
+        return recover.on_step_faults(state, obs, now, policy)
+    if isinstance(obs, Published):
+        return _published(state, obs, policy)
+    if isinstance(obs, WorkerMark):
+        return _mark(state, obs)
+    if isinstance(obs, Tick):
+        return recover.on_tick(state, now, policy)
+    if isinstance(obs, AllDone):
+        return _finish(state, policy)
+    if isinstance(obs, Preempted):
+        return requeue(state, "preempted (the preemption signal before the time limit or by the scheduler)",
+                       policy, persist=True)
+    if isinstance(obs, NodeBack):
+        return _node_back(state, obs)
+    if isinstance(obs, Straggler):
+        return recover.on_straggler(state, obs, now, policy)
+    raise TypeError(f"not an observation: {obs!r}")
+
+
+# -- shared steps ---------------------------------------------------------------
+def move(state: SupervisorState, to: JobPhase, reason: str) -> Decision:
+    """A lifecycle transition, checked against ``TRANSITIONS`` (no-op if already there)."""
+    if state.phase is to:
+        return state, []
+    if to not in TRANSITIONS[state.phase]:
+        raise RecoveryError(f"illegal job phase transition {state.phase.name} -> {to.name} ({reason})")
+    return dataclasses.replace(state, phase=to), [Phase(state.phase, to, reason)]
+
+
+def publish(state: SupervisorState, plan: Plan, *, recovery: bool = False) -> Decision:
+    """Publish ``plan`` (table first, then the store key) and log it."""
+    return dataclasses.replace(state, table=plan.table), [
+        Publish(plan, recovery=recovery),
+        emit(EventKind.PLAN, generation=plan.generation, action=plan.action.value,
+             nodes=list(plan.table.nodes), joining=list(plan.joining), reason=plan.reason)]
+
+
+def launch(state: SupervisorState, node: str, role: Role, generation: int,
+           worker_id: str | None = None) -> tuple[SupervisorState, Launch]:
+    if worker_id is None:
+        state, worker_id = state.new_id(node)
+    state = state.with_worker(WorkerRecord(worker_id=worker_id, node=node, role=role))
+    return state, Launch(worker_id, node, role, generation)
+
+
+def requeue(state: SupervisorState, reason: str, policy: Policy, *, persist: bool) -> Decision:
+    """Job level: ranks stop (after a durable checkpoint when ``persist``), then the job
+    is requeued and resumes from the newest checkpoint."""
+    acts: list[Action] = [Say(f"requeue: {reason}"), emit(EventKind.REQUEUE_START, reason=reason, persist=persist)]
+    gen = state.table.generation + 1
+    if persist:  # same ranks, a fresh group: they agree on the newest step, persist it, exit
+        table = dataclasses.replace(state.table, generation=gen)
+        state, more = publish(state, Plan(generation=gen, action=PlanAction.PERSIST, table=table, reason=reason))
+    else:
+        state, more = publish(state, Plan(generation=gen, action=PlanAction.STOP, table=state.table, reason=reason))
+    acts += more + [ShutDownStandbys(), Reap(policy.fallback_timeout_s), DrainEvents(),
+                    emit(EventKind.REQUEUE, reason=reason, requeue_count=state.requeue_count)]
+    state, more = move(state, JobPhase.FAILED, f"requeued: {reason}")
+    return state, acts + more + [Requeue(), Exit(EXIT_REQUEUED)]
+
+
+def abort(state: SupervisorState, reason: str, policy: Policy) -> Decision:
+    """Nothing left to try: ranks persist their state and exit; the job fails (exit 3)."""
+    acts: list[Action] = []
+    if policy.mode is Mode.ONLINE:
+        gen = state.table.generation + 1
+        state, acts = publish(state, Plan(generation=gen, action=PlanAction.ABORT, table=state.table, reason=reason))
+        acts += [ShutDownStandbys(), Reap(30.0), DrainEvents()]
+    else:
+        acts += [Reap(0.0)]  # the all-ranks step ends now; the program's snapshots are kept
+    state, more = move(state, JobPhase.FAILED, reason)
+    return state, acts + more + [emit(EventKind.JOB_FAILED, reason=reason), Exit(EXIT_FAILED, reason)]
+
+
+# -- handlers -------------------------------------------------------------------
+def _start(state: SupervisorState, obs: Start, policy: Policy) -> Decision:
+    ids = []
+    for node in state.worker_nodes:
+        state, wid = state.new_id(node)
+        ids.append(wid)
+    table = initial_table(list(state.worker_nodes), ids, state.addresses)
+    state, acts = publish(state, Plan(generation=0, action=PlanAction.RUN, table=table,
+                                      joining=tuple(range(table.world_size)), reason="start"))
+    if policy.mode is Mode.RELAUNCH:
+        acts = [Relaunch(table, attempt=0)]  # no store: the program rendezvous by itself
+    else:
+        for slot in table.slots:
+            state, act = launch(state, slot.node, Role.RANK, 0, slot.worker_id)
+            acts.append(act)
+        standbys = {}
+        for node in state.spare_nodes:
+            state, act = launch(state, node, Role.STANDBY, 0)
+            standbys[node] = act.worker_id
+            acts.append(act)
+        state = dataclasses.replace(state, standbys=standbys)
+    acts += [Say(f"job started: {table.world_size} ranks on {','.join(state.worker_nodes)}; "
+                 f"spares {','.join(state.spare_nodes) or 'none'}"),
+             emit(EventKind.JOB_START, ranks=list(state.worker_nodes), spares=list(state.spare_nodes),
+                  **dict(obs.info))]
+    state, more = move(state, JobPhase.RUNNING, "all ranks launched")
+    return state, acts + more
+
+
+def _connected(state: SupervisorState, obs: Connected, now: float, policy: Policy) -> Decision:
+    w = state.workers.get(obs.worker_id)
+    if w is None:
+        return state, []
+    state = state.with_worker(dataclasses.replace(w, connected=True, pid=obs.pid))
+    if w.node in state.returning and state.standbys.get(w.node) == w.worker_id:
+        return recover.grow(state, w.node, now, policy)
+    return state, []
+
+
+def _published(state: SupervisorState, obs: Published, policy: Policy) -> Decision:
+    rec = state.recovery
+    if rec is None or rec.generation != obs.generation:
+        return state, []
+    timeout = policy.fallback_timeout_s if rec.level == recover.PROCESS_RESTART else policy.online_timeout_s
+    first = "published" not in rec.marks
+    rec = dataclasses.replace(rec, marks={**rec.marks, "published": obs.t}, deadline=obs.t + timeout)
+    acts: list[Action] = []
+    if first and rec.level != recover.PROCESS_RESTART:
+        acts.append(Say(f"recovery {rec.number}: {rec.level}, generation {rec.generation} published "
+                        f"{(obs.t - rec.marks['detected']) * 1000:.1f} ms after detection"))
+    return dataclasses.replace(state, recovery=rec), acts
+
+
+_MARKS = {WorkerEvent.RECONNECTED: "reconnected", WorkerEvent.RESTORED: "restored",
+          WorkerEvent.FIRST_STEP: "first_step", WorkerEvent.DONE: "first_step"}
+
+
+def _mark(state: SupervisorState, obs: WorkerMark) -> Decision:
+    rec = state.recovery
+    if rec is None or obs.generation != rec.generation or obs.kind not in _MARKS:
+        return state, []
+    key = _MARKS[obs.kind]
+    got = dict(rec.worker_marks.get(key, {}))
+    got.setdefault(obs.rank, obs.t)
+    rec = dataclasses.replace(rec, worker_marks={**rec.worker_marks, key: got})
+    state = dataclasses.replace(state, recovery=rec)
+    if len(rec.worker_marks.get("first_step", {})) < state.table.world_size or "published" not in rec.marks:
+        return state, []
+    acts: list[Action] = [emit(EventKind.PHASE, recovery=rec.number, phase=phase, start=start, end=end,
+                               duration_ms=round((end - start) * 1000, 3))
+                          for phase, start, end in recovery_phases(rec.marks, rec.worker_marks)]
+    last = max(rec.worker_marks["first_step"].values())
+    total = last - rec.marks["detected"]
+    acts += [emit(EventKind.RECOVERY_DONE, t=last, recovery=rec.number, level=rec.level,
+                  generation=rec.generation, detected=rec.marks["detected"], first_step=last,
+                  detect_to_step_s=total),
+             Say(f"recovery {rec.number} done: generation {rec.generation} trained a step "
+                 f"{total * 1000:.0f} ms after detection")]
+    state = dataclasses.replace(state, recovery=None)
+    state, more = move(state, JobPhase.RUNNING, f"recovery {rec.number} done")
+    return state, acts + more
+
+
+def _finish(state: SupervisorState, policy: Policy) -> Decision:
+    if state.recovery is not None:
+        return state, []  # the last ranks' marks close it first
+    state, acts = move(state, JobPhase.FINISHING, "every rank finished")
+    if policy.mode is Mode.ONLINE:
+        acts += [ShutDownStandbys(), Reap(30.0), DrainEvents()]
+    state, more = move(state, JobPhase.SUCCEEDED, "every rank finished")
+    n = state.recoveries
+    done = (emit(EventKind.JOB_DONE, recoveries=n, generation=state.table.generation) if policy.mode is Mode.ONLINE
+            else emit(EventKind.JOB_DONE, relaunches=state.relaunches, nodes=list(state.table.nodes)))
+    return state, acts + more + [done, Say(f"job finished after {n} recover{'y' if n == 1 else 'ies'}"),
+                                 Exit(EXIT_OK)]
+
+
+def _node_back(state: SupervisorState, obs: NodeBack) -> Decision:
+    if obs.node not in recover.returning_candidates(state):
+        return state, []
+    state = dataclasses.replace(state, excluded=state.excluded - {obs.node}, returning=state.returning | {obs.node})
+    state, act = launch(state, obs.node, Role.STANDBY, state.table.generation)
+    state = dataclasses.replace(state, standbys={**state.standbys, obs.node: act.worker_id})
+    return state, [act, emit(EventKind.NODE_RETURNED, node=obs.node, state=obs.state),
+                   Say(f"node {obs.node} is back in service ({obs.state}): starting a standby to scale out")]

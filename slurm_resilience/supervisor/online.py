@@ -1,0 +1,252 @@
+"""Online executor: carries the decisions out for ``Session`` programs.
+
+One job step per worker (ranks and warm standbys), the job's TCPStore (hosted by the
+batch step, ``keeper.py``, or here), the liveness socket, the Slurm node-state
+thread. Observations come from ``watch.py``; decisions from ``decide.py``; the loop
+is ``loop.py``. The supervisor runs on a node of its own (the batch host): under
+``--no-kill`` a job whose batch host dies is left headless, so that node is never a
+worker or a spare.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import queue
+import secrets
+import signal
+import sys
+import threading
+import time
+from datetime import timedelta
+from typing import Sequence
+
+import yaml
+
+from ..config import ResilienceConfig, config_to_dict
+from ..errors import ConfigError
+from ..events import EventLog
+from ..files import makedirs_private, write_private
+from ..lifecycle import JobPhase
+from ..model import RankTable
+from ..protocol import EventKind, Plan, Role, StoreKey, WorkerEvent, WorkerEnv, plan_key, read_token, write_token
+from . import loop, reattach
+from .classify import node_unhealthy
+from .detect import LivenessServer, NodeWatcher
+from .isolate import Isolator
+from .launcher import Launcher, StepHandle
+from .messages import (
+    Action, DrainEvents, Emit, Exit, Isolate, Kill, Launch, Observation, Phase, Publish, Published, Reap,
+    Relaunch, Requeue, Say, ShutDownStandbys, Start,
+)
+from .metrics import Metrics
+from .report import status_dict, write_status
+from .state import Mode, Policy, SupervisorState
+from .stop import publish_plan, shut_down_standbys
+from .watch import Watch
+
+log = logging.getLogger(__name__)
+
+
+class Supervisor:
+    """The job's supervisor for ``Session`` programs; ``run()`` returns the exit code."""
+
+    def __init__(self, *, config: ResilienceConfig, command: Sequence[str], job_dir: str,
+                 nodes: Sequence[str], launcher: Launcher, store_host: str,
+                 job_id: str = "local", requeue_count: int = 0, out=sys.stdout,
+                 store_port: int | None = None, reattach: bool = False) -> None:
+        """``store_port``: the job's store is hosted elsewhere (the batch step, see
+        ``keeper.py``), else in this process. ``reattach``: take over the running
+        workers of a killed supervisor from ``JOBDIR/supervisor.json``."""
+        need = config.job.nodes + config.job.spares
+        if len(nodes) < need:
+            raise ConfigError(
+                f"the allocation has {len(nodes)} node(s) for workers and spares but "
+                f"nodes={config.job.nodes} + spares={config.job.spares} need {need}: "
+                "allocate more nodes or lower the counts")
+        self.cfg, self.command, self.job_dir = config, list(command), job_dir
+        self.launcher, self.store_host, self.job_id = launcher, store_host, job_id
+        self.requeue_count, self.out = requeue_count, out
+        self.store_port, self.reattaching = store_port, reattach
+        self.nodes = list(nodes[:need])
+        self.policy = Policy.from_config(config, mode=Mode.ONLINE, can_requeue=hasattr(launcher, "requeue"))
+        self.handles: dict[str, StepHandle] = {}
+        self._signalled = threading.Event()
+        self._t0 = time.time()
+        self._last_status = 0.0
+
+    # -- set-up ----------------------------------------------------------------------
+    def _setup(self) -> None:
+        import torch.distributed as dist  # the store; imported here so the CLI stays light
+
+        makedirs_private(os.path.join(self.job_dir, "logs"))
+        self.config_path = os.path.join(self.job_dir, "config.yaml")
+        if self.reattaching:
+            self.token = read_token(self.job_dir)
+        else:
+            self.token = secrets.token_hex(16)
+            write_token(self.job_dir, self.token)
+            write_private(self.config_path, yaml.safe_dump(config_to_dict(self.cfg)))
+        self.metrics = Metrics()
+        self.events = EventLog(os.path.join(self.job_dir, "events.jsonl"), on_event=self.metrics.observe)
+        hosted_here = self.store_port is None
+        self._raw_store = dist.TCPStore(self.store_host, self.store_port or 0, None, hosted_here,
+                                        timedelta(seconds=30), wait_for_workers=False)
+        self.store = dist.PrefixStore(self.token + "/", self._raw_store)
+        self.seen: queue.Queue = queue.Queue()
+        self.liveness = LivenessServer(self.store_host, self.token, self.seen).start()
+        self.store.set(StoreKey.LIVENESS_PORT.value, str(self.liveness.port))
+        self.isolator = Isolator(self.launcher.isolate, self.events.emit)
+
+    def run(self) -> int:
+        """Run the job to its end. Returns the exit code (0 done, 3 failed, 4 requeued)."""
+        self._setup()
+        first: list[Observation] = []
+        if self.reattaching:
+            state, seen = self._reattach()
+        else:
+            w, n = self.cfg.job.nodes, self.cfg.job.nodes + self.cfg.job.spares
+            state = SupervisorState(
+                job_id=self.job_id, phase=JobPhase.STARTING, table=RankTable(generation=0, slots=()),
+                target_world=w, worker_nodes=tuple(self.nodes[:w]), spare_nodes=tuple(self.nodes[w:n]),
+                addresses={x: self.launcher.address(x) for x in self.nodes}, requeue_count=self.requeue_count)
+            seen, first = 0, [Start()]
+        self.watch = Watch(cfg=self.cfg, store=self.store, seen=self.seen, launcher=self.launcher,
+                           handles=self.handles, events=self.events, preempted=self._signalled.is_set,
+                           events_seen=seen)
+        self._install_preempt_handler()
+        self.state = state
+        self.watcher = NodeWatcher(self.launcher.node_states, lambda: self.state.watched_nodes(),
+                                   self.cfg.detect.node_poll_s, self.seen, node_unhealthy).start()
+        try:
+            code, self.state = loop.run(self, state, self.policy, first)
+            return code
+        finally:
+            self.watcher.close()
+            self.liveness.close()
+            self.isolator.join()
+            self._write_status(self.state, force=True)
+            self.events.close()
+
+    def _reattach(self) -> tuple[SupervisorState, int]:
+        """Take over a killed supervisor's workers (reattach.py); nothing is restarted."""
+        state, seen, written = reattach.load(self.job_dir)
+        plans = []
+        while self.store.check([plan_key(state.table.generation + 1 + len(plans))]):
+            plans.append(Plan.from_json(self.store.get(plan_key(state.table.generation + 1 + len(plans)))))
+        state = reattach.adopt_plans(state, plans)
+        for w in state.workers.values():
+            self.handles[w.worker_id] = self.launcher.attach(name=w.step_name, node=w.node, pid=w.pid)
+        n = self.store.add(StoreKey.EVENT_COUNTER.value, 0)
+        while seen < n and not self.store.check([StoreKey.EVENT.of(seen + 1)]):
+            seen += 1  # events the old supervisor had read (and deleted) after its last write
+        taken = [w.worker_id for w in state.workers.values() if not w.dead]
+        self.events.emit(EventKind.SUPERVISOR_REATTACHED, generation=state.table.generation, workers=taken,
+                         previous_state_age_s=round(time.time() - written, 3))
+        self._say(f"re-attached to {len(taken)} running worker(s) at generation {state.table.generation}")
+        return state, seen
+
+    def _install_preempt_handler(self) -> None:
+        signum = self.cfg.job.preempt_signum
+        if signum is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(signum, lambda *_: self._signalled.set())
+
+    # -- the executor's side of loop.run -----------------------------------------------
+    def observe(self, state: SupervisorState) -> list[Observation]:
+        self.state = state
+        obs = self.watch.observe(state)
+        self._write_status(state)
+        return obs
+
+    def changed(self, state: SupervisorState) -> None:
+        self.state = state
+        self._save(state)
+
+    def execute(self, state: SupervisorState, action: Action) -> list[Observation]:
+        if isinstance(action, Launch):
+            self._launch(state, action)
+        elif isinstance(action, Kill):
+            if action.worker_id in self.handles:
+                self.launcher.kill(self.handles[action.worker_id])
+        elif isinstance(action, Publish):
+            publish_plan(self.store, action.plan, self.job_dir)
+            self.watch.stragglers.reset()  # ranks may be renumbered
+            if action.recovery:
+                return [Published(action.plan.generation, time.time())]
+        elif isinstance(action, Isolate):
+            self.isolator.start(action.node, action.state, action.reason)
+        elif isinstance(action, Emit):
+            self.events.emit(action.kind, **action.fields)
+        elif isinstance(action, Say):
+            self._say(action.text)
+        elif isinstance(action, Phase):
+            log.info("job phase %s -> %s: %s", action.old.name, action.new.name, action.reason)
+        elif isinstance(action, ShutDownStandbys):
+            shut_down_standbys(self.store)
+        elif isinstance(action, Reap):
+            self._reap(state, action.grace_s)
+        elif isinstance(action, DrainEvents):
+            self.watch.poll_events(state)
+        elif isinstance(action, Requeue):
+            if hasattr(self.launcher, "requeue"):
+                self.launcher.requeue()
+            else:  # no scheduler (local mode): the user reruns the same job directory to resume
+                self._say("no scheduler to requeue with: run the job again in the same job directory to resume")
+        elif isinstance(action, Exit):
+            if action.error:
+                print(f"slurm-resilience: error: {action.error}", file=sys.stderr, flush=True)
+        elif isinstance(action, Relaunch):
+            raise TypeError("Relaunch is the relaunch executor's action, not the online one's")
+        return []
+
+    # -- adapters ------------------------------------------------------------------------
+    def _launch(self, state: SupervisorState, a: Launch) -> None:
+        env = WorkerEnv(
+            store_addr=self.store_host, store_port=self._raw_store.port, liveness_port=self.liveness.port,
+            token=self.token, job_dir=self.job_dir, worker_id=a.worker_id, node=a.node, role=a.role,
+            generation=a.generation, config_path=self.config_path, job_id=self.job_id).to_environ()
+        log_path = os.path.join(self.job_dir, "logs", f"{a.worker_id}.log")
+        self.handles[a.worker_id] = self.launcher.launch(
+            name=state.workers[a.worker_id].step_name, node=a.node, argv=self.command, env=env, log_path=log_path)
+        self._save(state)
+
+    def _reap(self, state: SupervisorState, grace_s: float) -> None:
+        deadline = time.time() + grace_s
+        for wid, h in self.handles.items():
+            while h.exit_code() is None and time.time() < deadline:
+                time.sleep(0.05)
+            if h.exit_code() is None and not state.workers[wid].dead:
+                self.launcher.kill(h)
+
+    def _save(self, state: SupervisorState) -> None:
+        pids = {wid: getattr(h, "pid", None) or (h.process.pid if getattr(h, "process", None) else None)
+                for wid, h in self.handles.items()}
+        workers = {wid: w if w.pid or not pids.get(wid) else dataclasses.replace(w, pid=pids[wid])
+                   for wid, w in state.workers.items()}
+        reattach.save(self.job_dir, dataclasses.replace(state, workers=workers), self.watch_events_seen())
+
+    def watch_events_seen(self) -> int:
+        return self.watch.events_seen if hasattr(self, "watch") else 0
+
+    def _write_status(self, state: SupervisorState, force: bool = False) -> None:
+        now = time.time()
+        if not force and now - self._last_status < 0.5:
+            return
+        self._last_status = now
+        self._save(state)
+        steps = self.watch.steps if hasattr(self, "watch") else {}
+        workers = {wid: dataclasses.replace(w, step=steps.get(wid, w.step)) for wid, w in state.workers.items()}
+        status = status_dict(dataclasses.replace(state, workers=workers), mode=Mode.ONLINE.value,
+                             retry_budget=self.cfg.recovery.fault_retry_times,
+                             endpoints={"host": self.store_host, "store_port": self._raw_store.port,
+                                        "liveness_port": self.liveness.port,
+                                        "rejected_connections": self.liveness.rejected})
+        write_status(self.job_dir, status)
+        write_private(os.path.join(self.job_dir, "metrics.prom"), self.metrics.render(status))
+
+    def _say(self, text: str) -> None:
+        print(f"[sr +{time.time() - self._t0:8.3f}s] {text}", file=self.out, flush=True)
+
+
+__all__ = ["Supervisor", "WorkerEvent", "Role"]

@@ -1,0 +1,302 @@
+"""Pure: faults → one recovery plan → the actions of its ladder level (used by ``decide``).
+
+    Suspects (online) / StepFaults (relaunch)
+        → classify (classify.py)           → Fault per worker
+        → plan_recovery (ladder.py)        → RecoveryPlan: level, spares, restarts, lost, isolate
+        → carry_out                        → Isolate, Publish / Relaunch, Launch, Kill, recovery marks
+    Tick past a recovery's deadline → the same ladder with the level in ``failed`` and
+    ``timed_out`` (so: PROCESS_RESTART, then REQUEUE, then FAIL) — no level written twice.
+
+Planned changes use the same publish path: a straggler moved to a spare, and a
+returned node joining again (scale back out).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from ..lifecycle import JobPhase
+from ..model import Fault, FaultKind
+from ..protocol import EventKind, Plan, PlanAction, Role
+from .classify import classify_fault, is_node_fault
+from .ladder import FaultCase, LadderInput, Level, RecoveryPlan, choose_level, plan_recovery
+from .messages import Action, Isolate, Kill, Relaunch, Say, StepFaults, Straggler, Suspects, emit
+from .ranktable import Replacement, grow as grow_table, regenerate, shrink
+from .state import Mode, Policy, Recovery, SupervisorState
+
+PROCESS_RESTART = Level.PROCESS_RESTART.value
+Decision = tuple[SupervisorState, list[Action]]
+
+
+def on_suspects(state: SupervisorState, obs: Suspects, now: float, policy: Policy) -> Decision:
+    """Online: classify each watched suspect, end what must be ended, plan the incident."""
+    acts: list[Action] = []
+    faults: list[Fault] = []
+    if obs.bad_spares:
+        state = dataclasses.replace(state, excluded=state.excluded | obs.bad_spares)
+    items = [s for s in obs.items if state.watched(s.worker_id)]
+    if not items:
+        return state, []
+    detected = min(s.t for s in items)
+    for s in items:
+        w = state.workers[s.worker_id]
+        state = state.with_dead(s.worker_id)
+        if s.finished:  # a rank that reported done may exit
+            continue
+        slot = state.slot_of(s.worker_id)
+        fault = classify_fault(rank=slot.rank if slot else None, node=w.node, process_exited=s.process_exited,
+                               slurmd_reachable=s.slurmd_reachable, heartbeat_stale=s.heartbeat_stale,
+                               slurm_node_state=s.node_state, now=now)
+        acts += [emit(EventKind.FAULT_DETECTED, fault=fault.to_dict(), observed_at=s.t, worker_id=s.worker_id),
+                 Say(f"fault: {'rank ' + str(fault.rank) if slot else 'spare'} on {w.node}: "
+                     f"{fault.kind.name} ({fault.detail})")]
+        if fault.kind is FaultKind.PROCESS_HUNG or (s.slurmd_reachable and s.still_running):
+            acts.append(Kill(s.worker_id))
+        if slot is None:  # a standby lost: the pool shrinks
+            state = dataclasses.replace(state, standbys={n: x for n, x in state.standbys.items() if n != w.node})
+            if is_node_fault(fault.kind):
+                state, more = _isolate(state, w.node, fault.kind, policy)
+                acts += more
+            continue
+        faults.append(fault)
+    if not faults:
+        return state, acts
+    state, more = _incident(state, faults, detected, now, policy)
+    return state, acts + more
+
+
+def on_step_faults(state: SupervisorState, obs: StepFaults, now: float, policy: Policy) -> Decision:
+    """Relaunch mode: the step's faults, with each lost node's rank from the table."""
+    if obs.bad_spares:
+        state = dataclasses.replace(state, excluded=state.excluded | obs.bad_spares)
+    faults = []
+    for f in obs.faults:
+        slot = state.table.slot_for_node(f.node) if f.node in state.table.nodes else None
+        faults.append(dataclasses.replace(f, rank=slot.rank if slot else None))
+    acts: list[Action] = [emit(EventKind.FAULT_DETECTED, faults=[f.to_dict() for f in faults], step=obs.step)]
+    state, more = _incident(state, faults, obs.t, now, policy)
+    return state, acts + more
+
+
+def _incident(state: SupervisorState, faults: list[Fault], detected: float, now: float,
+              policy: Policy) -> Decision:
+    cases = tuple(FaultCase(f.rank, f.node, f.kind) for f in faults)
+    plan = plan_recovery(list(cases), spares=state.free_spares(), world_size=state.table.world_size,
+                         policy=policy.ladder, retries_used=state.fault_retries_used,
+                         requeues_used=state.requeue_count)
+    acts: list[Action] = []
+    for node in plan.isolate:
+        state, more = _isolate(state, node, next((f.kind for f in faults if f.node == node), faults[0].kind), policy)
+        acts += more
+    acts.append(emit(EventKind.LADDER, level=plan.level.value, reason=plan.reason))
+    state, more = carry_out(state, plan, cases, frozenset(), detected, now, policy, why=faults[0].detail)
+    return state, acts + more
+
+
+def carry_out(state: SupervisorState, plan: RecoveryPlan, cases: tuple[FaultCase, ...], failed: frozenset[Level],
+              detected: float, now: float, policy: Policy, *, why: str) -> Decision:
+    """The actions of ``plan.level`` (any level, fresh or after a time-out)."""
+    from .decide import abort, move, publish, requeue
+
+    if plan.level is Level.FAIL:
+        return abort(state, _fail_message(state, cases, plan, policy), policy)
+    if plan.level is Level.REQUEUE:
+        return requeue(state, plan.reason, policy, persist=False)
+    if plan.level is Level.PROCESS_RESTART:
+        return _relaunch_all(state, cases, failed, detected, now, policy, reason=plan.reason)
+    moves: list[Replacement] = []
+    standbys = dict(state.standbys)
+    for rank, spare in plan.spares:
+        state, wid = (state, standbys.pop(spare)) if spare in standbys else state.new_id(spare)
+        moves.append(Replacement(rank, state.table.slots[rank].node, spare, wid))
+    state = dataclasses.replace(state, standbys=standbys)
+    if plan.restarts:
+        state = dataclasses.replace(state, fault_retries_used=state.fault_retries_used + 1)
+    in_place = []
+    for r in plan.restarts:
+        node = state.table.slots[r].node
+        state, wid = state.new_id(node)
+        in_place.append(Replacement(r, node, node, wid))
+    moves += in_place
+    table = regenerate(state.table, moves, state.addresses)
+    if plan.lost:
+        table = dataclasses.replace(shrink(table, plan.lost), generation=state.table.generation + 1)
+    if policy.mode is Mode.RELAUNCH:
+        return _relaunch(state, table, plan.reason)
+    state, acts = move(state, JobPhase.RECOVERING, why)
+    new_ids = {m.new_worker_id for m in moves}
+    joining = tuple(s.rank for s in table.slots if s.worker_id in new_ids)
+    state, more = publish(state, Plan(generation=table.generation, action=PlanAction.RUN, table=table,
+                                      joining=joining, reason=plan.reason), recovery=True)
+    acts += more
+    from .decide import launch
+    for m in in_place:  # a restart in place is a new process; a spare's standby already runs
+        state, act = launch(state, m.new_node, Role.RANK, table.generation, m.new_worker_id)
+        acts.append(act)
+    state, more = begin(state, plan.level.value, cases, failed, detected, now, table.generation)
+    return state, acts + more
+
+
+def begin(state: SupervisorState, level: str, cases: tuple[FaultCase, ...], failed: frozenset[Level],
+          detected: float, now: float, generation: int) -> Decision:
+    """A recovery starts; its deadline starts when its plan is out (``Published``)."""
+    n = state.recoveries + 1
+    rec = Recovery(number=n, generation=generation, level=level, cases=cases, failed=failed,
+                   marks={"detected": detected, "classified": now, "replaced": now}, deadline=math.inf)
+    return dataclasses.replace(state, recoveries=n, recovery=rec), [
+        emit(EventKind.RECOVERY_START, recovery=n, t=detected, level=level, generation=generation)]
+
+
+def on_tick(state: SupervisorState, now: float, policy: Policy) -> Decision:
+    """A recovery past its deadline: ask the ladder again, with its level failed."""
+    rec = state.recovery
+    if rec is None or now <= rec.deadline:
+        return state, []
+    failed = rec.failed | ({Level(rec.level)} if rec.level in {lv.value for lv in Level} else set())
+    d = choose_level(LadderInput(
+        fault=FaultKind.PROCESS_HUNG, spares_left=0, retries_used=state.fault_retries_used,
+        retry_budget=policy.ladder.retry_budget, world_size=state.table.world_size,
+        relaunch=policy.ladder.relaunch, online=policy.ladder.online, requeues_used=state.requeue_count,
+        max_requeues=policy.ladder.max_requeues, failed=failed, timed_out=True))
+    reason = f"recovery of generation {rec.generation} ({rec.level}) did not train a step within its time-out"
+    plan = RecoveryPlan(level=d.level, reason=reason)
+    state = dataclasses.replace(state, recovery=dataclasses.replace(rec, failed=failed))
+    return carry_out(state, plan, rec.cases, failed, rec.marks["detected"], now, policy, why=reason)
+
+
+def _relaunch_all(state: SupervisorState, cases, failed, detected: float, now: float, policy: Policy,
+                  *, reason: str) -> Decision:
+    """PROCESS_RESTART: every rank anew on its (healthy) node, from the checkpoint tiers."""
+    from .decide import launch, move, publish
+
+    moves = []
+    for slot in state.table.slots:
+        state, wid = state.new_id(slot.node)
+        moves.append(Replacement(slot.rank, slot.node, slot.node, wid))
+    table = regenerate(state.table, moves, state.addresses)
+    if state.recovery is None:  # a fresh incident answered by relaunching (a retry in place)
+        state = dataclasses.replace(state, fault_retries_used=state.fault_retries_used + 1)
+    if policy.mode is Mode.RELAUNCH:
+        return _relaunch(state, table, reason)
+    old = [s.worker_id for s in state.table.slots]
+    acts: list[Action] = []
+    if state.recovery is not None:
+        acts += [Say(f"recovery {state.recovery.number} ({state.recovery.level}) timed out: "
+                     "relaunching all ranks from node-local snapshots"),
+                 emit(EventKind.FALLBACK, generation=state.recovery.generation)]
+    state = state.with_dead(*old)
+    acts += [Kill(w) for w in old]
+    state, more = publish(state, Plan(generation=table.generation, action=PlanAction.RUN, table=table,
+                                      joining=tuple(range(table.world_size)), reason="fallback relaunch"),
+                          recovery=True)
+    acts += more
+    for m in moves:
+        state, act = launch(state, m.new_node, Role.RANK, table.generation, m.new_worker_id)
+        acts.append(act)
+    to = JobPhase.FALLBACK_RELAUNCH if state.phase is not JobPhase.RUNNING else JobPhase.RECOVERING
+    state, more = move(state, to, reason)
+    acts += more
+    if state.recovery is not None:  # the same recovery, one level coarser
+        rec = dataclasses.replace(state.recovery, level=PROCESS_RESTART, generation=table.generation,
+                                  worker_marks={}, deadline=math.inf)
+        return dataclasses.replace(state, recovery=rec), acts
+    state, more = begin(state, PROCESS_RESTART, cases, failed, detected, now, table.generation)
+    return state, acts + more
+
+
+def _relaunch(state: SupervisorState, table, reason: str) -> Decision:
+    """Relaunch mode: the next all-ranks step (in place, or with spares in lost slots)."""
+    from .decide import move
+
+    attempt = state.relaunches + 1
+    previous = list(state.table.nodes)
+    state = dataclasses.replace(state, table=table, relaunches=attempt)
+    state, acts = move(state, JobPhase.RECOVERING, reason)
+    acts += [emit(EventKind.RELAUNCH, attempt=attempt, nodes=list(table.nodes), previous=previous, reason=reason),
+             Relaunch(table, attempt)]
+    state, more = move(state, JobPhase.RUNNING, f"step {attempt} on {','.join(table.nodes)}")
+    return state, acts + more
+
+
+def _isolate(state: SupervisorState, node: str, kind: FaultKind, policy: Policy) -> Decision:
+    """The node is excluded at once; Slurm is told in the background (off the critical path)."""
+    state = dataclasses.replace(state, excluded=state.excluded | {node})
+    return state, [Isolate(node, policy.isolate_state, f"slurm_resilience job {state.job_id}: {kind.name.lower()}")]
+
+
+def _fail_message(state: SupervisorState, cases, plan: RecoveryPlan, policy: Policy) -> str:
+    lost = sorted({c.node for c in cases if is_node_fault(c.kind)})
+    if lost and not state.free_spares():
+        head = (f"node {', '.join(lost)} lost and no spare left "
+                f"(spares: {', '.join(state.spare_nodes) or 'none'}): {plan.reason}")
+    else:
+        head = f"cannot recover: {plan.reason}"
+    if policy.mode is Mode.RELAUNCH:
+        return head + "; the program's own snapshots are kept"
+    return head + "; add spares (--spares) or resubmit to resume from the newest checkpoint"
+
+
+# -- planned changes ----------------------------------------------------------------
+def on_straggler(state: SupervisorState, obs: Straggler, now: float, policy: Policy) -> Decision:
+    from .decide import move, publish
+
+    if state.recovery is not None or obs.rank >= state.table.world_size:
+        return state, []
+    slot = state.table.slots[obs.rank]
+    peers = sorted(obs.peers_ms)
+    acts: list[Action] = [
+        emit(EventKind.STRAGGLER, rank=obs.rank, node=slot.node, compute_ms=obs.compute_ms, peers_ms=peers),
+        Say(f"straggler: rank {obs.rank} on {slot.node}: {obs.compute_ms:.1f} ms of compute per step, "
+            f"peers {peers[len(peers) // 2] if peers else float('nan'):.1f} ms")]
+    if not (policy.migrate_stragglers and state.standbys):
+        return state, acts
+    # a planned replacement at the next safe point: no fault, no step lost
+    spare = next(iter(state.standbys))
+    standbys = dict(state.standbys)
+    move_ = Replacement(obs.rank, slot.node, spare, standbys.pop(spare))
+    state = dataclasses.replace(state.with_dead(slot.worker_id), standbys=standbys,
+                                excluded=state.excluded | {slot.node})
+    acts.append(Isolate(slot.node, "DRAIN", f"slurm_resilience job {state.job_id}: straggler"))
+    table = regenerate(state.table, [move_], state.addresses)
+    state, more = move(state, JobPhase.RECOVERING, f"migrating straggler rank {obs.rank}")
+    acts += more
+    state, more = publish(state, Plan(generation=table.generation, action=PlanAction.RUN, table=table,
+                                      joining=(obs.rank,), reason=f"straggler rank {obs.rank} on {slot.node}"),
+                          recovery=True)
+    acts += more
+    state, more = begin(state, "straggler-migration", (), frozenset(), now, now, table.generation)
+    return state, acts + more
+
+
+def returning_candidates(state: SupervisorState) -> list[str]:
+    """Excluded nodes of this allocation worth polling: after a scale-in, a node that is
+    healthy again gets a standby and joins next."""
+    if state.table.world_size >= state.target_world or state.recovery is not None:
+        return []
+    pool = set(state.worker_nodes) | set(state.spare_nodes)
+    return sorted(n for n in state.excluded if n in pool and n not in state.returning)
+
+
+def grow(state: SupervisorState, node: str, now: float, policy: Policy) -> Decision:
+    """Planned scale-out at the next safe point: the standby on ``node`` becomes a rank."""
+    from .decide import move, publish
+
+    state = dataclasses.replace(state, returning=state.returning - {node})
+    if state.table.world_size >= state.target_world or state.recovery is not None:
+        return state, []  # it stays a spare
+    standbys = dict(state.standbys)
+    wid = standbys.pop(node)
+    table = grow_table(state.table, node, wid, state.addresses)
+    state = dataclasses.replace(state, standbys=standbys)
+    state, acts = move(state, JobPhase.RECOVERING, f"scaling out onto {node}")
+    state, more = publish(state, Plan(generation=table.generation, action=PlanAction.RUN, table=table,
+                                      joining=(table.world_size - 1,),
+                                      reason=f"scale out onto returned node {node}"), recovery=True)
+    acts += more
+    state, more = begin(state, "scale-out", (), frozenset(), now, now, table.generation)
+    return state, acts + more
+
+
+__all__ = ["on_suspects", "on_step_faults", "on_tick", "on_straggler", "grow", "returning_candidates",
+           "carry_out", "begin"]

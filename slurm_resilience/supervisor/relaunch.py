@@ -1,0 +1,226 @@
+"""Relaunch executor: carries the same decisions out for unmodified programs.
+
+For scripts that do not use ``Session`` (an ordinary torchrun-style script, an
+mpi4py program) nothing can be repaired in-process: the unit of recovery is the
+job step. All ranks run as ONE step (``slurm.steps.srun_argv``)::
+
+    srun --no-kill --overlap -N W -n W --ntasks-per-node=1 -w NODES --jobid=J [--mpi=pmix] -- cmd
+
+``decide`` answers a fault with PROCESS_RESTART (a process died on healthy nodes:
+the step again, in place, within ``recovery.fault_retry_times``) or NODE_REPLACEMENT
+(each lost node's slot given to a spare; the node is isolated), both carried out
+here as :class:`~.messages.Relaunch`. The program resumes from its own snapshot;
+``SR_RESTART`` tells it how many relaunches came before.
+
+    watch (step exit, slurmd probe, Slurm node state) → StepFaults / AllDone
+      → decide (the ladder, without ONLINE and SCALE_IN) → Relaunch | Isolate | Exit
+
+Open MPI 4.1 as shipped by Debian has no ULFM, so MPI recovery is relaunch-based too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+import time
+from typing import Callable, Sequence
+
+from ..config import ResilienceConfig
+from ..errors import ResilienceError, SlurmCommandError
+from ..events import EventLog
+from ..files import makedirs_private
+from ..lifecycle import JobPhase
+from ..model import RankTable
+from ..slurm.steps import srun_argv
+from . import loop
+from .classify import find_faults, node_unhealthy
+from .isolate import Isolator
+from .messages import (
+    Action, AllDone, Emit, Exit, Isolate, Observation, Phase, Reap, Relaunch, Say, Start, StepFaults,
+)
+from .report import status_dict, write_status
+from .state import Mode, Policy, SupervisorState
+
+PORT_BASE = 20000  # below Linux's ephemeral range (32768-60999), above the usual services
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Who runs where: the batch host only supervises; workers, then spares."""
+
+    supervisor: str | None
+    workers: tuple[str, ...]
+    spares: tuple[str, ...]
+
+
+def layout(nodelist: Sequence[str], me: str | None, nodes: int, *, supervisor_node: bool = True) -> Layout:
+    """Split the allocation (in job order) into supervisor, ``nodes`` workers and spares.
+
+    Raises:
+        ResilienceError: fewer usable nodes than ``nodes``.
+    """
+    pool = [n for n in nodelist if n != me] if supervisor_node else list(nodelist)
+    if len(pool) < nodes:
+        raise ResilienceError(f"allocation has {len(pool)} node(s) for {nodes} worker(s): "
+                              f"submit with --nodes {nodes} (1 + nodes + spares are allocated)")
+    return Layout(me if supervisor_node else None, tuple(pool[:nodes]), tuple(pool[nodes:]))
+
+
+def master_port(job_id: str, attempt: int) -> int:
+    """Rendezvous port: fixed per (job, relaunch), in [20000, 30000).
+
+    Derived, not probed: the master runs on a worker node, where the supervisor
+    cannot test a port. A new port per relaunch keeps a new rendezvous clear of a
+    socket of the previous step that the kernel has not released yet.
+    """
+    return PORT_BASE + (int(job_id) % 100) * 100 + attempt % 100
+
+
+def master_node(nodes: Sequence[str], allocation: Sequence[str]) -> str:
+    """Slurm gives task 0 to the step's first node in allocation order, not ``-w`` order."""
+    return min(nodes, key=lambda n: allocation.index(n) if n in allocation else len(allocation))
+
+
+def step_argv(*, job_id: str, name: str, nodes: Sequence[str], command: Sequence[str], mpi: bool,
+              master_addr: str, port: int, attempt: int, python: str = sys.executable) -> list[str]:
+    """The all-ranks step's argv (never a shell). torch mode wraps ``command`` in ``launch.rankenv``."""
+    argv = srun_argv(job_id=job_id, name=name, nodes=nodes, mpi=mpi)
+    if mpi:
+        return [*argv, "--", *command]
+    return [*argv, "--", python, "-m", "slurm_resilience.launch.rankenv", "--master-addr", master_addr,
+            "--master-port", str(port), "--restart", str(attempt), "--", *command]
+
+
+@dataclasses.dataclass
+class _Step:
+    name: str
+    node: str  # SrunLauncher.kill's handle shape
+    process: subprocess.Popen
+
+
+class RelaunchExecutor:
+    """Launch, watch and relaunch one all-ranks step; ``run()`` returns the exit code.
+
+    ``launcher`` is a ``slurm.steps.SrunLauncher`` (or a fake with ``kill``,
+    ``node_reachable``, ``node_states``, ``isolate``, ``address``).
+    """
+
+    def __init__(self, *, config: ResilienceConfig, command: Sequence[str], job_dir: str, job_id: str,
+                 layout: Layout, allocation: Sequence[str], launcher, mpi: bool = False,
+                 poll_s: float = 0.1, probe_every_s: float = 0.5,
+                 clock: Callable[[], float] = time.time) -> None:
+        if not command:
+            raise ResilienceError("no command given: add `-- python train.py ...`")
+        self.cfg, self.command, self.job_id, self.mpi = config, list(command), job_id, mpi
+        self.allocation, self.launcher = list(allocation), launcher
+        self.poll_s, self.probe_every_s, self.clock = poll_s, probe_every_s, clock
+        self.job_dir = job_dir
+        makedirs_private(job_dir)
+        self.events = EventLog(os.path.join(job_dir, "events.jsonl"), clock=clock)
+        self.isolator = Isolator(launcher.isolate, self.events.emit)
+        self.policy = Policy.from_config(config, mode=Mode.RELAUNCH, can_requeue=False)
+        nodes = [*layout.workers, *layout.spares]
+        self.state = SupervisorState(
+            job_id=job_id, phase=JobPhase.STARTING, table=RankTable(generation=0, slots=()),
+            target_world=len(layout.workers), worker_nodes=layout.workers, spare_nodes=layout.spares,
+            addresses={n: launcher.address(n) for n in nodes})
+        self.step: _Step | None = None
+
+    def run(self) -> int:
+        start = Start(info={"job_id": self.job_id, "mode": "mpi" if self.mpi else "torch",
+                            "nodes": list(self.state.worker_nodes), "command": self.command})
+        try:
+            code, self.state = loop.run(self, self.state, self.policy, [start], clock=self.clock)
+            return code
+        finally:
+            self.isolator.join()
+            self.events.close()
+
+    # -- the executor's side of loop.run -----------------------------------------------
+    def changed(self, state: SupervisorState) -> None:
+        self.state = state
+
+    def observe(self, state: SupervisorState) -> list[Observation]:
+        """Block until the step exits or a node fault shows."""
+        next_probe = next_states = 0.0
+        reachable: dict[str, bool | None] = {}
+        states: dict[str, str] = {}
+        nodes = list(state.table.nodes)
+        while True:
+            code = self.step.process.poll()
+            now = time.monotonic()
+            if code is not None or now >= next_probe:
+                reachable = self._probe(nodes)
+                next_probe = now + self.probe_every_s
+            if code is not None or now >= next_states:
+                states = self._states(nodes)
+                next_states = now + self.cfg.detect.node_poll_s
+            faults = find_faults(nodes, exit_code=code, reachable=reachable, states=states, now=self.clock())
+            if code is not None or faults:
+                if not faults:
+                    return [AllDone()]
+                return [StepFaults(tuple(faults), self.clock(), step=self.step.name, bad_spares=self._bad_spares(state))]
+            time.sleep(self.poll_s)
+
+    def execute(self, state: SupervisorState, action: Action) -> list[Observation]:
+        if isinstance(action, Relaunch):
+            if self.step is not None:
+                self._cancel(self.step)
+            self.step = self._launch(action.table, action.attempt)
+        elif isinstance(action, Reap):
+            if self.step is not None and self.step.process.poll() is None:
+                self._cancel(self.step)
+        elif isinstance(action, Isolate):
+            self.isolator.start(action.node, action.state, action.reason)
+        elif isinstance(action, Emit):
+            self.events.emit(action.kind, **action.fields)
+        elif isinstance(action, Phase):
+            write_status(self.job_dir, status_dict(state, mode="mpi" if self.mpi else "torch",
+                                                   retry_budget=self.cfg.recovery.fault_retry_times))
+        elif isinstance(action, Exit) and action.error:
+            print(f"slurm-resilience: error: {action.error}", file=sys.stderr, flush=True)
+        elif isinstance(action, Say):
+            pass  # the events carry it; the batch step's output stays the program's
+        return []
+
+    # -- adapters ------------------------------------------------------------------------
+    def _launch(self, table: RankTable, attempt: int) -> _Step:
+        name = f"sr-restart-{attempt}"
+        nodes = list(table.nodes)
+        master = master_node(nodes, self.allocation)
+        argv = step_argv(job_id=self.job_id, name=name, nodes=nodes, command=self.command, mpi=self.mpi,
+                         master_addr=self.launcher.address(master), port=master_port(self.job_id, attempt),
+                         attempt=attempt)
+        log_path = os.path.join(self.job_dir, f"step-{attempt:03d}.log")
+        fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        with os.fdopen(fd, "ab") as log:
+            proc = subprocess.Popen(argv, env={**os.environ, "SR_RESTART": str(attempt)},
+                                    stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    start_new_session=True)
+        return _Step(name=name, node=master, process=proc)
+
+    def _probe(self, nodes: Sequence[str]) -> dict[str, bool | None]:
+        return {n: self.launcher.node_reachable(n, self.cfg.detect.probe_timeout_s) for n in nodes}
+
+    def _states(self, nodes: Sequence[str]) -> dict[str, str]:
+        try:
+            return self.launcher.node_states(nodes)
+        except SlurmCommandError as exc:  # the controller is slow: the probe still decides
+            print(f"slurm-resilience: warning: node state unavailable: {exc}", file=sys.stderr, flush=True)
+            return {}
+
+    def _bad_spares(self, state: SupervisorState) -> frozenset[str]:
+        """A spare that is down or unreachable is never chosen."""
+        free = state.free_spares()
+        reachable, states = self._probe(free), self._states(free)
+        return frozenset(s for s in free if reachable.get(s) is False or node_unhealthy(states.get(s)))
+
+    def _cancel(self, step: _Step) -> None:
+        """``scancel --signal=KILL J.S`` (step found by name), then the srun client itself."""
+        self.launcher.kill(step)
+        try:
+            step.process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            print(f"slurm-resilience: warning: srun of {step.name} did not exit", file=sys.stderr, flush=True)

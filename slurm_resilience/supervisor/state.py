@@ -1,0 +1,197 @@
+"""What the supervisor knows, as one frozen value; and the policy it decides by.
+
+``decide.py`` is a pure function ``(SupervisorState, observation, now) -> (SupervisorState,
+[Action])``. The state is never mutated: every change is a new value made with
+``dataclasses.replace``. The same value is what a restarted supervisor reloads
+(``to_dict``/``from_dict``, written to ``JOBDIR/supervisor.json`` by ``reattach.py``).
+
+Vocabulary of the counters (the word "restart" is not used for any of them):
+
+- ``fault_retries_used``: process faults of this job answered by restarting processes
+  in place (online, or a relaunch in place of every rank); limited by
+  ``recovery.fault_retry_times``. Past it, a process fault is treated as a node fault.
+- ``requeue_count``: how often Slurm requeued this job before this run
+  (``SLURM_RESTART_COUNT``); limited by ``recovery.max_requeues``.
+- ``recoveries``: recoveries started in this run (the timeline's numbering).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Any, Mapping
+
+from ..config import ResilienceConfig
+from ..lifecycle import JobPhase
+from ..model import FaultKind, RankTable
+from ..protocol import Role
+from .ladder import FaultCase, Level, LadderPolicy
+
+
+class Mode(enum.Enum):
+    """How ranks are carried: which executor acts on the decisions.
+
+    ONLINE: every rank runs ``Session``; survivors keep their processes and re-form
+        (one job step per worker, warm standbys on spares).
+    RELAUNCH: an unmodified program (torchrun-style or MPI) runs as one job step for
+        all ranks; every recovery relaunches that step (no online level, no scale-in).
+    """
+
+    ONLINE = "online"
+    RELAUNCH = "relaunch"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Policy:
+    """The configuration ``decide`` reads, with what the executor can do."""
+
+    mode: Mode
+    ladder: LadderPolicy
+    online_timeout_s: float
+    fallback_timeout_s: float
+    isolate_state: str
+    migrate_stragglers: bool
+
+    @classmethod
+    def from_config(cls, cfg: ResilienceConfig, *, mode: Mode, can_requeue: bool) -> "Policy":
+        rc = cfg.recovery
+        online = mode is Mode.ONLINE
+        return cls(
+            mode=mode,
+            ladder=LadderPolicy(
+                retry_budget=rc.fault_retry_times, min_world_size=rc.min_world_size,
+                scale_in=rc.scale_in and online, online=online,
+                relaunch=rc.fallback_relaunch or not online,
+                # a relaunched program resumes from its own snapshots: no requeue there
+                max_requeues=rc.max_requeues if can_requeue and online else 0),
+            online_timeout_s=rc.online_timeout_s, fallback_timeout_s=rc.fallback_timeout_s,
+            isolate_state=rc.isolate_state, migrate_stragglers=rc.migrate_stragglers and online)
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerRecord:
+    """A worker process the supervisor started: a rank or a warm standby (online mode),
+    or the one step that runs every rank (relaunch mode, ``role`` RANK)."""
+
+    worker_id: str
+    node: str
+    role: Role
+    pid: int | None = None
+    connected: bool = False
+    dead: bool = False
+    step: int = 0
+
+    @property
+    def step_name(self) -> str:
+        """The Slurm step name (``--job-name``) of this worker's step."""
+        return f"sr-{self.worker_id}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Recovery:
+    """One recovery in flight. ``cases`` and ``failed`` are the incident: a level that
+    times out is added to ``failed`` and the ladder is asked again for the same cases."""
+
+    number: int
+    generation: int
+    level: Level
+    cases: tuple[FaultCase, ...]
+    failed: frozenset[Level]
+    marks: Mapping[str, float]  # detected, classified, replaced, published (unix times)
+    deadline: float
+    worker_marks: Mapping[str, Mapping[int, float]] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SupervisorState:
+    """Everything the supervisor decides on. Frozen: ``decide`` returns a new one."""
+
+    job_id: str
+    phase: JobPhase
+    table: RankTable
+    target_world: int
+    worker_nodes: tuple[str, ...]
+    spare_nodes: tuple[str, ...]
+    addresses: Mapping[str, str]
+    standbys: Mapping[str, str] = dataclasses.field(default_factory=dict)  # node -> worker id
+    excluded: frozenset[str] = frozenset()
+    returning: frozenset[str] = frozenset()
+    workers: Mapping[str, WorkerRecord] = dataclasses.field(default_factory=dict)
+    fault_retries_used: int = 0
+    requeue_count: int = 0
+    relaunches: int = 0  # relaunch mode: how many times the all-ranks step was started again
+    recoveries: int = 0
+    next_id: int = 0
+    recovery: Recovery | None = None
+
+    # -- small pure queries ---------------------------------------------------
+    def slot_of(self, worker_id: str):
+        return next((s for s in self.table.slots if s.worker_id == worker_id), None)
+
+    def watched(self, worker_id: str | None) -> bool:
+        """A live rank of the current table, or a standby still in the pool."""
+        w = self.workers.get(worker_id) if worker_id else None
+        if w is None or w.dead:
+            return False
+        return self.slot_of(worker_id) is not None or self.standbys.get(w.node) == worker_id
+
+    def watched_nodes(self) -> list[str]:
+        return sorted(n for n in set(self.table.nodes) | set(self.standbys) if n not in self.excluded)
+
+    def free_spares(self) -> list[str]:
+        """Spare nodes usable now: online, those with a standby; relaunch, any unused one."""
+        if self.standbys:
+            return [n for n in self.standbys if n not in self.excluded]
+        used = set(self.table.nodes)
+        return [n for n in self.spare_nodes if n not in used and n not in self.excluded]
+
+    def new_id(self, node: str) -> tuple["SupervisorState", str]:
+        n = self.next_id + 1
+        return dataclasses.replace(self, next_id=n), f"{node}.{n}"
+
+    def with_worker(self, rec: WorkerRecord) -> "SupervisorState":
+        return dataclasses.replace(self, workers={**self.workers, rec.worker_id: rec})
+
+    def with_dead(self, *worker_ids: str) -> "SupervisorState":
+        workers = dict(self.workers)
+        for wid in worker_ids:
+            if wid in workers:
+                workers[wid] = dataclasses.replace(workers[wid], dead=True)
+        return dataclasses.replace(self, workers=workers)
+
+    # -- persistence (supervisor.json) -----------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "job_id": self.job_id, "phase": self.phase.name, "table": self.table.to_dict(),
+            "target_world": self.target_world, "worker_nodes": list(self.worker_nodes),
+            "spare_nodes": list(self.spare_nodes), "addresses": dict(self.addresses),
+            "standbys": dict(self.standbys), "excluded": sorted(self.excluded),
+            "returning": sorted(self.returning),
+            "workers": [dataclasses.asdict(w) | {"role": w.role.value} for w in self.workers.values()],
+            "fault_retries_used": self.fault_retries_used, "requeue_count": self.requeue_count,
+            "relaunches": self.relaunches, "recoveries": self.recoveries, "next_id": self.next_id,
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "SupervisorState":
+        """A re-attached state: a recovery in flight is not carried over (its plan is in
+        the store, so the ranks finish it; a rank that never comes up goes stale)."""
+        phase = JobPhase[d["phase"]]
+        if phase in (JobPhase.RECOVERING, JobPhase.FALLBACK_RELAUNCH, JobPhase.STARTING):
+            phase = JobPhase.RUNNING
+        workers = {w["worker_id"]: WorkerRecord(
+            worker_id=w["worker_id"], node=w["node"], role=Role(w["role"]), pid=w.get("pid"),
+            connected=True, dead=bool(w["dead"]), step=int(w.get("step", 0))) for w in d["workers"]}
+        return cls(
+            job_id=str(d["job_id"]), phase=phase, table=RankTable.from_dict(d["table"]),
+            target_world=int(d["target_world"]), worker_nodes=tuple(d["worker_nodes"]),
+            spare_nodes=tuple(d["spare_nodes"]), addresses=dict(d["addresses"]),
+            standbys=dict(d["standbys"]), excluded=frozenset(d["excluded"]),
+            returning=frozenset(d["returning"]), workers=workers,
+            fault_retries_used=int(d["fault_retries_used"]), requeue_count=int(d["requeue_count"]),
+            relaunches=int(d.get("relaunches", 0)), recoveries=int(d["recoveries"]),
+            next_id=int(d["next_id"]))
+
+
+def is_process_fault(kind: FaultKind) -> bool:
+    return kind in (FaultKind.PROCESS_DIED, FaultKind.PROCESS_HUNG)

@@ -1,0 +1,184 @@
+"""Online executor, eyes: turn what the adapters show into observations for ``decide``.
+
+Sources, each polled from the loop (none blocks longer than the 20 ms queue wait):
+liveness socket and Slurm node-state thread (``detect.py``, through a queue), the
+workers' job steps, heartbeats in the store (stale → suspect; compute time →
+stragglers), the workers' events in the store (logged; recovery marks), done keys,
+the preemption request, and excluded nodes that may have come back.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import time
+from typing import Any, Callable, Mapping
+
+from ..config import ResilienceConfig
+from ..events import EventLog
+from ..protocol import EventKind, StoreKey, WorkerEvent, done_key, event_key, heartbeat_key
+from .classify import node_unhealthy
+from .detect import Observation as Seen, read_heartbeats, stale_workers
+from .launcher import Launcher, StepHandle
+from .messages import (
+    AllDone, Connected, NodeBack, Observation, Preempted, Straggler, Suspect, Suspects, Tick, WorkerMark,
+)
+from .recover import returning_candidates
+from .state import SupervisorState
+from .straggler import StragglerPolicy, StragglerWatch
+
+log = logging.getLogger(__name__)
+
+EVENT_HOLE_S = 1.0  # an event counted but unwritten this long is skipped (its writer died)
+_MARKS = frozenset({WorkerEvent.RECONNECTED, WorkerEvent.RESTORED, WorkerEvent.FIRST_STEP, WorkerEvent.DONE})
+
+
+class Watch:
+    """Gathers observations; holds only detection bookkeeping (never decisions)."""
+
+    def __init__(self, *, cfg: ResilienceConfig, store, seen: "queue.Queue[Seen]", launcher: Launcher,
+                 handles: Mapping[str, StepHandle], events: EventLog, preempted: Callable[[], bool],
+                 events_seen: int = 0) -> None:
+        self.cfg, self.store, self.seen, self.launcher = cfg, store, seen, launcher
+        self.handles, self.events, self.preempted = handles, events, preempted
+        self.events_seen = events_seen
+        self.steps: dict[str, int] = {}  # last step per worker (heartbeats), for the status
+        self.connected_at: dict[str, float] = {}
+        self.stragglers = StragglerWatch(StragglerPolicy(
+            threshold=cfg.detect.straggler_threshold, window=cfg.detect.straggler_window))
+        self._hole: tuple[int, float] | None = None  # (event number, since) not yet written
+        self._late: dict[int, float] = {}  # skipped holes still looked for (number → since)
+        self._last_hb = self._last_return = 0.0
+        self._preempt_sent = False
+
+    def observe(self, state: SupervisorState) -> list[Observation]:
+        out: list[Observation] = []
+        if not self._preempt_sent and (self.preempted() or self.store.check([StoreKey.PERSIST_REQUEST.value])):
+            self._preempt_sent = True  # a rank got the signal (sent to the steps), or we did
+            return [Preempted()]
+        suspects: dict[str, dict[str, Any]] = {}
+        out += self._drain(state, suspects, 0.02)
+        for wid, h in self.handles.items():
+            if state.watched(wid) and h.exit_code() is not None:
+                suspects.setdefault(wid, {"t": time.time()})["process_exited"] = True
+        now = time.time()
+        if now - self._last_hb >= self.cfg.detect.heartbeat_period_s:
+            self._last_hb = now
+            out += self._heartbeats(state, suspects, now)
+        if suspects:
+            out.append(self._probe(state, suspects))
+        out += self.poll_events(state)
+        if state.table.slots and self.store.check([done_key(s.rank) for s in state.table.slots]):
+            out.append(AllDone())
+        if now - self._last_return >= self.cfg.detect.node_poll_s:
+            self._last_return = now
+            out += self._returned(state)
+        return out + [Tick()]
+
+    # -- sources --------------------------------------------------------------------
+    def _drain(self, state: SupervisorState, suspects: dict, timeout: float) -> list[Observation]:
+        out: list[Observation] = []
+        try:
+            seen = self.seen.get(timeout=timeout)
+        except queue.Empty:
+            return out
+        while True:
+            if seen.kind == "connected" and seen.worker_id in state.workers:
+                self.connected_at[seen.worker_id] = seen.time
+                out.append(Connected(seen.worker_id, seen.pid, seen.time))
+            elif seen.kind == "closed" and state.watched(seen.worker_id):
+                suspects.setdefault(seen.worker_id, {"t": seen.time})["process_exited"] = True
+            elif seen.kind == "node_state" and seen.node not in state.excluded:
+                for w in state.workers.values():
+                    if w.node == seen.node and state.watched(w.worker_id):
+                        suspects.setdefault(w.worker_id, {"t": seen.time})["node_state"] = seen.detail
+            try:
+                seen = self.seen.get_nowait()
+            except queue.Empty:
+                return out
+
+    def _heartbeats(self, state: SupervisorState, suspects: dict, now: float) -> list[Observation]:
+        live = [wid for wid in state.workers if state.watched(wid) and wid in self.connected_at]
+        if not live:
+            return []
+        beats = read_heartbeats(self.store, {wid: heartbeat_key(wid) for wid in live})
+        for wid, beat in beats.items():
+            if beat is not None:
+                self.steps[wid] = int(beat.get("step", 0))
+        out: list[Observation] = []
+        ranks = {s.worker_id: s.rank for s in state.table.slots}
+        compute = {ranks[w]: b["compute_ms"] for w, b in beats.items()
+                   if b and w in ranks and b.get("compute_ms") is not None}
+        if state.recovery is None:
+            for rank in self.stragglers.observe(compute):
+                out.append(Straggler(rank, compute[rank], tuple(v for r, v in compute.items() if r != rank)))
+        times = {wid: (b["t"] if b else None) for wid, b in beats.items()}
+        for wid in stale_workers(times, now, self.cfg.detect.heartbeat_timeout_s, self.connected_at):
+            suspects.setdefault(wid, {"t": now})["heartbeat_stale"] = True
+        return out
+
+    def _probe(self, state: SupervisorState, suspects: dict[str, dict[str, Any]]) -> Suspects:
+        items = []
+        for wid, o in suspects.items():
+            w = state.workers[wid]
+            slot = state.slot_of(wid)
+            finished = slot is not None and self.store.check([done_key(slot.rank)])
+            reachable = None if finished else self.launcher.node_reachable(w.node, self.cfg.detect.probe_timeout_s)
+            h = self.handles.get(wid)
+            items.append(Suspect(worker_id=wid, t=o["t"], process_exited=o.get("process_exited", False),
+                                 heartbeat_stale=o.get("heartbeat_stale", False), node_state=o.get("node_state"),
+                                 slurmd_reachable=reachable, still_running=h is not None and h.exit_code() is None,
+                                 finished=finished))
+        return Suspects(tuple(items))
+
+    def poll_events(self, state: SupervisorState) -> list[Observation]:
+        """Log the workers' new events; the recovery marks among them become observations."""
+        out: list[Observation] = []
+        n = self.store.add(StoreKey.EVENT_COUNTER.value, 0)
+        while self.events_seen < n:
+            key = event_key(self.events_seen + 1)
+            if not self.store.check([key]):
+                # Counted but not yet written: wait a little. A worker killed between
+                # counting and writing never writes it; without this every later event
+                # (recovery marks included) would wait behind the hole forever.
+                now = time.monotonic()
+                if self._hole is None or self._hole[0] != self.events_seen + 1:
+                    self._hole = (self.events_seen + 1, now)
+                if now - self._hole[1] < EVENT_HOLE_S:
+                    return out
+                self._late[self.events_seen + 1] = now  # taken late if it still comes
+                self.events_seen += 1
+                continue
+            self.events_seen += 1
+            out += self._take(key)
+        for k, since in list(self._late.items()):
+            if self.store.check([event_key(k)]):
+                del self._late[k]
+                out += self._take(event_key(k))
+            elif time.monotonic() - since > 60:
+                del self._late[k]
+                self.events.emit(EventKind.EVENT_LOST, n=k)
+        return out
+
+    def _take(self, key: str) -> list[Observation]:
+        ev = json.loads(self.store.get(key))
+        self.store.delete_key(key)
+        kind = ev.pop("kind")
+        self.events.emit(f"rank_{kind}", **ev)
+        if kind in _MARKS and ev.get("rank") is not None and ev.get("generation") is not None:
+            return [WorkerMark(WorkerEvent(kind), int(ev["rank"]), int(ev["generation"]), float(ev["t"]))]
+        return []
+
+    def _returned(self, state: SupervisorState) -> list[Observation]:
+        candidates = returning_candidates(state)
+        if not candidates:
+            return []
+        try:
+            states = self.launcher.node_states(candidates)
+        except Exception as exc:  # a failing scontrol only delays the scale-out
+            log.warning("node state poll failed: %s", exc)
+            return []
+        return [NodeBack(node, states[node]) for node in candidates
+                if states.get(node) and not node_unhealthy(states[node])
+                and self.launcher.node_reachable(node, self.cfg.detect.probe_timeout_s)]

@@ -1,0 +1,328 @@
+"""decide() is pure: every ladder level, fallback, budget and re-attach, with no Slurm, torch or files."""
+
+import dataclasses
+
+import pytest
+
+from slurm_resilience.config import load_config
+from slurm_resilience.lifecycle import JobPhase
+from slurm_resilience.model import Fault, FaultKind, RankTable
+from slurm_resilience.protocol import EventKind, Plan, PlanAction, Role, WorkerEvent
+from slurm_resilience.supervisor import messages as m
+from slurm_resilience.supervisor.decide import EXIT_FAILED, EXIT_OK, EXIT_REQUEUED, decide
+from slurm_resilience.supervisor.reattach import adopt_plans
+from slurm_resilience.supervisor.state import Mode, Policy, SupervisorState
+
+WORKERS, SPARES = ("n2", "n3", "n4"), ("n5",)
+
+
+def policy(mode=Mode.ONLINE, can_requeue=True, **recovery):
+    cfg = load_config({"recovery": {"online_timeout_s": 10, "fallback_timeout_s": 20, **recovery}})
+    return Policy.from_config(cfg, mode=mode, can_requeue=can_requeue)
+
+
+def fresh(spares=SPARES, requeue_count=0):
+    return SupervisorState(job_id="7", phase=JobPhase.STARTING, table=RankTable(generation=0, slots=()),
+                           target_world=len(WORKERS), worker_nodes=WORKERS, spare_nodes=tuple(spares),
+                           addresses={n: f"10.0.0.{n[1:]}" for n in WORKERS + tuple(spares)},
+                           requeue_count=requeue_count)
+
+
+def started(p=None, **kw):
+    p = p or policy()
+    state, acts = decide(fresh(**kw), m.Start(), 0.0, p)
+    return state, acts
+
+
+def of(acts, cls):
+    return [a for a in acts if isinstance(a, cls)]
+
+
+def kinds(acts):
+    return [a.kind for a in of(acts, m.Emit)]
+
+
+def suspect(state, rank=None, node=None, standby=False, **flags):
+    if standby:
+        wid = state.standbys[node]
+    else:
+        wid = state.table.slots[rank].worker_id
+    return m.Suspects((m.Suspect(worker_id=wid, t=1.0, **flags),))
+
+
+def killed(state, rank):  # a process died on a healthy node
+    return suspect(state, rank, process_exited=True, slurmd_reachable=True)
+
+
+def lost(state, rank):  # the node is gone
+    return suspect(state, rank, process_exited=True, slurmd_reachable=False)
+
+
+def finish_recovery(state, p, now=3.0):
+    """Every rank of the new generation reports its marks: the recovery closes."""
+    acts_all = []
+    for rank in range(state.table.world_size):
+        for kind in (WorkerEvent.RECONNECTED, WorkerEvent.RESTORED, WorkerEvent.FIRST_STEP):
+            state, acts = decide(state, m.WorkerMark(kind, rank, state.table.generation, 2.5), now, p)
+            acts_all += acts
+    return state, acts_all
+
+
+def test_start_launches_ranks_and_standbys_and_publishes_generation_0():
+    state, acts = started()
+    plan = of(acts, m.Publish)[0].plan
+    assert plan.generation == 0 and plan.action is PlanAction.RUN and plan.table.nodes == WORKERS
+    launches = of(acts, m.Launch)
+    assert [(a.node, a.role) for a in launches] == [(n, Role.RANK) for n in WORKERS] + [("n5", Role.STANDBY)]
+    assert state.standbys == {"n5": launches[-1].worker_id} and state.phase is JobPhase.RUNNING
+    assert EventKind.JOB_START in kinds(acts)
+    assert len({a.worker_id for a in launches}) == 4  # ids never repeat
+
+
+def test_online_restart_in_place_then_recovery_closes_with_phases():
+    p = policy()
+    state, _ = started(p)
+    old = state.table.slots[1].worker_id
+    state, acts = decide(state, killed(state, 1), 1.1, p)
+    assert kinds(acts)[:3] == [EventKind.FAULT_DETECTED, EventKind.LADDER, EventKind.PLAN]
+    plan = of(acts, m.Publish)[0].plan
+    assert plan.generation == 1 and plan.joining == (1,) and plan.table.slots[1].node == "n3"
+    assert plan.table.slots[1].worker_id != old and [s.worker_id for s in plan.table.slots][::2] == \
+        [s.worker_id for s in state.table.slots][::2]
+    assert [(a.node, a.role, a.generation) for a in of(acts, m.Launch)] == [("n3", Role.RANK, 1)]
+    assert state.fault_retries_used == 1 and state.recovery.level == "online" and not of(acts, m.Isolate)
+    assert state.workers[old].dead and state.phase is JobPhase.RECOVERING
+    state, acts = decide(state, m.Published(1, 1.2), 1.2, p)
+    assert state.recovery.deadline == pytest.approx(11.2)
+    state, acts = finish_recovery(state, p)
+    assert kinds(acts).count(EventKind.PHASE) == 6 and EventKind.RECOVERY_DONE in kinds(acts)
+    assert state.recovery is None and state.phase is JobPhase.RUNNING
+
+
+def test_hung_rank_is_killed_before_its_restart():
+    p = policy()
+    state, _ = started(p)
+    wid = state.table.slots[2].worker_id
+    state, acts = decide(state, suspect(state, 2, heartbeat_stale=True, slurmd_reachable=True, still_running=True),
+                         1.0, p)
+    assert m.Kill(wid) in acts and state.recovery.level == "online"
+
+
+def test_node_lost_adopts_the_standby_and_isolates_the_node():
+    p = policy()
+    state, _ = started(p)
+    standby = state.standbys["n5"]
+    state, acts = decide(state, lost(state, 1), 1.0, p)
+    assert of(acts, m.Isolate) == [m.Isolate("n3", "DOWN", "slurm_resilience job 7: node_lost")]
+    plan = of(acts, m.Publish)[0].plan
+    assert plan.table.slots[1].node == "n5" and plan.table.slots[1].worker_id == standby
+    assert not of(acts, m.Launch)  # the standby is already running: no process start
+    assert state.standbys == {} and "n3" in state.excluded and state.recovery.level == "node-replacement"
+    assert state.fault_retries_used == 0  # a node replacement spends no retry
+
+
+def test_budget_spent_turns_a_process_fault_into_a_node_replacement():
+    p = policy(fault_retry_times=1)
+    state, _ = started(p)
+    state, _ = decide(state, killed(state, 0), 1.0, p)
+    state, _ = decide(state, m.Published(1, 1.0), 1.0, p)
+    state, _ = finish_recovery(state, p)
+    state, acts = decide(state, killed(state, 0), 4.0, p)  # the budget counts per job
+    assert state.recovery.level == "node-replacement" and of(acts, m.Isolate)[0].node == "n2"
+
+
+def test_no_spare_scales_in_by_the_lost_rank():
+    p = policy()
+    state, _ = started(p, spares=())
+    state, acts = decide(state, lost(state, 1), 1.0, p)
+    plan = of(acts, m.Publish)[0].plan
+    assert plan.table.nodes == ("n2", "n4") and [s.rank for s in plan.table.slots] == [0, 1]
+    assert state.recovery.level == "scale-in"
+
+
+def test_below_min_world_requeues_then_fails_when_requeues_are_spent():
+    p = policy(scale_in=True, min_world_size=3, max_requeues=1)
+    state, _ = started(p, spares=())
+    s2, acts = decide(state, lost(state, 1), 1.0, p)
+    assert of(acts, m.Publish)[0].plan.action is PlanAction.STOP and m.Requeue() in acts
+    assert acts[-1] == m.Exit(EXIT_REQUEUED) and s2.phase is JobPhase.FAILED
+    state, _ = started(p, spares=(), requeue_count=1)
+    s3, acts = decide(state, lost(state, 1), 1.0, p)
+    assert of(acts, m.Publish)[0].plan.action is PlanAction.ABORT
+    assert acts[-1].code == EXIT_FAILED and acts[-1].error.startswith("node n3 lost and no spare left")
+
+
+def test_timeouts_fall_back_online_then_process_restart_then_requeue():
+    p = policy(max_requeues=1)
+    state, _ = started(p)
+    state, acts = decide(state, killed(state, 1), 1.0, p)
+    state, _ = decide(state, m.Published(1, 1.0), 1.0, p)
+    state, acts = decide(state, m.Tick(), 5.0, p)
+    assert acts == []  # before the deadline
+    old = [s.worker_id for s in state.table.slots]
+    state, acts = decide(state, m.Tick(), 11.5, p)  # online timed out
+    assert EventKind.FALLBACK in kinds(acts) and EventKind.LADDER not in kinds(acts)
+    assert {a.worker_id for a in of(acts, m.Kill)} == set(old)
+    plan = of(acts, m.Publish)[0].plan
+    assert plan.joining == (0, 1, 2) and plan.table.nodes == WORKERS and state.phase is JobPhase.FALLBACK_RELAUNCH
+    assert len(of(acts, m.Launch)) == 3 and state.recovery.level == "process-restart"
+    state, _ = decide(state, m.Published(2, 12.0), 12.0, p)
+    assert state.recovery.deadline == pytest.approx(32.0)  # fallback_timeout_s
+    state, acts = decide(state, m.Tick(), 33.0, p)  # process restart timed out too
+    assert m.Requeue() in acts and acts[-1] == m.Exit(EXIT_REQUEUED)
+
+
+def test_timeout_without_relaunch_or_requeue_fails():
+    p = policy(fallback_relaunch=False, max_requeues=0)
+    state, _ = started(p)
+    state, _ = decide(state, lost(state, 1), 1.0, p)  # node replacement
+    state, _ = decide(state, m.Published(1, 1.0), 1.0, p)
+    state, acts = decide(state, m.Tick(), 20.0, p)
+    assert acts[-1].code == EXIT_FAILED and "did not train a step" in acts[-1].error
+
+
+def test_a_finished_rank_exiting_is_not_a_fault_and_all_done_finishes():
+    p = policy()
+    state, _ = started(p)
+    state, acts = decide(state, suspect(state, 0, process_exited=True, finished=True), 1.0, p)
+    assert acts == [] and state.recovery is None
+    state, acts = decide(state, m.AllDone(), 2.0, p)
+    assert m.ShutDownStandbys() in acts and acts[-1] == m.Exit(EXIT_OK) and state.phase is JobPhase.SUCCEEDED
+
+
+def test_all_done_waits_for_a_recovery_in_flight():
+    p = policy()
+    state, _ = started(p)
+    state, _ = decide(state, killed(state, 1), 1.0, p)
+    assert decide(state, m.AllDone(), 2.0, p)[1] == []
+
+
+def test_preemption_persists_then_requeues():
+    p = policy()
+    state, _ = started(p)
+    state, acts = decide(state, m.Preempted(), 1.0, p)
+    plan = of(acts, m.Publish)[0].plan
+    assert plan.action is PlanAction.PERSIST and plan.table.generation == 1
+    assert acts[-1] == m.Exit(EXIT_REQUEUED)
+
+
+def test_lost_standby_shrinks_the_pool_and_isolates_its_node():
+    p = policy()
+    state, _ = started(p)
+    state, acts = decide(state, suspect(state, node="n5", standby=True, process_exited=True,
+                                        slurmd_reachable=False), 1.0, p)
+    assert state.standbys == {} and of(acts, m.Isolate)[0].node == "n5" and state.recovery is None
+
+
+def test_scale_back_out_when_a_node_returns():
+    p = policy()
+    state, _ = started(p, spares=())
+    state, _ = decide(state, lost(state, 1), 1.0, p)
+    state, _ = decide(state, m.Published(1, 1.0), 1.0, p)
+    state, _ = finish_recovery(state, p)
+    state, acts = decide(state, m.NodeBack("n3", "IDLE"), 4.0, p)
+    standby = of(acts, m.Launch)[0]
+    assert standby.role is Role.STANDBY and "n3" not in state.excluded
+    state, acts = decide(state, m.Connected(standby.worker_id, 99, 4.5), 4.5, p)
+    plan = of(acts, m.Publish)[0].plan
+    assert plan.table.world_size == 3 and plan.table.slots[-1].node == "n3" and state.recovery.level == "scale-out"
+
+
+def test_straggler_is_migrated_only_when_configured():
+    p = policy()
+    state, _ = started(p)
+    _, acts = decide(state, m.Straggler(2, 90.0, (10.0, 11.0)), 1.0, p)
+    assert kinds(acts) == [EventKind.STRAGGLER] and not of(acts, m.Publish)
+    p = policy(migrate_stragglers=True)
+    state, _ = started(p)
+    state, acts = decide(state, m.Straggler(2, 90.0, (10.0, 11.0)), 1.0, p)
+    assert of(acts, m.Publish)[0].plan.table.slots[2].node == "n5" and of(acts, m.Isolate)[0].state == "DRAIN"
+
+
+def test_illegal_phase_transition_is_a_bug_not_silence():
+    from slurm_resilience.errors import RecoveryError
+    from slurm_resilience.supervisor.decide import move
+
+    with pytest.raises(RecoveryError):
+        move(fresh(), JobPhase.SUCCEEDED, "skipping ahead")
+
+
+# ---------------------------------------------------------------- relaunch mode (unmodified programs)
+
+def rfaults(state, *faults):
+    return m.StepFaults(tuple(faults), 1.0, step="sr-restart-0")
+
+
+def node_lost(node):
+    return Fault(kind=FaultKind.NODE_LOST, rank=None, node=node, time=1.0, detail="slurmd unreachable")
+
+
+STEP_DIED = Fault(kind=FaultKind.PROCESS_DIED, rank=None, node="n[2-4]", time=1.0, detail="exit code 1")
+
+
+def test_relaunch_mode_node_lost_goes_to_the_spare_keeping_the_slot():
+    p = policy(Mode.RELAUNCH)
+    state, acts = started(p)
+    assert [type(a) for a in acts if not isinstance(a, (m.Emit, m.Say, m.Phase))] == [m.Relaunch]
+    state, acts = decide(state, rfaults(state, node_lost("n3")), 1.0, p)
+    relaunch = of(acts, m.Relaunch)[0]
+    assert relaunch.table.nodes == ("n2", "n5", "n4") and relaunch.attempt == 1
+    assert of(acts, m.Isolate)[0].node == "n3" and state.phase is JobPhase.RUNNING
+    assert not of(acts, m.Publish) and not of(acts, m.Launch)
+
+
+def test_relaunch_mode_two_lost_two_spares_and_an_excluded_spare_is_skipped():
+    p = policy(Mode.RELAUNCH)
+    state, _ = started(p, spares=("n5", "n6", "n7"))
+    state = dataclasses.replace(state, excluded=frozenset({"n5"}))
+    state, acts = decide(state, rfaults(state, node_lost("n2"), node_lost("n4")), 1.0, p)
+    assert of(acts, m.Relaunch)[0].table.nodes == ("n6", "n3", "n7")
+
+
+def test_relaunch_mode_process_death_relaunches_in_place_within_the_budget_then_fails():
+    p = policy(Mode.RELAUNCH, fault_retry_times=2)
+    state, _ = started(p)
+    for attempt in (1, 2):
+        state, acts = decide(state, rfaults(state, STEP_DIED), 1.0, p)
+        assert of(acts, m.Relaunch)[0].table.nodes == WORKERS and of(acts, m.Relaunch)[0].attempt == attempt
+        assert not of(acts, m.Isolate)
+    state, acts = decide(state, rfaults(state, STEP_DIED), 1.0, p)
+    assert acts[-1].code == EXIT_FAILED and "the program's own snapshots are kept" in acts[-1].error
+    assert m.Reap(0.0) in acts
+
+
+def test_relaunch_mode_no_spare_left_fails_with_one_clear_reason():
+    p = policy(Mode.RELAUNCH)
+    state, _ = started(p, spares=())
+    state, acts = decide(state, rfaults(state, node_lost("n3")), 1.0, p)
+    assert acts[-1].error.startswith("node n3 lost and no spare left") and of(acts, m.Isolate)[0].node == "n3"
+
+
+def test_relaunch_mode_has_no_online_level_no_scale_in_and_no_requeue():
+    p = policy(Mode.RELAUNCH, max_requeues=3, scale_in=True)
+    assert not p.ladder.online and not p.ladder.scale_in and p.ladder.max_requeues == 0
+
+
+# ---------------------------------------------------------------- re-attach
+
+def test_state_round_trips_and_a_recovery_in_flight_is_dropped():
+    p = policy()
+    state, _ = started(p)
+    state, _ = decide(state, killed(state, 1), 1.0, p)
+    back = SupervisorState.from_dict(state.to_dict())
+    assert back.table == state.table and back.standbys == state.standbys and back.next_id == state.next_id
+    assert back.fault_retries_used == 1 and back.recovery is None and back.phase is JobPhase.RUNNING
+    assert {w: r.dead for w, r in back.workers.items()} == {w: r.dead for w, r in state.workers.items()}
+
+
+def test_reattach_adopts_newer_plans_and_stops_at_a_gap_or_an_end():
+    p = policy()
+    state, _ = started(p)
+    _, acts = decide(state, lost(state, 1), 1.0, p)
+    plan1 = of(acts, m.Publish)[0].plan
+    adopted = adopt_plans(state, [plan1])
+    assert adopted.table == plan1.table and adopted.standbys == {}
+    assert plan1.table.slots[1].worker_id in adopted.workers
+    stop = Plan(generation=2, action=PlanAction.STOP, table=plan1.table)
+    assert adopt_plans(state, [plan1, stop]).table == plan1.table
+    assert adopt_plans(state, [stop]).table == state.table  # not the next generation: ignored
