@@ -54,7 +54,7 @@ from slurm_resilience.simulate.goodput import (  # noqa: E402
 from slurm_resilience.simulate.measured import (  # noqa: E402
     mean_phases_ms, observed_ettr, poisson_schedule, productive_step_time, recovery_phases_ms, training_window,
 )
-from slurm_resilience.supervisor.loop import Supervisor  # noqa: E402
+from slurm_resilience.supervisor.online import Supervisor  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 TRAIN = REPO / "examples" / "train_mlp.py"

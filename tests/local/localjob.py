@@ -11,7 +11,7 @@ import torch
 
 from slurm_resilience.config import load_config
 from slurm_resilience.launch.localhost import LocalLauncher
-from slurm_resilience.supervisor.loop import Supervisor
+from slurm_resilience.supervisor.online import Supervisor
 
 TRAIN = Path(__file__).resolve().parents[2] / "examples" / "train_mlp.py"
 ZERO = TRAIN.with_name("train_zero.py")  # sharded (ZeRO-1-style) optimizer state

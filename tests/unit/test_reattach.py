@@ -9,7 +9,7 @@ import types
 import pytest
 
 from slurm_resilience.errors import ResilienceError
-from slurm_resilience.lifecycle import JobPhase, Lifecycle
+from slurm_resilience.lifecycle import JobPhase
 from slurm_resilience.protocol import EVENT_COUNTER, Plan, PlanAction, event_key
 from slurm_resilience.supervisor import reattach
 from slurm_resilience.supervisor.keeper import EXIT_SUPERVISOR_LOST, _with_reattach, keep
@@ -77,25 +77,6 @@ class _Store:
     def add(self, k, n):
         self.d[k] = int(self.d.get(k, 0)) + n
         return self.d[k]
-
-
-class _Launcher:
-    def attach(self, *, name, node, pid):
-        return types.SimpleNamespace(name=name, node=node, pid=pid, process=None)
-
-
-def _sup(tmp_path, table):
-    from slurm_resilience.supervisor.loop import Worker
-
-    sup = types.SimpleNamespace(
-        job_id="7", job_dir=str(tmp_path), lifecycle=Lifecycle(JobPhase.RECOVERING), table=table,
-        target_world=3, worker_nodes=["n1", "n2", "n3"], spare_nodes=["n4"], standbys={"n4": "n4.4"},
-        excluded=set(), returning=set(), restarts={1: 1}, recoveries=2, _ids=4, _ev_seen=3,
-        workers={}, launcher=_Launcher(), store=_Store())
-    for s in table.slots:
-        sup.workers[s.worker_id] = Worker(s.worker_id, s.node, _Launcher().attach(name=f"sr-{s.worker_id}", node=s.node, pid=100 + s.rank))
-    sup.workers["n4.4"] = Worker("n4.4", "n4", _Launcher().attach(name="sr-n4.4", node="n4", pid=200))
-    return sup
 
 
 def test_state_file_round_trip_is_private_and_keeps_the_event_position(tmp_path):
