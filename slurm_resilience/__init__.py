@@ -41,7 +41,7 @@ Guarantees
 __version__ = "0.1.0"
 
 __all__ = ["Session", "Step", "ResumableSampler", "load_config", "ResilienceError", "ResilientExecutor",
-           "shard_range"]
+           "shard_range", "JobEnded"]
 
 
 def __getattr__(name):  # lazy: the supervisor CLI must not pay for torch on import
@@ -65,6 +65,10 @@ def __getattr__(name):  # lazy: the supervisor CLI must not pay for torch on imp
         from .errors import ResilienceError
 
         return ResilienceError
+    if name == "JobEnded":
+        from .errors import JobEnded
+
+        return JobEnded
     if name == "ResilientExecutor":
         from .launch.executor import ResilientExecutor
 

@@ -17,6 +17,7 @@ __all__ = [
     "StepAborted",
     "CheckpointError",
     "ProtocolError",
+    "JobEnded",
 ]
 
 
@@ -83,3 +84,32 @@ class ProtocolError(ResilienceError):
 
 class IncompleteRunError(ResilienceError):
     """An event log lacks what a finished run writes (start, done, a recovery's phases)."""
+
+
+class JobEnded(BaseException):
+    """This rank's part in the job is over; not an error, so not a ResilienceError.
+
+    Raised by ``Session.steps()`` between steps (never inside ``with step:``) and by
+    ``Session.__enter__`` when the rank is fenced (left out of a newer generation),
+    stopped (requeue), done persisting (preemption), aborted, or is a warm standby
+    at the job's end. ``Session.__exit__`` turns it into the process's exit with
+    :attr:`code`, so code after the ``with Session()`` block (final outputs) runs only
+    on ranks that finished training.
+
+    It derives from ``BaseException``, like ``SystemExit``, so that a training loop's
+    ``except Exception`` cannot swallow the end of the job; unlike ``SystemExit`` it is
+    typed, so the session tells its own endings apart from a user's ``sys.exit()``.
+
+    Attributes:
+        code: the process exit status (0 for fenced, stopped, persisted, shut down;
+            3 for aborted; the constants are in ``worker/membership.py``).
+        reason: one line saying why.
+    """
+
+    def __init__(self, code: int, reason: str) -> None:
+        super().__init__(code, reason)
+        self.code = code
+        self.reason = reason
+
+    def __str__(self) -> str:
+        return f"job ended for this rank (exit {self.code}): {self.reason}"

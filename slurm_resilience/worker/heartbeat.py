@@ -18,7 +18,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from ..protocol import LIVENESS_PORT_KEY, WorkerEnv, heartbeat_key
+from ..protocol import StoreKey, WorkerEnv
 
 
 def open_store(env: WorkerEnv, timeout_s: float = 60.0) -> dist.Store:
@@ -78,7 +78,7 @@ class Heartbeat:
     def _beat(self) -> None:
         with self._lock:
             payload = dict(self._info, t=time.time())
-        self._store.set(heartbeat_key(self._env.worker_id), json.dumps(payload))
+        self._store.set(StoreKey.HEARTBEAT.of(self._env.worker_id), json.dumps(payload))
 
     def _run(self) -> None:
         while not self._stop.wait(self._period):
@@ -91,7 +91,7 @@ class Heartbeat:
 
     def _reconnect(self) -> None:
         """A restarted supervisor listens on a new port (published in the store)."""
-        port = int(self._store.get(LIVENESS_PORT_KEY))
+        port = int(self._store.get(StoreKey.LIVENESS_PORT.value))
         if port == self._port:
             return  # not restarted yet: try again at the next beat
         old, self.liveness, self._port = self.liveness, connect_liveness(self._env, port), port

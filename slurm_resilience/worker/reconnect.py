@@ -3,7 +3,7 @@
 Gloo cannot interrupt a blocked collective (abort/shutdown return while the call
 waits out its timeout), so every collective here is a *bounded wait*: the work is
 polled in short slices and, between slices, the store is checked for the next
-generation's plan. A broken group is parked (its last reference kept) instead of
+generation's plan. A broken group is parked (see ``parking.py``) instead of
 destroyed, because dropping it blocks until its own timeout expires.
 """
 
@@ -21,11 +21,9 @@ import torch.distributed as dist
 
 from ..errors import StepAborted
 from ..model import RankTable
-from ..protocol import pg_prefix
+from ..protocol import StoreKey
 
 log = logging.getLogger(__name__)
-
-_BOUNDED_TIMEOUT = "Operation timed out"
 
 
 def choose_backend(requested: str) -> str:
@@ -64,7 +62,7 @@ class Generation:
         self._parked: list[object] = []
         # A channel is a second group of the same generation (e.g. checkpoint
         # transfers on a background thread), so it needs its own store prefix.
-        prefixed = dist.PrefixStore(pg_prefix(self.generation) + channel, store)
+        prefixed = dist.PrefixStore(StoreKey.PG_PREFIX.of(self.generation) + channel, store)
         timeout = timedelta(seconds=timeout_s)
         if self.backend == "nccl":
             self.device = torch.device("cuda", table.slots[rank].local_rank)
@@ -98,6 +96,10 @@ class Generation:
         if "error" in result:
             raise StepAborted(f"joining generation {self.generation} failed: {_short(result['error'])}")
         return result["pg"]
+
+    def interrupted(self) -> bool:
+        """True when a newer generation was published: abandon what waits on this one."""
+        return self._interrupted()
 
     # -- collectives ---------------------------------------------------------
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -137,18 +139,17 @@ class Generation:
             raise StepAborted(f"{what} could not start: {_short(exc)}") from exc
         while True:
             try:
-                work.wait(self._poll)
+                finished = wait_slice(work, self._poll)
+            except RuntimeError as exc:
+                self._parked.append(work)
+                raise StepAborted(f"{what} failed: {_short(exc)}") from exc
+            if finished:
                 if tensor.is_cuda:
                     torch.cuda.current_stream().synchronize()
                 return tensor
-            except RuntimeError as exc:
-                if _BOUNDED_TIMEOUT in str(exc):
-                    if self._interrupted():
-                        self._parked.append(work)
-                        raise StepAborted(f"{what} abandoned: a new generation was published")
-                    continue
+            if self._interrupted():
                 self._parked.append(work)
-                raise StepAborted(f"{what} failed: {_short(exc)}") from exc
+                raise StepAborted(f"{what} abandoned: a new generation was published")
 
     def close(self) -> "Parked":
         """Detach: the group and its abandoned work are parked, not destroyed."""
@@ -158,6 +159,31 @@ class Generation:
             except RuntimeError as exc:
                 log.warning("NCCL abort failed: %s", _short(exc))
         return Parked(self.pg, self._parked, time.monotonic())
+
+
+def wait_slice(work, slice_: timedelta) -> bool:
+    """Wait at most ``slice_`` for ``work``: True when it finished, False when it is still
+    running. Raises the work's own error (a RuntimeError) when the collective failed.
+
+    torch 2.13 (gloo) gives an expired ``wait(timeout)`` no type of its own: it raises a
+    plain RuntimeError ("Operation timed out!"), the same class as a failed collective
+    (a dead peer: "Connection closed by peer"), and no ``DistError`` subclass. The
+    work's state tells the two apart without matching text: an expired slice leaves
+    it pending, a failure completes it. (NCCL raises ``DistBackendError`` on an
+    expired wait; that is treated as a failure, as before.)
+    """
+    try:
+        work.wait(slice_)
+        return True
+    except dist.DistError:
+        raise
+    except RuntimeError:
+        if not work.is_completed():
+            return False
+        # It completed between the expired slice and the check: the result is ready,
+        # and wait() returns it or raises the collective's own error.
+        work.wait()
+        return True
 
 
 class Parked:

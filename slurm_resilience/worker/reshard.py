@@ -38,6 +38,8 @@ import torch
 from ..checkpoint import layout
 from ..checkpoint import manifest as mf
 from ..checkpoint.hdf5_format import read_shard
+from ..errors import StepAborted
+from ..protocol import StoreKey
 
 SHARDS = "shards"
 SHARED = -1  # source "rank" of a shard on the shared tier: every rank reads it itself
@@ -141,9 +143,9 @@ def restore_sharded(gen, store, engine, names: Sequence[str]) -> dict[str, Any] 
     its sharded objects resharded to ``gen.world_size``; None when there is no such step."""
     engine.rebuild_missing()  # XOR tiers: a lost node's shard rebuilt into its slot's new rank
     held, shared, roots = local_holdings(engine)
-    key = f"reshard/{gen.generation}"
-    store.set(f"{key}/held/{gen.rank}", json.dumps([[s, r, w] for s, r, _, w in held]))
-    infos = {r: json.loads(_get(store, f"{key}/held/{r}", gen)) for r in range(gen.world_size)}
+    store.set(StoreKey.RESHARD_HELD.of(gen.generation, gen.rank), json.dumps([[s, r, w] for s, r, _, w in held]))
+    infos = {r: json.loads(_get(store, StoreKey.RESHARD_HELD.of(gen.generation, r), gen))
+             for r in range(gen.world_size)}
     all_held = {r: [(s, o) for s, o, _ in i] for r, i in infos.items()}
     worlds = {s: w for i in infos.values() for s, _, w in i}
     step = choose_step(all_held, shared, worlds)
@@ -172,10 +174,8 @@ def restore_sharded(gen, store, engine, names: Sequence[str]) -> dict[str, Any] 
 
 def _get(store, key: str, gen) -> bytes:
     """A store read that a newer plan interrupts (a peer that died never writes ``key``)."""
-    from ..errors import StepAborted
-
     while not store.check([key]):
-        if gen._interrupted():
+        if gen.interrupted():
             raise StepAborted(f"resharded restore of generation {gen.generation} abandoned: a newer plan exists")
         time.sleep(0.005)
     return store.get(key)

@@ -1,0 +1,184 @@
+"""Which generation this worker is in: await a plan, find its slot, fence, join.
+
+A worker obeys the supervisor's plans (``plan/{g}`` in the store). For each plan it
+decides purely (:func:`admit`) whether to join, keep waiting (a standby not chosen),
+or end (fenced, stopped, aborted), and :class:`Membership` carries that out: it
+builds the generation's process group and binds the checkpoint engine to it.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import sys
+import time
+from typing import TYPE_CHECKING, Callable, NoReturn
+
+import torch.distributed as dist
+
+from ..errors import JobEnded, StepAborted
+from ..model import RankSlot
+from ..protocol import Plan, PlanAction, Role, StoreKey, WorkerEvent, WorkerEnv
+from .parking import ParkingLot
+from .reconnect import Generation
+
+if TYPE_CHECKING:
+    from ..config import ReconnectConfig
+
+log = logging.getLogger(__name__)
+
+EXIT_OK = 0  # stopped for a requeue, persisted, or a standby at the job's end
+EXIT_FENCED = 0  # left out of a newer generation: not an error of this job
+EXIT_ABORTED = 3  # recovery impossible; state persisted in the job directory
+
+
+class Admission(enum.Enum):
+    """What a worker does with a plan.
+
+    JOIN: it has a slot: build the generation's group.
+    WAIT: a standby without a slot keeps waiting for a later plan.
+    FENCED: a rank (or a standby once adopted) left out of the plan: it must stop,
+        so an old generation never carries on beside the new one.
+    STOP: the job is being requeued: exit 0.
+    ABORT: recovery is impossible: persist the state and exit non-zero.
+    """
+
+    JOIN = "join"
+    WAIT = "wait"
+    FENCED = "fenced"
+    STOP = "stop"
+    ABORT = "abort"
+
+
+def admit(plan: Plan, worker_id: str, role: Role, has_joined: bool) -> Admission:
+    """Pure: what ``worker_id`` does with ``plan`` (``has_joined``: it was in a generation)."""
+    if plan.action is PlanAction.ABORT:
+        return Admission.ABORT
+    if plan.action is PlanAction.STOP:
+        return Admission.STOP
+    if slot_of(plan, worker_id) is None:
+        return Admission.FENCED if role is Role.RANK or has_joined else Admission.WAIT
+    return Admission.JOIN
+
+
+def slot_of(plan: Plan, worker_id: str) -> RankSlot | None:
+    """Pure: the worker's slot in the plan's rank table, None when it has none."""
+    return next((s for s in plan.table.slots if s.worker_id == worker_id), None)
+
+
+class Membership:
+    """This worker's plan and process group; ``group`` is None between generations.
+
+    ``store`` is the training thread's client (plan checks); every group and the
+    checkpoint writer get clients of their own from ``open_client``.
+    """
+
+    def __init__(self, env: WorkerEnv, cfg: ReconnectConfig, store: dist.Store, *,
+                 open_client: Callable[[], dist.Store], emit: Callable[..., None], heartbeat,
+                 checkpoints, parking: ParkingLot, progress: Callable[[], int],
+                 on_abort: Callable[[Plan], NoReturn]) -> None:
+        self._env = env
+        self._cfg = cfg
+        self._store = store
+        self._open_client = open_client
+        self._emit = emit
+        self._hb = heartbeat
+        self._checkpoints = checkpoints
+        self._parking = parking
+        self._progress = progress
+        self._on_abort = on_abort
+        self._writer_checks: dist.Store | None = None  # the writer thread's client for plan checks
+        self.plan: Plan | None = None
+        self.group: Generation | None = None
+
+    def where(self) -> tuple[int | None, int | None]:
+        """(generation, rank) for events: the last plan's, the rank only while in a group."""
+        return (self.plan.generation if self.plan else None,
+                self.group.rank if self.group else None)
+
+    def newer_plan(self) -> bool:
+        """A plan after the current one exists: stop at this safe point and re-form."""
+        return self._store.check([StoreKey.PLAN.of(self.plan.generation + 1)])
+
+    def leave(self) -> None:
+        """Detach from the current group; it is parked, never destroyed here (it may block)."""
+        if self.group is not None:
+            self._parking.park(self.group.close())
+            self.group = None
+
+    def enter(self, first: int) -> Plan:
+        """Wait for the first plan at or after ``first`` that concerns this worker; join it.
+
+        Raises JobEnded when the worker is fenced or stopped, when the job shuts down
+        while a standby waits, and (through ``on_abort``) when the plan aborts the job.
+        A fault while joining moves on to the next plan.
+        """
+        g = first
+        while True:
+            plan = self.await_plan(g)
+            what = admit(plan, self._env.worker_id, self._env.role, self.plan is not None)
+            if what is Admission.ABORT:
+                self._on_abort(plan)
+            if what is Admission.STOP:
+                self._emit(WorkerEvent.STOPPED, step=self._progress(), reason=plan.reason)
+                raise JobEnded(EXIT_OK, f"stopped: {plan.reason}")
+            if what is Admission.FENCED:
+                self._emit(WorkerEvent.FENCED, generation=plan.generation)
+                print(f"slurm_resilience: worker {self._env.worker_id} left out of generation "
+                      f"{plan.generation}; exiting", file=sys.stderr)
+                raise JobEnded(EXIT_FENCED, f"left out of generation {plan.generation}")
+            if what is Admission.WAIT:
+                g += 1
+                continue
+            try:
+                self._join(plan)
+                return plan
+            except (dist.DistError, StepAborted) as exc:  # another fault while joining
+                log.warning("joining generation %d failed: %s", plan.generation, exc)
+                g = plan.generation + 1
+
+    def await_plan(self, g: int) -> Plan:
+        """Poll for ``plan/{g}``; raises JobEnded when the job shuts down first."""
+        key = StoreKey.PLAN.of(g)
+        poll = self._cfg.poll_interval_ms / 1000.0
+        while not self._store.check([key]):
+            if self._store.check([StoreKey.SHUTDOWN.value]):
+                raise JobEnded(EXIT_OK, "the job is over")
+            time.sleep(poll)
+        return Plan.from_json(self._store.get(key))
+
+    def _join(self, plan: Plan) -> None:
+        slot = slot_of(plan, self._env.worker_id)
+        t0 = time.time()
+        nxt = StoreKey.PLAN.of(plan.generation + 1)
+        self.plan = plan
+        # Each generation rendezvous through its own store client: an abandoned join
+        # may still be blocked in a store wait, and a shared client would hold every
+        # later request (plan checks included) behind it until its timeout.
+        self.group = Generation(
+            self._open_client(), plan.table, slot.rank, backend=self._cfg.backend,
+            timeout_s=self._cfg.pg_timeout_s, poll_ms=self._cfg.poll_interval_ms,
+            interrupted=lambda: self._store.check([nxt]),
+        )
+        self._checkpoints.bind(rank=slot.rank, world_size=plan.table.world_size, nodes=plan.table.nodes,
+                               transfer=self._transfer_factory(plan, slot.rank))
+        self._hb.update(generation=plan.generation, rank=slot.rank)
+        self._emit(WorkerEvent.RECONNECTED, start=t0, joining=slot.rank in plan.joining)
+
+    def _transfer_factory(self, plan: Plan, rank: int) -> Callable[[], Generation]:
+        """The checkpoint writer's own gloo group for this generation (built lazily, in its thread)."""
+        cfg = self._cfg
+
+        def build() -> Generation:
+            # Two clients: the group's rendezvous can block its client in a store wait for
+            # the whole timeout (a peer died), and a check queued behind it on the same
+            # client would hold the abandonment — and the writer, and training — as long.
+            nxt = StoreKey.PLAN.of(plan.generation + 1)
+            if self._writer_checks is None:
+                self._writer_checks = self._open_client()  # used by the writer thread only
+            checks = self._writer_checks
+            return Generation(self._open_client(), plan.table, rank, backend="gloo",
+                              timeout_s=cfg.pg_timeout_s, poll_ms=cfg.poll_interval_ms,
+                              interrupted=lambda: checks.check([nxt]), channel="ckpt/")
+
+        return build

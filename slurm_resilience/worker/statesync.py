@@ -1,0 +1,184 @@
+"""State sync: after joining a generation every rank adopts the same state.
+
+One path for both kinds of state, ending in one shared tail:
+
+* replicated state: each rank offers the step it can provide (survivors their live
+  state, fresh processes their newest checkpoint); the lowest rank offering the
+  newest step broadcasts it (``restore.py``);
+* sharded state (ZeRO-style): the live state is kept only when every rank survived
+  at the same step in an unchanged world; otherwise every rank takes its slice of
+  the newest complete checkpoint, resharded (``reshard.py``).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from typing import Any, Callable
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ..errors import ResilienceError, StepAborted
+from ..protocol import Plan, WorkerEvent
+from . import reshard
+from .reconnect import Generation
+from .restore import broadcast_state, choose_source
+
+
+class TrainingState:
+    """What recovery restores: registered objects, extras, RNG, step and data position."""
+
+    def __init__(self) -> None:
+        self.objects: dict[str, Any] = {}
+        self.sharded: list[str] = []  # names of objects with sharded state (reshard.py)
+        self.shard_totals: dict[str, dict[str, int]] = {}
+        # Replicated user extras: one rank's copy restores every rank.
+        self.extras: dict[str, Any] = {}
+        self.step = 0
+        self.position = 0  # global samples consumed by completed steps: the rollback point
+        # Every process starts holding a valid state: the (seeded) step-0 state. A
+        # relaunch with no checkpoint yet therefore restarts from step 0 instead of
+        # failing; survivors and checkpoints always offer a newer step.
+        self.live = True
+
+    def register(self, **objects: Any) -> None:
+        """Register objects with state_dict/load_state_dict; raises ResilienceError otherwise."""
+        for name, obj in objects.items():
+            if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
+                raise ResilienceError(f"cannot register {name!r}: it has no state_dict()/load_state_dict()")
+            self.objects[name] = obj
+
+    def register_sharded(self, **objects: Any) -> None:
+        """Register objects whose state is sharded over the ranks (see ``reshard.py``)."""
+        self.register(**objects)
+        self.sharded += [n for n in objects if n not in self.sharded]
+
+    def state_dict(self) -> dict[str, Any]:
+        rng = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            rng["cuda"] = torch.cuda.get_rng_state_all()
+        return {
+            "step": self.step,
+            "position": self.position,
+            "objects": {n: o.state_dict() for n, o in self.objects.items()},
+            "rng": rng,
+            "extras": dict(self.extras),
+            **({"shard_totals": self.shard_totals} if self.sharded else {}),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for name, obj in self.objects.items():
+            obj.load_state_dict(state["objects"][name])
+        torch.set_rng_state(state["rng"]["torch"])
+        random.setstate(state["rng"]["python"])
+        np.random.set_state(state["rng"]["numpy"])
+        if "cuda" in state["rng"] and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+        self.extras = dict(state.get("extras", {}))
+        self.step = int(state["step"])
+        self.position = int(state.get("position", 0))
+
+
+class StateSync:
+    """Brings a new generation's ranks to one state, once per generation joined."""
+
+    def __init__(self, state: TrainingState, checkpoints, store: dist.Store, *,
+                 emit: Callable[..., None], heartbeat) -> None:
+        self._state = state
+        self._checkpoints = checkpoints
+        self._store = store
+        self._emit = emit
+        self._hb = heartbeat
+        self._synced: int | None = None  # the generation whose state was last adopted
+        self._prev_world: int | None = None  # world size of that generation (sharded state)
+
+    def needed(self, generation: int) -> bool:
+        """The ranks of ``generation`` have not adopted a common state yet."""
+        return self._synced != generation
+
+    def sync(self, group: Generation, plan: Plan) -> None:
+        """Collective: adopt the newest state any rank holds; roll data back to its step.
+
+        Raises StepAborted when a peer fails meanwhile (every rank recovers), and
+        ResilienceError when sharded state cannot be restored at all.
+        """
+        t0 = time.time()
+        if self._state.sharded:
+            source, offers, tier = self._sync_sharded(group, plan)
+        else:
+            source, offers, tier = self._sync_replicated(group)
+        self._state.live = True
+        self._synced = plan.generation
+        self._prev_world = group.world_size
+        self._hb.update(step=self._state.step)
+        self._emit(WorkerEvent.RESTORED, start=t0, step=self._state.step, position=self._state.position,
+                   source=source, offers=offers, **tier)
+        if self._state.sharded and self._state.step == 0 and not self._checkpoints.candidates():
+            disk = [s.name for s in self._checkpoints.specs if s.storage != "memory"]
+            self._checkpoints.save(0, self._state.state_dict(), disk)  # step 0 must be restorable too
+
+    def _sync_replicated(self, group: Generation) -> tuple[int, list[int], dict[str, Any]]:
+        """Collective: the lowest rank offering the newest step broadcasts its state."""
+        st = self._state
+        live = st.step if st.live else -1
+        # Checkpoints matter when this process holds nothing newer than its start:
+        # a fresh process, or a (re)started job at step 0. Survivors offer live state.
+        stored = self._checkpoints.best() if live <= 0 else None
+        offer = max(live, stored[0] if stored else -1)
+        offers = group.all_gather_ints(offer)
+        choice = choose_source(offers)
+        from_live = st.live and st.step == choice.step
+        state, source = None, "peer"
+        if group.rank == choice.source_rank:
+            state = st.state_dict() if from_live else self._checkpoints.load(stored)
+            source = "live" if from_live else stored[1]
+        state = broadcast_state(group, state, choice.source_rank)
+        if not (from_live and group.rank == choice.source_rank):
+            st.load_state_dict(state)
+        st.step = choice.step
+        return choice.source_rank, offers, ({"tier": source} if source != "peer" else {})
+
+    def _sync_sharded(self, group: Generation, plan: Plan) -> tuple[int, list[int], dict[str, Any]]:
+        """Collective: keep the live state only when every rank survived at the same step
+        in an unchanged world; else restore the newest complete checkpoint, resharded
+        (a lost rank's slice exists nowhere else)."""
+        st = self._state
+        live = st.live and not plan.joining and self._prev_world in (None, group.world_size)
+        offers = group.all_gather_ints(st.step if live else -1)
+        source = "live"
+        if min(offers) < 0 or len(set(offers)) > 1:
+            try:
+                state = reshard.restore_sharded(group, self._store, self._checkpoints, st.sharded)
+            except dist.DistError as exc:  # a store request failed: a peer or the store is gone
+                raise StepAborted(f"resharded restore failed: {exc}") from exc
+            if state is not None:
+                st.load_state_dict(state)
+                source = "checkpoint"
+            elif max(group.all_gather_ints(st.step)) > 0 or not st.live:
+                raise ResilienceError("sharded state: no complete checkpoint holds every shard; "
+                                      "keep a shared tier or partner copies so a lost rank's slice survives")
+        st.shard_totals = self._agree_totals(group)
+        return -1, offers, ({"tier": source, "resharded": True} if source != "live" else {})
+
+    def _agree_totals(self, group: Generation) -> dict[str, dict[str, int]]:
+        """Collective: global length of every sharded key; checks this rank's slice."""
+        st = self._state
+        local = {n: {k: int(t.numel()) for k, t in sorted(st.objects[n].state_dict()[reshard.SHARDS].items())}
+                 for n in st.sharded}
+        flat = torch.tensor([v for n in st.sharded for v in local[n].values()], dtype=torch.int64)
+        group.all_reduce_sum(flat)
+        totals, i = {}, 0
+        for n in st.sharded:
+            totals[n] = {}
+            for k, mine in local[n].items():
+                total = int(flat[i])
+                i += 1
+                a, b = reshard.shard_range(total, group.world_size, group.rank)
+                if mine != b - a:
+                    raise ResilienceError(f"sharded {n}[{k!r}]: rank {group.rank} holds {mine} elements, "
+                                          f"shard_range({total}, {group.world_size}, {group.rank}) says {b - a}; "
+                                          "partition with slurm_resilience.shard_range")
+                totals[n][k] = total
+        return totals
