@@ -1,11 +1,11 @@
 #!/usr/bin/env python3
 """Time the supervisor's pure decisions at scale against the 50 ms target.
 
-``initial_table``, ``regenerate`` (one and eight simultaneous replacements) and
-``choose_spare``/``choose_spares`` for 1k, 4k and 16k worker nodes (one rank per
-node, as the supervisor lays them out), median of --reps runs with
-``time.perf_counter``. The spare pool is 1/64 of the nodes (at least 8), half of it
-already used. --profile prints where ``regenerate`` spends its time at the largest
+``initial_table``, ``regenerate`` (one and eight simultaneous replacements) and the
+whole decision ``decide`` makes for a node loss (classify, ladder, spare, next rank
+table, actions) for one and for eight lost nodes, at 1k, 4k and 16k worker nodes (one
+rank per node, as the supervisor lays them out), median of --reps runs with
+``time.perf_counter``. The spare pool is 1/64 of the nodes (at least 8). --profile prints where ``regenerate`` spends its time at the largest
 size (cProfile).
 
     python3 benchmarks/controller_scale.py --reps 21 --profile
@@ -25,7 +25,12 @@ from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from slurm_resilience.supervisor.ranktable import Replacement, initial_table, regenerate  # noqa: E402
-from slurm_resilience.supervisor.replace import choose_spare, choose_spares  # noqa: E402
+from slurm_resilience.config import load_config  # noqa: E402
+from slurm_resilience.lifecycle import JobPhase  # noqa: E402
+from slurm_resilience.model import RankTable  # noqa: E402
+from slurm_resilience.supervisor import messages as m  # noqa: E402
+from slurm_resilience.supervisor.decide import decide  # noqa: E402
+from slurm_resilience.supervisor.state import Mode, Policy, SupervisorState  # noqa: E402
 
 TARGET_MS = 50.0
 
@@ -45,14 +50,28 @@ def setup(n: int):
     spares = [f"spare{i:04d}" for i in range(n_spares)]
     addresses = {node: f"10.{i // 65536}.{i // 256 % 256}.{i % 256}" for i, node in enumerate(workers + spares)}
     wids = [f"w{i}" for i in range(n)]
-    excluded = set(spares[: n_spares // 2])  # half the pool already used
-    free = spares[n_spares // 2:]
+    free = spares
     # failed ranks spread over the table (the worst case for a scan is the end)
     ranks8 = [(n - 1) - k * (n // 8) for k in range(8)]
     rep1 = [Replacement(rank=n - 1, old_node=workers[n - 1], new_node=free[0], new_worker_id="w-new0")]
     rep8 = [Replacement(rank=r, old_node=workers[r], new_node=free[k], new_worker_id=f"w-new{k}")
             for k, r in enumerate(ranks8)]
-    return workers, wids, addresses, spares, excluded, rep1, rep8, [workers[r] for r in ranks8]
+    return workers, wids, addresses, spares, rep1, rep8, ranks8
+
+
+def started(workers, spares, addresses) -> tuple[SupervisorState, Policy]:
+    """A running job of ``workers`` with a standby on every spare (decide's own start)."""
+    policy = Policy.from_config(load_config({}), mode=Mode.ONLINE, can_requeue=True)
+    state = SupervisorState(job_id="1", phase=JobPhase.STARTING, table=RankTable(generation=0, slots=()),
+                            target_world=len(workers), worker_nodes=tuple(workers), spare_nodes=tuple(spares),
+                            addresses=addresses)
+    state, _ = decide(state, m.Start(), 0.0, policy)
+    return state, policy
+
+
+def node_loss(state: SupervisorState, ranks) -> m.Suspects:
+    return m.Suspects(tuple(m.Suspect(worker_id=state.table.slots[r].worker_id, t=1.0, process_exited=True,
+                                      slurmd_reachable=False) for r in ranks))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -63,33 +82,32 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
 
     print(f"median of {a.reps} runs, ms (target {TARGET_MS:g} ms per decision)")
-    header = ["nodes", "initial_table", "regenerate x1", "regenerate x8", "choose_spare", "choose_spares x8",
-              "choose_spare (excluded list)"]
+    header = ["nodes", "initial_table", "regenerate x1", "regenerate x8", "decide: 1 lost", "decide: 8 lost"]
     print(" ".join(f"{h:>16}" for h in header))
     worst = 0.0
     for n in a.sizes:
-        workers, wids, addresses, spares, excluded, rep1, rep8, failed8 = setup(n)
+        workers, wids, addresses, spares, rep1, rep8, ranks8 = setup(n)
         table = initial_table(workers, wids, addresses, device="cuda")
-        excluded_list = sorted(excluded)
+        state, policy = started(workers, spares, addresses)
+        one, eight = node_loss(state, [n - 1]), node_loss(state, ranks8)
         row = [
             median_ms(lambda: initial_table(workers, wids, addresses, device="cuda"), a.reps),
             median_ms(lambda: regenerate(table, rep1, addresses), a.reps),
             median_ms(lambda: regenerate(table, rep8, addresses), a.reps),
-            median_ms(lambda: choose_spare(spares, excluded, workers[-1]), a.reps),
-            median_ms(lambda: choose_spares(spares, excluded, failed8), a.reps),
-            median_ms(lambda: choose_spare(spares, excluded_list, workers[-1]), a.reps),
+            median_ms(lambda: decide(state, one, 1.0, policy), a.reps),
+            median_ms(lambda: decide(state, eight, 1.0, policy), a.reps),
         ]
-        worst = max(worst, max(row[1:5]))
+        worst = max(worst, max(row[1:]))
         print(f"{n:>16}" + "".join(f" {v:>16.3f}" for v in row))
-        # the decision the supervisor makes for a node loss: spare + next generation
-        plan = choose_spares(spares, excluded, failed8)
-        assert all(plan.values()), plan
+        # the decision really is a node replacement onto eight spares
+        after, _ = decide(state, eight, 1.0, policy)
+        assert after.recovery.level == "node-replacement" and len(set(after.table.nodes) & set(spares)) == 8
 
     print(f"\nslowest per-failure decision: {worst:.3f} ms -> {'within' if worst <= TARGET_MS else 'OVER'}"
           f" the {TARGET_MS:g} ms target")
     if a.profile:
         n = max(a.sizes)
-        workers, wids, addresses, spares, excluded, rep1, rep8, _ = setup(n)
+        workers, wids, addresses, spares, rep1, rep8, _ = setup(n)
         table = initial_table(workers, wids, addresses, device="cuda")
         prof = cProfile.Profile()
         prof.enable()

@@ -54,7 +54,7 @@ class JobConfig:
         preempt_signal: ``SIG@SECONDS`` sent to the supervisor before the time limit
             or on preemption (``--signal=B:USR2@60``); it checkpoints to a durable
             tier and requeues the job. Empty: none.
-        supervisor_restarts: times the batch step restarts a supervisor that was
+        supervisor_respawns: times the batch step respawns a supervisor that was
             killed; the restarted one re-attaches to the running workers (>= 0).
     """
 
@@ -66,7 +66,7 @@ class JobConfig:
     partition: str | None = None
     supervisor_node: bool = True
     preempt_signal: str = "USR2@60"
-    supervisor_restarts: int = 3
+    supervisor_respawns: int = 3
 
     @property
     def preempt_signum(self) -> "signal.Signals | None":
@@ -87,9 +87,9 @@ class JobConfig:
             raise ConfigError(f"job.nodes={self.nodes} must be >= 1: give at least one worker node")
         if self.spares < 0:
             raise ConfigError(f"job.spares={self.spares} must be >= 0: use 0 for no spare nodes")
-        if self.supervisor_restarts < 0:
-            raise ConfigError(f"job.supervisor_restarts={self.supervisor_restarts} must be >= 0: "
-                              "use 0 to never restart a killed supervisor")
+        if self.supervisor_respawns < 0:
+            raise ConfigError(f"job.supervisor_respawns={self.supervisor_respawns} must be >= 0: "
+                              "use 0 to never respawn a killed supervisor")
         if self.tasks_per_node != 1:
             raise ConfigError(f"tasks_per_node={self.tasks_per_node} is not supported yet: use 1")
         if not _TIME_LIMIT.fullmatch(self.time_limit):
@@ -150,7 +150,9 @@ class RecoveryConfig:
 
     Fields:
         online_timeout_s: how long a replacement rank may take to come online (> 0).
-        fault_retry_times: budget of process restarts for faults on healthy nodes (>= 0).
+        fault_retry_times: process faults on healthy nodes this job may answer by restarting
+            processes in place (online or a relaunch), counted per job (>= 0); past it a
+            process fault is treated as a node fault.
         isolate_state: Slurm state given to a bad node: DOWN or DRAIN.
         fallback_relaunch: when online recovery fails, relaunch every rank on healthy
             nodes from the node-local snapshots.
@@ -315,6 +317,11 @@ _SECTIONS: dict[str, type] = {
 }
 
 
+# Keys that changed name (one word, one meaning: a "restart" of the supervisor by the
+# keeper is a respawn; fault retries and requeues have their own names).
+RENAMED = {"job.supervisor_restarts": "job.supervisor_respawns"}
+
+
 def _build_section(name: str, raw: Any, origin: str) -> Any:
     cls = _SECTIONS[name]
     if raw is None:
@@ -325,6 +332,9 @@ def _build_section(name: str, raw: Any, origin: str) -> Any:
     valid = [f.name for f in dataclasses.fields(cls)]
     kwargs = {}
     for key, value in raw.items():
+        if f"{name}.{key}" in RENAMED:
+            raise ConfigError(f"'{name}.{key}' in {origin} was renamed '{RENAMED[name + '.' + key]}': "
+                              "use the new name")
         if key not in valid:
             raise ConfigError(f"unknown key '{name}.{key}' in {origin}; valid keys: {', '.join(valid)}")
         kwargs[key] = check_type(f"{name}.{key}", value, hints[key])

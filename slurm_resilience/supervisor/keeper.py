@@ -28,7 +28,7 @@ from typing import Sequence
 from ..files import write_private
 
 STORE_FILE = "store.json"
-EXIT_SUPERVISOR_LOST = 5  # the supervisor was killed more often than job.supervisor_restarts
+EXIT_SUPERVISOR_LOST = 5  # the supervisor was killed more often than job.supervisor_respawns
 
 
 def host_store(host: str, job_dir: str):
@@ -117,7 +117,7 @@ def keep_supervisor(cfg, command: Sequence[str], job_dir: str, host: str, *, mod
     child = [sys.executable, "-m", "slurm_resilience.cli", mode, "--child", "--config", cfg_path,
              "--job-dir", job_dir, "--", *command]
     try:
-        return keep(child, restarts=cfg.job.supervisor_restarts, forward=[*forward, signal.SIGTERM])
+        return keep(child, restarts=cfg.job.supervisor_respawns, forward=[*forward, signal.SIGTERM])
     finally:
         stores.clear()
 

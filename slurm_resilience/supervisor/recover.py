@@ -82,7 +82,7 @@ def on_step_faults(state: SupervisorState, obs: StepFaults, now: float, policy: 
 def _incident(state: SupervisorState, faults: list[Fault], detected: float, now: float,
               policy: Policy) -> Decision:
     cases = tuple(FaultCase(f.rank, f.node, f.kind) for f in faults)
-    plan = plan_recovery(list(cases), spares=state.free_spares(), world_size=state.table.world_size,
+    plan = plan_recovery(list(cases), spares=state.free_spares(policy.mode), world_size=state.table.world_size,
                          policy=policy.ladder, retries_used=state.fault_retries_used,
                          requeues_used=state.requeue_count)
     acts: list[Action] = []
@@ -227,7 +227,7 @@ def _isolate(state: SupervisorState, node: str, kind: FaultKind, policy: Policy)
 
 def _fail_message(state: SupervisorState, cases, plan: RecoveryPlan, policy: Policy) -> str:
     lost = sorted({c.node for c in cases if is_node_fault(c.kind)})
-    if lost and not state.free_spares():
+    if lost and not state.free_spares(policy.mode):
         head = (f"node {', '.join(lost)} lost and no spare left "
                 f"(spares: {', '.join(state.spare_nodes) or 'none'}): {plan.reason}")
     else:

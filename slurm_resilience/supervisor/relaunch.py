@@ -213,7 +213,7 @@ class RelaunchExecutor:
 
     def _bad_spares(self, state: SupervisorState) -> frozenset[str]:
         """A spare that is down or unreachable is never chosen."""
-        free = state.free_spares()
+        free = state.free_spares(Mode.RELAUNCH)
         reachable, states = self._probe(free), self._states(free)
         return frozenset(s for s in free if reachable.get(s) is False or node_unhealthy(states.get(s)))
 

@@ -18,7 +18,7 @@ from typing import Any, Mapping
 
 from ..files import write_private
 from ..protocol import RecoveryPhase
-from .state import SupervisorState
+from .state import Mode, SupervisorState
 
 STATUS_FILE = "status.json"
 
@@ -55,7 +55,7 @@ def status_dict(state: SupervisorState, *, mode: str, retry_budget: int,
                   for s in state.table.slots],
         "spares": ([{"node": n, "worker_id": wid, "pid": getattr(workers.get(wid), "pid", None)}
                     for n, wid in state.standbys.items()] if mode == "online" else
-                   [{"node": n, "worker_id": None, "pid": None} for n in state.free_spares()]),
+                   [{"node": n, "worker_id": None, "pid": None} for n in state.free_spares(Mode.RELAUNCH)]),
         "t": time.time(),
     }
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 from typing import Any, Mapping
 
 from ..config import ResilienceConfig
@@ -125,8 +126,13 @@ class SupervisorState:
     recovery: Recovery | None = None
 
     # -- small pure queries ---------------------------------------------------
+    @functools.cached_property
+    def _slots_by_worker(self) -> dict:
+        return {s.worker_id: s for s in self.table.slots}
+
     def slot_of(self, worker_id: str):
-        return next((s for s in self.table.slots if s.worker_id == worker_id), None)
+        """The worker's slot in the current table (None: a standby or a retired worker)."""
+        return self._slots_by_worker.get(worker_id)
 
     def watched(self, worker_id: str | None) -> bool:
         """A live rank of the current table, or a standby still in the pool."""
@@ -138,9 +144,10 @@ class SupervisorState:
     def watched_nodes(self) -> list[str]:
         return sorted(n for n in set(self.table.nodes) | set(self.standbys) if n not in self.excluded)
 
-    def free_spares(self) -> list[str]:
-        """Spare nodes usable now: online, those with a standby; relaunch, any unused one."""
-        if self.standbys:
+    def free_spares(self, mode: Mode) -> list[str]:
+        """Spare nodes usable now: online, those with a warm standby (adopting one costs no
+        process start); relaunch, any spare node not in use and not excluded."""
+        if mode is Mode.ONLINE:
             return [n for n in self.standbys if n not in self.excluded]
         used = set(self.table.nodes)
         return [n for n in self.spare_nodes if n not in used and n not in self.excluded]

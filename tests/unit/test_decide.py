@@ -326,3 +326,14 @@ def test_reattach_adopts_newer_plans_and_stops_at_a_gap_or_an_end():
     stop = Plan(generation=2, action=PlanAction.STOP, table=plan1.table)
     assert adopt_plans(state, [plan1, stop]).table == plan1.table
     assert adopt_plans(state, [stop]).table == state.table  # not the next generation: ignored
+
+
+def test_a_spare_whose_standby_died_is_not_handed_out_cold():
+    """Online, only a warm standby is a spare: its node without one is not adopted."""
+    p = policy()
+    state, _ = started(p)
+    state, _ = decide(state, suspect(state, node="n5", standby=True, process_exited=True,
+                                     slurmd_reachable=True), 1.0, p)
+    assert state.standbys == {} and "n5" not in state.excluded
+    state, acts = decide(state, lost(state, 1), 2.0, p)
+    assert state.recovery.level == "scale-in" and "n5" not in of(acts, m.Publish)[0].plan.table.nodes

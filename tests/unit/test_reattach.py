@@ -116,12 +116,14 @@ def test_load_without_state_is_a_one_line_error(tmp_path):
         reattach.load(str(tmp_path))
 
 
-def test_negative_supervisor_restarts_is_a_one_line_config_error():
+def test_negative_supervisor_respawns_is_a_one_line_config_error():
     from slurm_resilience.config import load_config
     from slurm_resilience.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="supervisor_restarts=-1 must be >= 0"):
-        load_config({"job": {"supervisor_restarts": -1}})
+    with pytest.raises(ConfigError, match="supervisor_respawns=-1 must be >= 0"):
+        load_config({"job": {"supervisor_respawns": -1}})
+    with pytest.raises(ConfigError, match="'job.supervisor_restarts' in .* was renamed 'job.supervisor_respawns'"):
+        load_config({"job": {"supervisor_restarts": 3}})
 
 
 def test_reattach_at_the_keeper_level_is_refused(capsys):
