@@ -1,12 +1,14 @@
 """Exact data position: which global samples a rank reads at a given step.
 
 The data order is a pure function of (seed, epoch) and the position is one integer —
-the global step — so rolling back is setting that integer. A replaced rank computes
-exactly the samples its predecessor would have, and no sample is skipped or seen
-twice across a recovery.
+the number of global samples consumed by completed steps (``Session.position``, saved
+and restored with the state) — so rolling back is setting that integer. A replaced
+rank computes exactly the samples its predecessor would have, and no sample is
+skipped or seen twice across a recovery, a scale-in included (the world size may
+change between two steps; the position does not jump).
 
-    global batch of step s:   perm[s*B : (s+1)*B]         B = world_size * per_rank
-    rank r's share:           perm[s*B + r*b : s*B + (r+1)*b]      b = per_rank
+    global batch starting at position p:   perm[p : p + B]         B = world_size * per_rank
+    rank r's share:                        perm[p + r*b : p + (r+1)*b]      b = per_rank
 """
 
 from __future__ import annotations
