@@ -22,22 +22,19 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..errors import RecoveryError
-from ..lifecycle import TRANSITIONS, JobPhase
+from ..lifecycle import JobPhase
 from ..protocol import EventKind, Plan, PlanAction, Role, WorkerEvent
 from . import recover
 from .messages import (
-    Action, AllDone, Connected, DrainEvents, Exit, Launch, NodeBack, Observation, Phase, Preempted,
-    Publish, Published, Reap, Relaunch, Requeue, Say, ShutDownStandbys, Start, StepFaults, Straggler,
-    Suspects, Tick, WorkerMark, emit,
+    Action, AllDone, Connected, DrainEvents, Exit, NodeBack, Observation, Preempted, Published, Reap,
+    Relaunch, Say, ShutDownStandbys, Start, StepFaults, Straggler, Suspects, Tick, WorkerMark, emit,
 )
+from .plans import EXIT_FAILED, EXIT_OK, EXIT_REQUEUED, Decision, launch, move, publish, requeue
 from .ranktable import initial_table
 from .report import recovery_phases
-from .state import Mode, Policy, SupervisorState, WorkerRecord
+from .state import Mode, Policy, SupervisorState
 
-EXIT_OK, EXIT_FAILED, EXIT_REQUEUED = 0, 3, 4
-
-Decision = tuple[SupervisorState, list[Action]]
+__all__ = ["decide", "EXIT_OK", "EXIT_FAILED", "EXIT_REQUEUED"]
 
 
 def decide(state: SupervisorState, obs: Observation, now: float, policy: Policy) -> Decision:
@@ -66,61 +63,6 @@ def decide(state: SupervisorState, obs: Observation, now: float, policy: Policy)
     if isinstance(obs, Straggler):
         return recover.on_straggler(state, obs, now, policy)
     raise TypeError(f"not an observation: {obs!r}")
-
-
-# -- shared steps ---------------------------------------------------------------
-def move(state: SupervisorState, to: JobPhase, reason: str) -> Decision:
-    """A lifecycle transition, checked against ``TRANSITIONS`` (no-op if already there)."""
-    if state.phase is to:
-        return state, []
-    if to not in TRANSITIONS[state.phase]:
-        raise RecoveryError(f"illegal job phase transition {state.phase.name} -> {to.name} ({reason})")
-    return dataclasses.replace(state, phase=to), [Phase(state.phase, to, reason)]
-
-
-def publish(state: SupervisorState, plan: Plan, *, recovery: bool = False) -> Decision:
-    """Publish ``plan`` (table first, then the store key) and log it."""
-    return dataclasses.replace(state, table=plan.table), [
-        Publish(plan, recovery=recovery),
-        emit(EventKind.PLAN, generation=plan.generation, action=plan.action.value,
-             nodes=list(plan.table.nodes), joining=list(plan.joining), reason=plan.reason)]
-
-
-def launch(state: SupervisorState, node: str, role: Role, generation: int,
-           worker_id: str | None = None) -> tuple[SupervisorState, Launch]:
-    if worker_id is None:
-        state, worker_id = state.new_id(node)
-    state = state.with_worker(WorkerRecord(worker_id=worker_id, node=node, role=role))
-    return state, Launch(worker_id, node, role, generation)
-
-
-def requeue(state: SupervisorState, reason: str, policy: Policy, *, persist: bool) -> Decision:
-    """Job level: ranks stop (after a durable checkpoint when ``persist``), then the job
-    is requeued and resumes from the newest checkpoint."""
-    acts: list[Action] = [Say(f"requeue: {reason}"), emit(EventKind.REQUEUE_START, reason=reason, persist=persist)]
-    gen = state.table.generation + 1
-    if persist:  # same ranks, a fresh group: they agree on the newest step, persist it, exit
-        table = dataclasses.replace(state.table, generation=gen)
-        state, more = publish(state, Plan(generation=gen, action=PlanAction.PERSIST, table=table, reason=reason))
-    else:
-        state, more = publish(state, Plan(generation=gen, action=PlanAction.STOP, table=state.table, reason=reason))
-    acts += more + [ShutDownStandbys(), Reap(policy.fallback_timeout_s), DrainEvents(),
-                    emit(EventKind.REQUEUE, reason=reason, requeue_count=state.requeue_count)]
-    state, more = move(state, JobPhase.FAILED, f"requeued: {reason}")
-    return state, acts + more + [Requeue(), Exit(EXIT_REQUEUED)]
-
-
-def abort(state: SupervisorState, reason: str, policy: Policy) -> Decision:
-    """Nothing left to try: ranks persist their state and exit; the job fails (exit 3)."""
-    acts: list[Action] = []
-    if policy.mode is Mode.ONLINE:
-        gen = state.table.generation + 1
-        state, acts = publish(state, Plan(generation=gen, action=PlanAction.ABORT, table=state.table, reason=reason))
-        acts += [ShutDownStandbys(), Reap(30.0), DrainEvents()]
-    else:
-        acts += [Reap(0.0)]  # the all-ranks step ends now; the program's snapshots are kept
-    state, more = move(state, JobPhase.FAILED, reason)
-    return state, acts + more + [emit(EventKind.JOB_FAILED, reason=reason), Exit(EXIT_FAILED, reason)]
 
 
 # -- handlers -------------------------------------------------------------------

@@ -21,6 +21,7 @@ from ..model import Fault, FaultKind
 from ..protocol import EventKind, Plan, PlanAction, Role
 from .classify import classify_fault, is_node_fault
 from .ladder import FaultCase, LadderInput, Level, RecoveryPlan, choose_level, plan_recovery
+from .plans import abort, launch, move, publish, requeue
 from .messages import Action, Isolate, Kill, Relaunch, Say, StepFaults, Straggler, Suspects, emit
 from .ranktable import Replacement, grow as grow_table, regenerate, shrink
 from .state import Mode, Policy, Recovery, SupervisorState
@@ -97,8 +98,6 @@ def _incident(state: SupervisorState, faults: list[Fault], detected: float, now:
 def carry_out(state: SupervisorState, plan: RecoveryPlan, cases: tuple[FaultCase, ...], failed: frozenset[Level],
               detected: float, now: float, policy: Policy, *, why: str) -> Decision:
     """The actions of ``plan.level`` (any level, fresh or after a time-out)."""
-    from .decide import abort, move, publish, requeue
-
     if plan.level is Level.FAIL:
         return abort(state, _fail_message(state, cases, plan, policy), policy)
     if plan.level is Level.REQUEUE:
@@ -130,7 +129,6 @@ def carry_out(state: SupervisorState, plan: RecoveryPlan, cases: tuple[FaultCase
     state, more = publish(state, Plan(generation=table.generation, action=PlanAction.RUN, table=table,
                                       joining=joining, reason=plan.reason), recovery=True)
     acts += more
-    from .decide import launch
     for m in in_place:  # a restart in place is a new process; a spare's standby already runs
         state, act = launch(state, m.new_node, Role.RANK, table.generation, m.new_worker_id)
         acts.append(act)
@@ -168,8 +166,6 @@ def on_tick(state: SupervisorState, now: float, policy: Policy) -> Decision:
 def _relaunch_all(state: SupervisorState, cases, failed, detected: float, now: float, policy: Policy,
                   *, reason: str) -> Decision:
     """PROCESS_RESTART: every rank anew on its (healthy) node, from the checkpoint tiers."""
-    from .decide import launch, move, publish
-
     moves = []
     for slot in state.table.slots:
         state, wid = state.new_id(slot.node)
@@ -207,8 +203,6 @@ def _relaunch_all(state: SupervisorState, cases, failed, detected: float, now: f
 
 def _relaunch(state: SupervisorState, table, reason: str) -> Decision:
     """Relaunch mode: the next all-ranks step (in place, or with spares in lost slots)."""
-    from .decide import move
-
     attempt = state.relaunches + 1
     previous = list(state.table.nodes)
     state = dataclasses.replace(state, table=table, relaunches=attempt)
@@ -239,8 +233,6 @@ def _fail_message(state: SupervisorState, cases, plan: RecoveryPlan, policy: Pol
 
 # -- planned changes ----------------------------------------------------------------
 def on_straggler(state: SupervisorState, obs: Straggler, now: float, policy: Policy) -> Decision:
-    from .decide import move, publish
-
     if state.recovery is not None or obs.rank >= state.table.world_size:
         return state, []
     slot = state.table.slots[obs.rank]
@@ -280,8 +272,6 @@ def returning_candidates(state: SupervisorState) -> list[str]:
 
 def grow(state: SupervisorState, node: str, now: float, policy: Policy) -> Decision:
     """Planned scale-out at the next safe point: the standby on ``node`` becomes a rank."""
-    from .decide import move, publish
-
     state = dataclasses.replace(state, returning=state.returning - {node})
     if state.table.world_size >= state.target_world or state.recovery is not None:
         return state, []  # it stays a spare
