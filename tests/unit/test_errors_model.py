@@ -9,7 +9,13 @@ from slurm_resilience.model import Fault, FaultKind, RankSlot, RankTable
 
 def test_every_error_is_a_resilience_error():
     for name in errors.__all__:
+        if name == "JobEnded":  # the end of a rank's part in the job: not an error
+            continue
         assert issubclass(getattr(errors, name), errors.ResilienceError)
+
+
+def test_job_ended_is_not_swallowed_by_except_exception():
+    assert issubclass(errors.JobEnded, BaseException) and not issubclass(errors.JobEnded, Exception)
 
 
 def test_slurm_command_error_one_line():
