@@ -56,8 +56,8 @@ def decide(state: SupervisorState, obs: Observation, now: float, policy: Policy)
     if isinstance(obs, AllDone):
         return _finish(state, policy)
     if isinstance(obs, Preempted):
-        return requeue(state, "preempted (the preemption signal before the time limit or by the scheduler)",
-                       policy, persist=True)
+        return requeue(state, f"preempted ({obs.signal or 'the preemption signal'} before the time limit "
+                              "or by the scheduler)", policy, persist=True)
     if isinstance(obs, NodeBack):
         return _node_back(state, obs)
     if isinstance(obs, Straggler):

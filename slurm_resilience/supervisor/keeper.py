@@ -112,8 +112,7 @@ def keep_supervisor(cfg, command: Sequence[str], job_dir: str, host: str, *, mod
     stores: list = []  # the store serves the workers for as long as this process lives;
     # it starts in a thread so that the supervisor's own start-up (import torch) overlaps
     threading.Thread(target=lambda: stores.append(host_store(host, job_dir)), daemon=True).start()
-    spec = cfg.job.preempt_signal
-    forward = [getattr(signal, "SIG" + spec.split("@")[0].removeprefix("SIG"))] if spec else []
+    forward = [cfg.job.preempt_signum] if cfg.job.preempt_signum is not None else []
     child = [sys.executable, "-m", "slurm_resilience.cli", mode, "--child", "--config", cfg_path,
              "--job-dir", job_dir, "--", *command]
     try:

@@ -102,7 +102,9 @@ class AllDone:
 
 @dataclasses.dataclass(frozen=True)
 class Preempted:
-    """The preemption signal reached the supervisor or a rank."""
+    """The preemption signal (``signal``, e.g. ``USR2``) reached the supervisor or a rank."""
+
+    signal: str = ""
 
 
 @dataclasses.dataclass(frozen=True)

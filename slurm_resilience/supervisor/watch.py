@@ -56,7 +56,7 @@ class Watch:
         out: list[Observation] = []
         if not self._preempt_sent and (self.preempted() or self.store.check([StoreKey.PERSIST_REQUEST.value])):
             self._preempt_sent = True  # a rank got the signal (sent to the steps), or we did
-            return [Preempted()]
+            return [Preempted(self.cfg.job.preempt_signal_name)]
         suspects: dict[str, dict[str, Any]] = {}
         out += self._drain(state, suspects, 0.02)
         for wid, h in self.handles.items():
