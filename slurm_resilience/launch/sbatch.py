@@ -6,6 +6,9 @@ brain; workers and standbys are ``srun --no-kill`` steps on the others.
 
 ``hetjob=True`` renders the same job as a heterogeneous job (docs/hetjob.md):
 component 0 is the supervisor's one node, component 1 the nodes + spares.
+
+Every node of the allocation gets ``--ntasks-per-node=job.tasks_per_node`` (G
+ranks, one per GPU; a spare holds G standbys); in a hetjob only component 1 does.
 """
 
 from __future__ import annotations
@@ -66,6 +69,7 @@ def render(cfg: ResilienceConfig, *, command: Sequence[str], config_path: str, j
         job_name=shlex.quote(job_name),
         total_nodes=cfg.job.nodes + cfg.job.spares + sup_node,
         worker_nodes=cfg.job.nodes + cfg.job.spares,
+        tasks_per_node=cfg.job.tasks_per_node,
         time_limit=cfg.job.time_limit,
         output=shlex.quote(os.path.join(job_dir, "supervisor.log")),
         partition_line=partition,

@@ -15,7 +15,8 @@ GOLDEN = Path(__file__).parent / "golden" / "restart.sbatch"
 
 
 def _golden_render():
-    cfg = load_config({"job": {"nodes": 3, "spares": 1, "partition": "debug", "time_limit": "01:30:00"}})
+    cfg = load_config({"job": {"nodes": 3, "spares": 1, "tasks_per_node": 2, "partition": "debug",
+                               "time_limit": "01:30:00"}})
     return render_restart(cfg, command=["python", "train.py", "--steps", "100"], config_path="/home/u/c.yaml",
                           job_dir="/home/u/sr-jobs/42", mpi=True, python="/usr/bin/python3")
 
@@ -30,6 +31,7 @@ def test_matches_golden():
 def test_golden_essentials():
     lines = GOLDEN.read_text().splitlines()
     assert "#SBATCH --nodes=5" in lines  # 3 nodes + 1 spare + 1 supervisor node
+    assert "#SBATCH --ntasks-per-node=2" in lines  # one step of 3 x 2 ranks; the spare fits 2
     assert "#SBATCH --no-kill" in lines and "#SBATCH --requeue" in lines
     assert lines[-1].startswith("exec /usr/bin/python3 -m slurm_resilience.cli restart-supervise ")
     assert " --mpi -- python train.py" in lines[-1]

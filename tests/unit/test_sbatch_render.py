@@ -16,7 +16,8 @@ HET_GOLDEN = Path(__file__).parent / "golden" / "hetjob.sbatch"
 
 
 def _golden_render(hetjob=False):
-    cfg = load_config({"job": {"nodes": 3, "spares": 2, "partition": "debug", "time_limit": "01:30:00"}})
+    cfg = load_config({"job": {"nodes": 3, "spares": 2, "tasks_per_node": 4, "partition": "debug",
+                               "time_limit": "01:30:00"}})
     return render(cfg, command=["python", "train.py", "--steps", "100"],
                   config_path="/home/u/run/config.yaml", job_dir="/home/u/sr-jobs/42",
                   job_name="resilient", python="/usr/bin/python3", hetjob=hetjob)
@@ -35,6 +36,7 @@ def test_golden_essentials():
     assert lines[0] == "#!/bin/bash"
     assert "#SBATCH --no-kill" in lines
     assert "#SBATCH --nodes=6" in lines  # 3 nodes + 2 spares + 1 supervisor node
+    assert "#SBATCH --ntasks-per-node=4" in lines  # G ranks on every node, the supervisor's too
     assert "#SBATCH --partition=debug" in lines
     assert "#SBATCH --requeue" in lines and "#SBATCH --signal=B:USR2@60" in lines
     assert lines[-1].startswith("exec /usr/bin/python3 -m slurm_resilience.cli supervise ")
@@ -55,8 +57,10 @@ def test_hetjob_golden_essentials():
     assert "#SBATCH --nodes=1" in sup  # the supervisor's component: one node
     assert "#SBATCH --nodes=5" in workers  # 3 nodes + 2 spares
     for comp in (sup, workers):
-        for opt in ("--no-kill", "--requeue", "--partition=debug", "--time=01:30:00", "--ntasks-per-node=1"):
+        for opt in ("--no-kill", "--requeue", "--partition=debug", "--time=01:30:00"):
             assert f"#SBATCH {opt}" in comp, (opt, comp)
+    assert "#SBATCH --ntasks-per-node=1" in sup  # the supervisor needs one task ...
+    assert "#SBATCH --ntasks-per-node=4" in workers  # ... the workers G = tasks_per_node
     assert "#SBATCH --signal=B:USR2@60" in sup  # B: the batch shell lives in component 0
     assert "#SBATCH --output=/home/u/sr-jobs/42/supervisor.log" in sup
     assert lines[-1] == _golden_render().splitlines()[-1]  # the same supervisor command
@@ -68,6 +72,16 @@ def test_hetjob_worker_component_size(nodes, spares):
     sup, workers = _components(render(cfg, command=["x"], config_path="c", job_dir="d", hetjob=True))
     assert "#SBATCH --nodes=1" in sup and f"#SBATCH --nodes={nodes + spares}" in workers
     assert not any("--partition" in ln for ln in sup + workers)
+
+
+@pytest.mark.parametrize("hetjob", [False, True])
+@pytest.mark.parametrize("tasks", [1, 2, 8])
+def test_tasks_per_node_reaches_every_worker_node(hetjob, tasks):
+    cfg = load_config({"job": {"nodes": 2, "spares": 1, "tasks_per_node": tasks}})
+    text = render(cfg, command=["x"], config_path="c", job_dir="d", hetjob=hetjob)
+    per_node = [ln for ln in text.splitlines() if ln.startswith("#SBATCH --ntasks-per-node=")]
+    want = ["#SBATCH --ntasks-per-node=1"] if hetjob else []
+    assert per_node == want + [f"#SBATCH --ntasks-per-node={tasks}"]
 
 
 def test_hetjob_needs_the_supervisor_component():
