@@ -22,6 +22,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="YAML config (sections job, detect, recovery, reconnect, checkpoint)")
     p.add_argument("--nodes", type=int, help="worker nodes (overrides job.nodes)")
     p.add_argument("--spares", type=int, help="spare nodes (overrides job.spares)")
+    p.add_argument("--tasks-per-node", metavar="G",
+                   help="ranks per node, one per GPU (overrides job.tasks_per_node; a spare holds G standbys)")
     p.add_argument("--job-dir", help="job directory (events, logs, rank tables, final state)")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- python train.py ...")
 
@@ -38,10 +40,28 @@ def _supervisor_flags(p: argparse.ArgumentParser) -> None:
                    help="take over the running workers of a killed supervisor (JOBDIR/supervisor.json)")
 
 
+def _tasks_per_node(value: str | None) -> int | None:
+    """``--tasks-per-node`` as an int; the config checks >= 1 (one message for CLI and YAML).
+
+    Raises:
+        ConfigError: not an integer.
+    """
+    from .errors import ConfigError
+
+    if value is None:
+        return None
+    try:
+        return int(value, 10)
+    except ValueError:
+        raise ConfigError(f"--tasks-per-node={value!r} must be an integer >= 1: ranks per node, "
+                          "one per GPU") from None
+
+
 def _load(args):
     from .config import load_config
 
-    job = {k: v for k, v in (("nodes", args.nodes), ("spares", args.spares)) if v is not None}
+    job = {k: v for k, v in (("nodes", args.nodes), ("spares", args.spares),
+                             ("tasks_per_node", _tasks_per_node(args.tasks_per_node))) if v is not None}
     cfg = load_config(args.config, {"job": job} if job else None)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     return cfg, command
