@@ -1,14 +1,15 @@
 """A submitit-like executor for resilient jobs.
 
     executor = ResilientExecutor(folder="jobs")
-    executor.update_parameters(nodes=4, spares=1, timeout_min=60,
+    executor.update_parameters(nodes=4, spares=1, tasks_per_node=8, timeout_min=60,
                                recovery={"recovery": {"scale_in": False}})
     job = executor.submit(["python", "train.py", "--steps", "1000"])
     job.job_id, job.folder   # jobs/<job_id>: events, status, rank tables, final state
     job.result()             # the supervisor's exit code (0: finished)
 
 It feels like ``submitit.AutoExecutor`` but submits a *command*, not a function:
-the supervisor runs it on ``nodes`` ranks with ``spares`` warm standbys. Submission
+the supervisor runs it on ``nodes`` × ``tasks_per_node`` ranks with ``spares`` ×
+``tasks_per_node`` warm standbys (``tasks_per_node`` as in submitit). Submission
 is ``submitit_launch.submit``; this module only keeps parameters and wraps the job.
 """
 
@@ -108,7 +109,8 @@ class ResilientExecutor:
     def update_parameters(self, **kwargs: Any) -> None:
         """Set job parameters; later calls add to earlier ones.
 
-        ``nodes``, ``spares``, ``tasks_per_node`` (only 1), ``timeout_min``,
+        ``nodes``, ``spares``, ``tasks_per_node`` (as in submitit: ranks per node, one
+        per GPU; a spare holds as many standbys), ``timeout_min``,
         ``recovery`` (config sections → keys, e.g. ``{"recovery": {"scale_in": False},
         "checkpoint": {"local_every": 10}}``), ``name`` (the Slurm job name) and any
         ``slurm_*`` parameter of submitit's Slurm executor (``slurm_partition`` also
@@ -159,6 +161,7 @@ class ResilientExecutor:
             raise ConfigError("command must be a non-empty argv list, e.g. ['python', 'train.py']")
         cfg = self.config
         job = submit(list(command), nodes=cfg.job.nodes, spares=cfg.job.spares,
+                     tasks_per_node=cfg.job.tasks_per_node,
                      job_dir=str(self.folder / "%j"), config=cfg, timeout_min=self._timeout_min,
                      executor_params=self._slurm)
         return ResilientJob(job, self.folder / str(job.job_id))

@@ -8,6 +8,8 @@ an ``sbatch --no-kill`` allocation of 1 + nodes + spares nodes; the supervisor t
 starts the ranks and warm standbys as ``srun`` steps, exactly as on the sbatch path.
 ``job_dir`` may hold ``%j`` (as submitit's folder does): it becomes the job id in
 the batch step. ``launch/executor.py`` wraps this in a submitit-like executor.
+``tasks_per_node`` has submitit's meaning: G ranks on each worker node (one per
+GPU), G warm standbys on each spare.
 """
 
 from __future__ import annotations
@@ -27,15 +29,24 @@ def run_supervisor(config: Mapping[str, Any], command: Sequence[str], job_dir: s
     return keep_allocation(load_config(config), command, job_dir)
 
 
-def submit(command: Sequence[str], *, nodes: int, spares: int = 1, job_dir: str,
-           config: ResilienceConfig | str | None = None, timeout_min: int = 60,
+def submit(command: Sequence[str], *, nodes: int, spares: int = 1, tasks_per_node: int | None = None,
+           job_dir: str, config: ResilienceConfig | str | None = None, timeout_min: int = 60,
            executor_params: Mapping[str, Any] | None = None):
-    """Submit and return the ``submitit.Job``; ``executor_params`` go to update_parameters."""
+    """Submit and return the ``submitit.Job``; ``executor_params`` go to update_parameters.
+
+    ``tasks_per_node``: ranks per node as in submitit (None: ``job.tasks_per_node`` of
+    ``config``); every node of the allocation is given that many tasks.
+
+    Raises:
+        ConfigError: a count the config rejects (before anything is submitted).
+    """
     import submitit
 
     base = config if isinstance(config, ResilienceConfig) else load_config(config)
     cfg = config_to_dict(base)
     cfg["job"].update(nodes=nodes, spares=spares)
+    if tasks_per_node is not None:
+        cfg["job"]["tasks_per_node"] = tasks_per_node
     resolved = load_config(cfg)  # validates the counts before anything is submitted
     job_dir = os.path.abspath(job_dir)
     # "%j" is filled in by submitit (its folder) and by the batch step (the job dir):
@@ -44,7 +55,8 @@ def submit(command: Sequence[str], *, nodes: int, spares: int = 1, job_dir: str,
     executor = submitit.AutoExecutor(folder=os.path.join(job_dir, "submitit"), cluster="slurm")
     total = nodes + spares + (1 if resolved.job.supervisor_node else 0)
     # submitit counts one result per task: it sees a 1-task job (the supervisor); the
-    # real node count goes straight into the #SBATCH lines.
+    # real node and task counts go straight into the #SBATCH lines (G tasks on every
+    # node, as the sbatch path's --ntasks-per-node).
     params: dict[str, Any] = {
         "nodes": 1,
         "tasks_per_node": 1,
@@ -54,7 +66,7 @@ def submit(command: Sequence[str], *, nodes: int, spares: int = 1, job_dir: str,
         # shell, not reach the supervisor. The signal goes to every step instead: the
         # ranks and standbys catch it and request a checkpoint-and-requeue themselves.
         "slurm_additional_parameters": {
-            "no_kill": True, "nodes": total, "requeue": True,
+            "no_kill": True, "nodes": total, "ntasks_per_node": resolved.job.tasks_per_node, "requeue": True,
             **({"signal": resolved.job.preempt_signal} if resolved.job.preempt_signal else {}),
         },
         "slurm_signal_delay_s": 30,

@@ -74,7 +74,8 @@ def test_base_config_file_is_overridden(submitted, tmp_path):
 
 @pytest.mark.parametrize("params,match", [
     ({"gpus_per_node": 1}, "unknown parameter 'gpus_per_node'"),
-    ({"tasks_per_node": 2}, "tasks_per_node"),
+    ({"tasks_per_node": 0}, "job.tasks_per_node=0 must be >= 1"),
+    ({"tasks_per_node": "2"}, "tasks_per_node"),
     ({"nodes": 0}, "job.nodes"),
     ({"recovery": {"scale_in": False}}, "sections"),
     ({"recovery": {"bogus": {}}}, "unknown section 'bogus'"),
@@ -152,5 +153,69 @@ def test_submit_makes_only_the_levels_above_the_job_id(tmp_path, monkeypatch):
     assert oct((tmp_path / "jobs").stat().st_mode & 0o777) == "0o700"
     assert seen["folder"] == str(tmp_path / "jobs" / "%j" / "submitit")
     assert seen["job_dir"] == str(tmp_path / "jobs" / "%j")
-    assert seen["params"]["slurm_additional_parameters"] == {"no_kill": True, "nodes": 4, "requeue": True,
-                                                           "signal": "USR2@60"}
+    assert seen["params"]["slurm_additional_parameters"] == {"no_kill": True, "nodes": 4, "ntasks_per_node": 1,
+                                                           "requeue": True, "signal": "USR2@60"}
+
+
+def test_tasks_per_node_as_in_submitit(submitted, tmp_path):
+    """``tasks_per_node=G``: G ranks per worker node (and G standbys per spare), as in submitit."""
+    ex = slurm_resilience.ResilientExecutor(folder=tmp_path)
+    ex.update_parameters(nodes=3, spares=1, tasks_per_node=4)
+    assert ex.config.job.tasks_per_node == 4
+    ex.submit(["python", "train.py"])
+    kw = submitted[0][1]
+    assert kw["tasks_per_node"] == 4 and kw["config"].job.tasks_per_node == 4
+    ex.update_parameters(nodes=2)  # later calls keep it
+    assert ex.config.job.tasks_per_node == 4
+
+
+def _fake_submitit(monkeypatch, seen):
+    import submitit
+
+    class FakeExecutor:
+        def __init__(self, folder, cluster):
+            pass
+
+        def update_parameters(self, **params):
+            seen["params"] = params
+
+        def submit(self, fn, config, command, job_dir):
+            seen["config"] = config
+            return "job"
+
+    monkeypatch.setattr(submitit, "AutoExecutor", FakeExecutor)
+
+
+@pytest.mark.parametrize("base,arg,want", [(1, 4, 4), (8, None, 8), (8, 2, 2)])
+def test_submitit_sees_one_task_the_allocation_gets_g_per_node(tmp_path, monkeypatch, base, arg, want):
+    """submitit's own ``tasks_per_node`` stays 1 (one result: the supervisor's); every node
+    of the allocation gets ``--ntasks-per-node=G``; the batch step's config carries G."""
+    from slurm_resilience.config import load_config
+
+    seen = {}
+    _fake_submitit(monkeypatch, seen)
+    cfg = load_config({"job": {"tasks_per_node": base}})
+    submitit_launch.submit(["x"], nodes=3, spares=1, tasks_per_node=arg, config=cfg, job_dir=str(tmp_path / "j"))
+    assert seen["params"]["tasks_per_node"] == 1 and seen["params"]["nodes"] == 1
+    extra = seen["params"]["slurm_additional_parameters"]
+    assert extra["nodes"] == 5 and extra["ntasks_per_node"] == want
+    assert seen["config"]["job"]["tasks_per_node"] == want
+
+
+def test_submitit_renders_ntasks_per_node_once(tmp_path):
+    """Through submitit's real sbatch writer: one --ntasks-per-node line, with G."""
+    from submitit.slurm.slurm import _make_sbatch_string
+
+    text = _make_sbatch_string(command="x", folder=str(tmp_path), ntasks_per_node=1, nodes=1,
+                               additional_parameters={"nodes": 5, "ntasks_per_node": 2, "no_kill": True})
+    lines = text.splitlines()
+    assert [ln for ln in lines if "ntasks-per-node" in ln] == ["#SBATCH --ntasks-per-node=2"]
+    assert "#SBATCH --nodes=5" in lines
+
+
+def test_submitit_bad_tasks_per_node_submits_nothing(tmp_path, monkeypatch):
+    seen = {}
+    _fake_submitit(monkeypatch, seen)
+    with pytest.raises(ConfigError, match="job.tasks_per_node=0"):
+        submitit_launch.submit(["x"], nodes=2, tasks_per_node=0, job_dir=str(tmp_path / "j"))
+    assert seen == {} and not (tmp_path / "j").exists()
