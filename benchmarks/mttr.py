@@ -1,8 +1,10 @@
 #!/usr/bin/env python3
 """MTTR per recovery level on the local cluster, against a job-level baseline.
 
-Each case submits examples/train_mlp.py (4 workers), injects one fault once every
-rank has done --kill-at steps, and reads the job's event log:
+Each case submits examples/train_mlp.py (4 worker nodes x --tasks-per-node ranks),
+injects one fault once every rank has done --kill-at steps, and reads the job's
+event log (every case, the baseline included, runs with the same G, steps and
+kill step; a killed node takes all G ranks of rank 1's node with it):
 MTTR = fault injection → first completed step after recovery (the last rank's).
 
     online            rank SIGKILLed on a healthy node → restarted in place
@@ -66,7 +68,8 @@ def first_step_after(events: list[dict], t: float) -> float | None:
 def run_case(name: str, root: Path, args) -> dict:
     extra, fault, spares = CASES[name]
     lab.cluster("reset")
-    run = lab.submit(root / name, spares=spares, steps=args.steps, config=config(root, name, extra))
+    run = lab.submit(root / name, spares=spares, tasks_per_node=args.tasks_per_node, steps=args.steps,
+                     config=config(root, name, extra))
     status = run.wait_for_step(args.kill_at)
     if fault in ("rank", "supervisor"):
         t_fault = time.time()
@@ -76,7 +79,7 @@ def run_case(name: str, root: Path, args) -> dict:
     code = run.wait()
     events = read_events(str(run.job_dir / "events.jsonl"))
     done = [e for e in events if e["kind"] == EventKind.RECOVERY_DONE]
-    out = {"exit_code": code}
+    out = {"exit_code": code, "tasks_per_node": args.tasks_per_node}
     back = [e for e in events if e["kind"] == EventKind.SUPERVISOR_REATTACHED]
     if fault == "supervisor" and back:
         out["mttr_s"] = round(back[0]["t"] - t_fault, 3)
@@ -99,19 +102,21 @@ def baseline(root: Path, args) -> dict:
     lab.cluster("reset")
     shared = root / "baseline-shared"
     cfg = config(root, "baseline", f"  shared_dir: {shared}\nrecovery:\n  scale_in: false\n  max_requeues: 0\n")
-    run = lab.submit(root / "baseline-1", spares=0, steps=args.steps, config=cfg)
+    run = lab.submit(root / "baseline-1", spares=0, tasks_per_node=args.tasks_per_node, steps=args.steps,
+                     config=cfg)
     status = run.wait_for_step(args.kill_at)
     t_fault = lab.kill_node(status["ranks"][1]["node"])
     commands.run(["scancel", status["job_id"]])
     run.wait()
     lab.cluster("reset")
-    second = lab.submit(root / "baseline-2", spares=0, steps=args.steps, config=cfg)
+    second = lab.submit(root / "baseline-2", spares=0, tasks_per_node=args.tasks_per_node, steps=args.steps,
+                        config=cfg)
     assert second.wait() == 0, second.output()
     events = read_events(str(second.job_dir / "events.jsonl"))
     t_first = first_step_after(events, t_fault)
     restored = [e for e in events if e["kind"] == WorkerEvent.RESTORED.logged and e.get("tier")]
     return {"mttr_s": round(t_first - t_fault, 3), "restored_step": restored[0]["step"] if restored else None,
-            "level": "cancel + resubmit + restore (L2)"}
+            "level": "cancel + resubmit + restore (L2)", "tasks_per_node": args.tasks_per_node}
 
 
 def main() -> int:
@@ -119,8 +124,12 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--kill-at", type=int, default=25)
     ap.add_argument("--cases", default=",".join([*CASES, "baseline"]))
+    ap.add_argument("--tasks-per-node", type=int, default=1, metavar="G",
+                    help="ranks per worker node, for every case alike (G <= the local cluster's CPUs per node)")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
+    if args.tasks_per_node < 1:
+        ap.error(f"--tasks-per-node={args.tasks_per_node} must be >= 1")
     root = Path(tempfile.mkdtemp(prefix="mttr-"))
     results = {}
     for name in args.cases.split(","):

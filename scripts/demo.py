@@ -2,7 +2,8 @@
 """The demo: a 4-node job loses a node mid-run and finishes on the spare, bit-identical.
 
 Runs a fault-free reference and a faulty run of examples/train_mlp.py on the local
-cluster (4 worker nodes + 1 spare + the supervisor's node), kills a worker node
+cluster (4 worker nodes + 1 spare + the supervisor's node; --tasks-per-node G puts
+G ranks on each worker node and G standbys on the spare), kills a worker node
 (hard: slurmd, slurmstepd and tasks by PID) in the middle, prints the recovery
 timeline, compares the final weights and writes OUT/demo-summary.json.
 Exit 0 only if the weights are bit-identical.
@@ -23,24 +24,32 @@ def main() -> int:
     ap.add_argument("--out", default="demo-out", help="output directory")
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--kill-at-step", type=int, default=25)
+    ap.add_argument("--tasks-per-node", type=int, default=1, metavar="G",
+                    help="ranks per worker node (standbys per spare); the local cluster fits G <= its CPUs per node")
     args = ap.parse_args()
+    if args.tasks_per_node < 1:
+        ap.error(f"--tasks-per-node={args.tasks_per_node} must be >= 1")
+    g = args.tasks_per_node
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y%m%d-%H%M%S")
 
-    print("== fault-free reference run (4 nodes + 1 spare)", flush=True)
-    ref = lab.submit(out / f"reference-{stamp}", steps=args.steps)
+    shape = f"4 nodes x {g} ranks + 1 spare" if g > 1 else "4 nodes + 1 spare"
+    print(f"== fault-free reference run ({shape})", flush=True)
+    ref = lab.submit(out / f"reference-{stamp}", steps=args.steps, tasks_per_node=g)
     if ref.wait() != 0:
         print(ref.output(), file=sys.stderr)
         print("demo: the reference run failed", file=sys.stderr)
         return 1
 
     print(f"== faulty run: kill a worker node once every rank has done {args.kill_at_step} steps", flush=True)
-    run = lab.submit(out / f"faulty-{stamp}", steps=args.steps)
+    run = lab.submit(out / f"faulty-{stamp}", steps=args.steps, tasks_per_node=g)
     status = run.wait_for_step(args.kill_at_step)
     victim = status["ranks"][1]["node"]
+    lost = [r["rank"] for r in status["ranks"] if r["node"] == victim]
     fault_at = lab.kill_node(victim)
-    print(f"   killed node {victim} (rank 1) at step ~{status['ranks'][1]['step']}", flush=True)
+    print(f"   killed node {victim} (rank{'s' if len(lost) > 1 else ''} {', '.join(map(str, lost))}) "
+          f"at step ~{status['ranks'][1]['step']}", flush=True)
     code = run.wait()
     print(run.output(), flush=True)
     lab.cluster("revive-node", victim)
@@ -50,7 +59,8 @@ def main() -> int:
 
     diffs = lab.compare_states(ref.job_dir / "final.pt", run.job_dir / "final.pt")
     summary = lab.summarize(run.job_dir, fault_at)
-    summary.update(weights_identical=not diffs, killed_node=victim, fault_at=fault_at,
+    summary.update(weights_identical=not diffs, killed_node=victim, lost_ranks=lost, fault_at=fault_at,
+                   tasks_per_node=g, world_size=4 * g,
                    reference_dir=str(ref.job_dir), job_dir=str(run.job_dir),
                    differing_tensors=diffs[:20])
     print("== recovery timeline (from the fault)")

@@ -78,12 +78,14 @@ class JobRun:
         return out + (log.read_text() if log.exists() else "")
 
 
-def submit(job_dir: Path, *, nodes: int = 4, spares: int = 1, steps: int = 40,
+def submit(job_dir: Path, *, nodes: int = 4, spares: int = 1, tasks_per_node: int = 1, steps: int = 40,
            step_time: float = 0.05, config: Path | None = LOCAL_CONFIG,
            extra_args: Sequence[str] = (), hetjob: bool = False) -> JobRun:
-    """``hetjob``: submit as a heterogeneous job (supervisor component + worker component)."""
+    """``hetjob``: submit as a heterogeneous job (supervisor component + worker component).
+    ``tasks_per_node``: G ranks on each of the ``nodes`` worker nodes, G standbys per spare."""
     argv = [sys.executable, "-m", "slurm_resilience.cli", "submit", "--wait",
-            "--nodes", str(nodes), "--spares", str(spares), "--job-dir", str(job_dir)]
+            "--nodes", str(nodes), "--spares", str(spares), "--tasks-per-node", str(tasks_per_node),
+            "--job-dir", str(job_dir)]
     if hetjob:
         argv.append("--hetjob")
     if config is not None:
