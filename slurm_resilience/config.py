@@ -46,7 +46,8 @@ class JobConfig:
     Fields:
         nodes: worker nodes, one rank each (>= 1).
         spares: extra nodes held idle to replace lost ones (>= 0).
-        tasks_per_node: ranks per node; only 1 is supported for now.
+        tasks_per_node: ranks per node, one per GPU on a GPU node (>= 1); a spare node
+            holds as many warm standbys.
         job_dir: where the job writes rank tables and events; ``{job_id}`` is filled in.
         time_limit: Slurm ``--time``: ``[D-]HH:MM:SS`` or minutes.
         partition: Slurm partition, or None for the default.
@@ -90,8 +91,8 @@ class JobConfig:
         if self.supervisor_respawns < 0:
             raise ConfigError(f"job.supervisor_respawns={self.supervisor_respawns} must be >= 0: "
                               "use 0 to never respawn a killed supervisor")
-        if self.tasks_per_node != 1:
-            raise ConfigError(f"tasks_per_node={self.tasks_per_node} is not supported yet: use 1")
+        if self.tasks_per_node < 1:
+            raise ConfigError(f"job.tasks_per_node={self.tasks_per_node} must be >= 1: one rank per GPU of a node")
         if not _TIME_LIMIT.fullmatch(self.time_limit):
             raise ConfigError(
                 f"job.time_limit={self.time_limit!r} is not a Slurm time: use [D-]HH:MM:SS or minutes"

@@ -86,7 +86,13 @@ class RankTable:
     """Rank → slot assignment for one generation; slot i has rank i.
 
     Invariants (checked on construction, ``RankTableError`` otherwise):
-    generation >= 0, ranks are 0..n-1 in order, no node appears twice.
+    generation >= 0, ranks are 0..n-1 in order; a node's slots are consecutive with
+    local ranks 0..G-1, and every node holds the same G (``tasks_per_node``). So the
+    global rank is ``node index × G + local rank``::
+
+        node:        n2          n3          n4
+        local rank:  0   1       0   1       0   1
+        rank:        0   1       2   3       4   5
     """
 
     generation: int
@@ -97,16 +103,24 @@ class RankTable:
             raise RankTableError(f"rank table generation must be an int >= 0, got {self.generation!r}")
         if not isinstance(self.slots, tuple):
             object.__setattr__(self, "slots", tuple(self.slots))
-        seen: dict[str, int] = {}
+        by_node: dict[str, list[int]] = {}
         for i, slot in enumerate(self.slots):
             if not isinstance(slot, RankSlot):
                 raise RankTableError(f"rank table slot {i} is not a RankSlot: {slot!r}")
             if slot.rank != i:
                 raise RankTableError(f"rank table slot {i} has rank {slot.rank}: ranks must be 0..n-1 in order")
-            if slot.node in seen:
-                raise RankTableError(f"node {slot.node!r} is used by ranks {seen[slot.node]} and {i}")
-            seen[slot.node] = i
-        object.__setattr__(self, "_by_node", seen)  # O(1) slot_for_node at 16k ranks
+            ranks = by_node.setdefault(slot.node, [])
+            if ranks and ranks[-1] != i - 1:
+                raise RankTableError(f"node {slot.node!r} is used by ranks {ranks[0]} and {i}, not consecutive")
+            if slot.local_rank != len(ranks):
+                raise RankTableError(f"rank {i} on {slot.node!r} has local rank {slot.local_rank}, "
+                                     f"expected {len(ranks)}")
+            ranks.append(i)
+        sizes = {len(r) for r in by_node.values()}
+        if len(sizes) > 1:
+            raise RankTableError(f"nodes hold different numbers of ranks ({sorted(sizes)}): "
+                                 "every node must hold tasks_per_node ranks")
+        object.__setattr__(self, "_by_node", {n: tuple(r) for n, r in by_node.items()})  # O(1) at 16k ranks
 
     @property
     def world_size(self) -> int:
@@ -114,13 +128,31 @@ class RankTable:
 
     @property
     def nodes(self) -> tuple[str, ...]:
-        """Nodes in rank order."""
+        """The node of each rank, in rank order (a node repeats G times)."""
         return tuple(s.node for s in self.slots)
 
+    @property
+    def node_list(self) -> tuple[str, ...]:
+        """Each node once, in node-index order (``GROUP_RANK``)."""
+        return tuple(self._by_node)
+
+    @property
+    def tasks_per_node(self) -> int:
+        """G: ranks per node (0 for an empty table)."""
+        return len(next(iter(self._by_node.values()))) if self._by_node else 0
+
+    def ranks_on(self, node: str) -> tuple[int, ...]:
+        """The ranks ``node`` holds (empty if none)."""
+        return self._by_node.get(node, ())
+
+    def group_rank(self, rank: int) -> int:
+        """The node index of ``rank`` (torchrun's ``GROUP_RANK``)."""
+        return rank // self.tasks_per_node
+
     def slot_for_node(self, node: str) -> RankSlot | None:
-        """The slot running on ``node``, or None if the node holds no rank."""
-        i = self._by_node.get(node)
-        return None if i is None else self.slots[i]
+        """The first slot (local rank 0) on ``node``, or None if the node holds no rank."""
+        ranks = self._by_node.get(node)
+        return self.slots[ranks[0]] if ranks else None
 
     def to_dict(self) -> dict[str, Any]:
         return {

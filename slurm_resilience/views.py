@@ -57,8 +57,8 @@ def render_status(st: dict[str, Any], *, rate: float | None, tiers: dict[str, in
     ]
     for r in st["ranks"]:
         lines.append(f"{r['rank']:>6}  {r['node']:<10} {str(r['pid']):>8} {r['step']:>7}")
-    lines.append(f"spares left: {len(st['spares'])}" + (
-        "  (" + ", ".join(s["node"] for s in st["spares"]) + ")" if st["spares"] else ""))
+    spare_nodes = list(dict.fromkeys(s["node"] for s in st["spares"]))  # G standbys per spare node
+    lines.append(f"spares left: {len(spare_nodes)}" + ("  (" + ", ".join(spare_nodes) + ")" if spare_nodes else ""))
     if st.get("excluded"):
         lines.append("isolated nodes: " + ", ".join(st["excluded"]))
     return "\n".join(lines)

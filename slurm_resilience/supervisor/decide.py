@@ -29,7 +29,7 @@ from .messages import (
     Action, AllDone, Connected, DrainEvents, Exit, NodeBack, Observation, Preempted, Published, Reap,
     Relaunch, Say, ShutDownStandbys, Start, StepFaults, Straggler, Suspects, Tick, WorkerMark, emit,
 )
-from .plans import EXIT_FAILED, EXIT_OK, EXIT_REQUEUED, Decision, launch, move, publish, requeue
+from .plans import EXIT_FAILED, EXIT_OK, EXIT_REQUEUED, Decision, launch, launch_standbys, move, publish, requeue
 from .ranktable import initial_table
 from .report import recovery_phases
 from .state import Mode, Policy, SupervisorState
@@ -69,9 +69,11 @@ def decide(state: SupervisorState, obs: Observation, now: float, policy: Policy)
 def _start(state: SupervisorState, obs: Start, policy: Policy) -> Decision:
     ids = []
     for node in state.worker_nodes:
-        state, wid = state.new_id(node)
-        ids.append(wid)
-    table = initial_table(list(state.worker_nodes), ids, state.addresses)
+        for _ in range(state.tasks_per_node):
+            state, wid = state.new_id(node)
+            ids.append(wid)
+    table = initial_table(list(state.worker_nodes), ids, state.addresses, device=state.device,
+                          tasks_per_node=state.tasks_per_node)
     state, acts = publish(state, Plan(generation=0, action=PlanAction.RUN, table=table,
                                       joining=tuple(range(table.world_size)), reason="start"))
     if policy.mode is Mode.RELAUNCH:
@@ -80,16 +82,13 @@ def _start(state: SupervisorState, obs: Start, policy: Policy) -> Decision:
         for slot in table.slots:
             state, act = launch(state, slot.node, Role.RANK, 0, slot.worker_id)
             acts.append(act)
-        standbys = {}
         for node in state.spare_nodes:
-            state, act = launch(state, node, Role.STANDBY, 0)
-            standbys[node] = act.worker_id
-            acts.append(act)
-        state = dataclasses.replace(state, standbys=standbys)
-    acts += [Say(f"job started: {table.world_size} ranks on {','.join(state.worker_nodes)}; "
-                 f"spares {','.join(state.spare_nodes) or 'none'}"),
+            state, more = launch_standbys(state, node, 0)
+            acts += more
+    acts += [Say(f"job started: {table.world_size} ranks on {','.join(state.worker_nodes)} "
+                 f"({state.tasks_per_node} per node); spares {','.join(state.spare_nodes) or 'none'}"),
              emit(EventKind.JOB_START, ranks=list(state.worker_nodes), spares=list(state.spare_nodes),
-                  **dict(obs.info))]
+                  tasks_per_node=state.tasks_per_node, **dict(obs.info))]
     state, more = move(state, JobPhase.RUNNING, "all ranks launched")
     return state, acts + more
 
@@ -99,8 +98,9 @@ def _connected(state: SupervisorState, obs: Connected, now: float, policy: Polic
     if w is None:
         return state, []
     state = state.with_worker(dataclasses.replace(w, connected=True, pid=obs.pid))
-    if w.node in state.returning and state.standbys.get(w.node) == w.worker_id:
-        return recover.grow(state, w.node, now, policy)
+    pool = state.standbys.get(w.node, ())
+    if w.node in state.returning and w.worker_id in pool and all(state.workers[x].connected for x in pool):
+        return recover.grow(state, w.node, now, policy)  # the node's G standbys are all up
     return state, []
 
 
@@ -157,7 +157,7 @@ def _finish(state: SupervisorState, policy: Policy) -> Decision:
     state, more = move(state, JobPhase.SUCCEEDED, "every rank finished")
     n = state.recoveries
     done = (emit(EventKind.JOB_DONE, recoveries=n, generation=state.table.generation) if policy.mode is Mode.ONLINE
-            else emit(EventKind.JOB_DONE, relaunches=state.relaunches, nodes=list(state.table.nodes)))
+            else emit(EventKind.JOB_DONE, relaunches=state.relaunches, nodes=list(state.table.node_list)))
     return state, acts + more + [done, Say(f"job finished after {n} recover{'y' if n == 1 else 'ies'}"),
                                  Exit(EXIT_OK)]
 
@@ -166,7 +166,7 @@ def _node_back(state: SupervisorState, obs: NodeBack) -> Decision:
     if obs.node not in recover.returning_candidates(state):
         return state, []
     state = dataclasses.replace(state, excluded=state.excluded - {obs.node}, returning=state.returning | {obs.node})
-    state, act = launch(state, obs.node, Role.STANDBY, state.table.generation)
-    state = dataclasses.replace(state, standbys={**state.standbys, obs.node: act.worker_id})
-    return state, [act, emit(EventKind.NODE_RETURNED, node=obs.node, state=obs.state),
-                   Say(f"node {obs.node} is back in service ({obs.state}): starting a standby to scale out")]
+    state, acts = launch_standbys(state, obs.node, state.table.generation)
+    return state, acts + [emit(EventKind.NODE_RETURNED, node=obs.node, state=obs.state),
+                          Say(f"node {obs.node} is back in service ({obs.state}): starting "
+                              f"{state.tasks_per_node} standby(s) to scale out")]

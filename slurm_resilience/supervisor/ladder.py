@@ -59,7 +59,8 @@ class LadderInput:
     retries_used: int  # process faults of this job already answered in place
     retry_budget: int  # recovery.fault_retry_times
     world_size: int
-    lost: int = 1  # ranks lost in this incident
+    lost: int = 1  # ranks lost in this incident (G for a node of G ranks)
+    lost_nodes: int = 1  # nodes lost: spares needed
     min_world_size: int = 1
     scale_in: bool = True
     relaunch: bool = True  # recovery.fallback_relaunch
@@ -120,9 +121,9 @@ def _allowed(level: Level, inp: LadderInput) -> tuple[bool, str]:
             return True, "a level timed out: relaunch every rank in place"
         return True, f"relaunch every rank in place ({inp.retries_used + 1}/{inp.retry_budget})"
     if level is Level.NODE_REPLACEMENT:
-        if inp.spares_left >= inp.lost:
+        if inp.spares_left >= inp.lost_nodes:
             return True, f"{inp.spares_left} spare(s) left"
-        return False, f"no spare left ({inp.spares_left} for {inp.lost} lost)"
+        return False, f"no spare left ({inp.spares_left} for {inp.lost_nodes} lost node(s))"
     if level is Level.SCALE_IN:
         remaining = inp.world_size - inp.lost
         if not inp.scale_in:
@@ -139,11 +140,18 @@ def _allowed(level: Level, inp: LadderInput) -> tuple[bool, str]:
 
 @dataclasses.dataclass(frozen=True)
 class FaultCase:
-    """One rank's fault as classified (``rank`` None: a whole step's, rank unknown)."""
+    """One fault as classified: a rank's (``rank``), or a node's, whose ``ranks`` (its G
+    ranks) are lost together; ``rank`` None: a whole step's, rank unknown."""
 
     rank: int | None
     node: str
     kind: FaultKind
+    ranks: tuple[int, ...] = ()
+
+    @property
+    def lost(self) -> int:
+        """Ranks this case takes out of the world if it is not replaced."""
+        return len(self.ranks) or 1
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -179,14 +187,14 @@ def plan_recovery(cases: list[FaultCase], *, spares: list[str], world_size: int,
     for c in cases:
         d = choose_level(LadderInput(
             fault=c.kind, spares_left=len(free) if c.rank is not None else 0, retries_used=retries_used,
-            retry_budget=policy.retry_budget, world_size=world_size - lost_so_far, lost=1,
+            retry_budget=policy.retry_budget, world_size=world_size - lost_so_far, lost=c.lost,
             min_world_size=policy.min_world_size, scale_in=policy.scale_in and c.rank is not None,
             relaunch=policy.relaunch, online=policy.online, requeues_used=requeues_used,
             max_requeues=policy.max_requeues, failed=failed, timed_out=timed_out))
         if d.level is Level.NODE_REPLACEMENT:
             free.pop(0)
         if d.level is Level.SCALE_IN:
-            lost_so_far += 1
+            lost_so_far += c.lost
         decisions.append((c, d))
     worst = max((d.level for _, d in decisions), key=_ORDER.index)
     reason = "; ".join(f"{_who(c)} on {c.node}: {d.level.value} ({d.reason})" for c, d in decisions)

@@ -110,7 +110,9 @@ class Supervisor:
             state = SupervisorState(
                 job_id=self.job_id, phase=JobPhase.STARTING, table=RankTable(generation=0, slots=()),
                 target_world=w, worker_nodes=tuple(self.nodes[:w]), spare_nodes=tuple(self.nodes[w:n]),
-                addresses={x: self.launcher.address(x) for x in self.nodes}, requeue_count=self.requeue_count)
+                addresses={x: self.launcher.address(x) for x in self.nodes}, requeue_count=self.requeue_count,
+                tasks_per_node=self.cfg.job.tasks_per_node,
+                device="cuda" if self.cfg.reconnect.backend == "nccl" else "cpu")
             seen, first = 0, [Start()]
         self.watch = Watch(cfg=self.cfg, store=self.store, seen=self.seen, launcher=self.launcher,
                            handles=self.handles, events=self.events, preempted=self._signalled.is_set,

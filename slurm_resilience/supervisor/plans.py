@@ -45,6 +45,17 @@ def launch(state: SupervisorState, node: str, role: Role, generation: int,
     return state, Launch(worker_id, node, role, generation)
 
 
+def launch_standbys(state: SupervisorState, node: str, generation: int) -> Decision:
+    """G warm standbys on ``node`` (one per local slot), added to the spare pool."""
+    acts: list[Action] = []
+    ids = []
+    for _ in range(state.tasks_per_node):
+        state, act = launch(state, node, Role.STANDBY, generation)
+        ids.append(act.worker_id)
+        acts.append(act)
+    return dataclasses.replace(state, standbys={**state.standbys, node: tuple(ids)}), acts
+
+
 def requeue(state: SupervisorState, reason: str, policy: Policy, *, persist: bool) -> Decision:
     """Job level: ranks stop (after a durable checkpoint when ``persist``), then the job
     is requeued and resumes from the newest checkpoint."""

@@ -15,7 +15,7 @@ from slurm_resilience.errors import RankTableError
 from slurm_resilience.files import makedirs_private, write_private
 from slurm_resilience.model import RankSlot, RankTable
 
-__all__ = ["initial_table", "Replacement", "regenerate", "write_table", "LATEST_NAME"]
+__all__ = ["initial_table", "slot_device", "Replacement", "regenerate", "shrink", "grow", "write_table", "LATEST_NAME"]
 
 LATEST_NAME = "ranktable.json"
 
@@ -25,19 +25,33 @@ def initial_table(
     worker_ids: Sequence[str],
     addresses: Mapping[str, str],
     device: str = "cpu",
+    tasks_per_node: int = 1,
 ) -> RankTable:
-    """Generation 0: rank i runs on ``workers[i]`` as ``worker_ids[i]``.
+    """Generation 0: node i of ``workers`` holds ranks ``i*G .. i*G+G-1`` (G =
+    ``tasks_per_node``), rank r running as ``worker_ids[r]``. A rank's device is
+    ``cuda:LOCAL_RANK`` on GPUs (``device="cuda"``), else ``device``.
 
     Raises:
         RankTableError: lengths differ, a node has no address, or a node repeats.
     """
-    if len(workers) != len(worker_ids):
-        raise RankTableError(f"{len(workers)} worker nodes but {len(worker_ids)} worker ids")
+    if tasks_per_node < 1:
+        raise RankTableError(f"tasks_per_node={tasks_per_node} must be >= 1")
+    if len(workers) * tasks_per_node != len(worker_ids):
+        raise RankTableError(f"{len(workers)} worker nodes x {tasks_per_node} tasks but {len(worker_ids)} worker ids")
+    if len(set(workers)) != len(workers):
+        raise RankTableError(f"a worker node repeats in {list(workers)}")
     slots = tuple(
-        RankSlot(rank=i, node=node, worker_id=wid, device=device, address=_address(addresses, node))
-        for i, (node, wid) in enumerate(zip(workers, worker_ids))
+        RankSlot(rank=i, node=workers[i // tasks_per_node], worker_id=wid, local_rank=i % tasks_per_node,
+                 device=slot_device(device, i % tasks_per_node),
+                 address=_address(addresses, workers[i // tasks_per_node]))
+        for i, wid in enumerate(worker_ids)
     )
     return RankTable(generation=0, slots=slots)
+
+
+def slot_device(device: str, local_rank: int) -> str:
+    """``cuda`` → ``cuda:LOCAL_RANK`` (one GPU per rank); anything else as it is."""
+    return f"cuda:{local_rank}" if device == "cuda" else device
 
 
 @dataclass(frozen=True)
@@ -75,26 +89,25 @@ def regenerate(
     """
     slots = list(table.slots)
     seen_ranks: set[int] = set()
-    seen_new: set[str] = set()
+    moved_from: dict[str, str] = {}  # new node -> the one old node whose ranks move there
     for rep in replacements:
         if not 0 <= rep.rank < table.world_size:
             raise RankTableError(f"replacement rank {rep.rank} is outside 0..{table.world_size - 1}")
         if rep.rank in seen_ranks:
             raise RankTableError(f"rank {rep.rank} is replaced twice")
-        if rep.new_node in seen_new:
-            raise RankTableError(f"node {rep.new_node!r} is the new node of two replacements")
         seen_ranks.add(rep.rank)
-        seen_new.add(rep.new_node)
         current = table.slots[rep.rank]
         if current.node != rep.old_node:
             raise RankTableError(
                 f"rank {rep.rank} runs on {current.node!r}, not {rep.old_node!r}"
             )
-        holder = table.slot_for_node(rep.new_node)
+        if moved_from.setdefault(rep.new_node, rep.old_node) != rep.old_node:
+            raise RankTableError(f"node {rep.new_node!r} is the new node of ranks from two nodes")
         # Only a restart in place may reuse a node of the table: ranks never
         # move between nodes, so a vacated node is not offered to another rank.
-        if holder is not None and holder.rank != rep.rank:
-            raise RankTableError(f"node {rep.new_node!r} already runs rank {holder.rank}")
+        held = table.ranks_on(rep.new_node)
+        if held and rep.new_node != rep.old_node:
+            raise RankTableError(f"node {rep.new_node!r} already runs rank {held[0]}")
         if rep.new_node == rep.old_node and rep.new_worker_id == current.worker_id:
             raise RankTableError(f"restart of rank {rep.rank} in place needs a new worker id")
         slots[rep.rank] = replace(
@@ -103,6 +116,7 @@ def regenerate(
             worker_id=rep.new_worker_id,
             address=_address(addresses, rep.new_node),
         )
+    # a node's ranks move together (a partial move breaks the table's node invariant)
     return RankTable(generation=table.generation + 1, slots=tuple(slots))
 
 
@@ -134,7 +148,8 @@ def _address(addresses: Mapping[str, str], node: str) -> str:
 
 
 def shrink(table: RankTable, lost_ranks: Sequence[int]) -> RankTable:
-    """Scale-in: drop the lost ranks; survivors keep their order and are renumbered.
+    """Scale-in: drop the lost ranks (whole nodes); survivors keep their order and
+    local ranks and are renumbered.
 
         generation 5                      generation 6
         rank 0  n1  w-a                   rank 0  n1  w-a
@@ -143,7 +158,8 @@ def shrink(table: RankTable, lost_ranks: Sequence[int]) -> RankTable:
         rank 3  n4  w-d                   rank 2  n4  w-d
 
     Raises:
-        RankTableError: a lost rank is out of range, or nobody would remain.
+        RankTableError: a lost rank is out of range, a node would keep only some of its
+            ranks, or nobody would remain.
     """
     lost = set(lost_ranks)
     for r in lost:
@@ -156,14 +172,20 @@ def shrink(table: RankTable, lost_ranks: Sequence[int]) -> RankTable:
     return RankTable(generation=table.generation + 1, slots=slots)
 
 
-def grow(table: RankTable, node: str, worker_id: str, addresses: Mapping[str, str]) -> RankTable:
-    """Scale back out: a returned node joins as the next rank (survivors keep theirs).
+def grow(table: RankTable, node: str, worker_ids: Sequence[str], addresses: Mapping[str, str],
+         device: str = "cpu") -> RankTable:
+    """Scale back out: a returned node joins as the next node index, its G ranks last
+    (survivors keep theirs). ``worker_ids``: one per local rank.
 
     Raises:
-        RankTableError: the node already holds a rank or has no address.
+        RankTableError: the node already holds a rank, has no address, or the number of
+            worker ids is not the table's ranks per node.
     """
-    if table.slot_for_node(node) is not None:
-        raise RankTableError(f"node {node!r} already runs rank {table.slot_for_node(node).rank}")
-    slot = RankSlot(rank=table.world_size, node=node, worker_id=worker_id,
-                    address=_address(addresses, node))
-    return RankTable(generation=table.generation + 1, slots=(*table.slots, slot))
+    if table.ranks_on(node):
+        raise RankTableError(f"node {node!r} already runs rank {table.ranks_on(node)[0]}")
+    if table.world_size and len(worker_ids) != table.tasks_per_node:
+        raise RankTableError(f"{len(worker_ids)} worker ids for a node of {table.tasks_per_node} ranks")
+    new = tuple(RankSlot(rank=table.world_size + l, node=node, worker_id=wid, local_rank=l,
+                         device=slot_device(device, l), address=_address(addresses, node))
+                for l, wid in enumerate(worker_ids))
+    return RankTable(generation=table.generation + 1, slots=(*table.slots, *new))

@@ -54,12 +54,20 @@ def on_suspects(state: SupervisorState, obs: Suspects, now: float, policy: Polic
                      f"{fault.kind.name} ({fault.detail})")]
         if fault.kind is FaultKind.PROCESS_HUNG or (s.slurmd_reachable and s.still_running):
             acts.append(Kill(s.worker_id))
-        if slot is None:  # a standby lost: the pool shrinks
-            state = dataclasses.replace(state, standbys={n: x for n, x in state.standbys.items() if n != w.node})
+        if slot is None:  # a standby lost: its node can no longer take over a whole node
+            pool = state.standbys.get(w.node, ())
+            state = dataclasses.replace(state.with_dead(*pool),
+                                        standbys={n: x for n, x in state.standbys.items() if n != w.node})
+            acts += [Kill(x) for x in pool if x != s.worker_id]
             if is_node_fault(fault.kind):
                 state, more = _isolate(state, w.node, fault.kind, policy)
                 acts += more
             continue
+        if is_node_fault(fault.kind):  # the node's other ranks are lost with it
+            mates = [state.table.slots[r].worker_id for r in state.table.ranks_on(w.node) if r != slot.rank]
+            state = state.with_dead(*mates)
+            if s.slurmd_reachable:
+                acts += [Kill(x) for x in mates]
         faults.append(fault)
     if not faults:
         return state, acts
@@ -73,7 +81,7 @@ def on_step_faults(state: SupervisorState, obs: StepFaults, now: float, policy: 
         state = dataclasses.replace(state, excluded=state.excluded | obs.bad_spares)
     faults = []
     for f in obs.faults:
-        slot = state.table.slot_for_node(f.node) if f.node in state.table.nodes else None
+        slot = state.table.slot_for_node(f.node)
         faults.append(dataclasses.replace(f, rank=slot.rank if slot else None))
     acts: list[Action] = [emit(EventKind.FAULT_DETECTED, faults=[f.to_dict() for f in faults], step=obs.step)]
     state, more = _incident(state, faults, obs.t, now, policy)
@@ -82,8 +90,19 @@ def on_step_faults(state: SupervisorState, obs: StepFaults, now: float, policy: 
 
 def _incident(state: SupervisorState, faults: list[Fault], detected: float, now: float,
               policy: Policy) -> Decision:
-    cases = tuple(FaultCase(f.rank, f.node, f.kind) for f in faults)
-    plan = plan_recovery(list(cases), spares=state.free_spares(policy.mode), world_size=state.table.world_size,
+    """One plan for every fault seen together. A node fault is one case for the whole
+    node (its G ranks are lost together); a process fault is one case for its rank."""
+    cases: list[FaultCase] = []
+    seen_nodes: set[str] = set()
+    for f in faults:
+        if is_node_fault(f.kind) and f.rank is not None:
+            if f.node in seen_nodes:
+                continue
+            seen_nodes.add(f.node)
+            cases.append(FaultCase(f.rank, f.node, f.kind, ranks=state.table.ranks_on(f.node)))
+        else:
+            cases.append(FaultCase(f.rank, f.node, f.kind))
+    plan = plan_recovery(cases, spares=state.free_spares(policy.mode), world_size=state.table.world_size,
                          policy=policy.ladder, retries_used=state.fault_retries_used,
                          requeues_used=state.requeue_count)
     acts: list[Action] = []
@@ -91,7 +110,7 @@ def _incident(state: SupervisorState, faults: list[Fault], detected: float, now:
         state, more = _isolate(state, node, next((f.kind for f in faults if f.node == node), faults[0].kind), policy)
         acts += more
     acts.append(emit(EventKind.LADDER, level=plan.level.value, reason=plan.reason))
-    state, more = carry_out(state, plan, cases, frozenset(), detected, now, policy, why=faults[0].detail)
+    state, more = carry_out(state, plan, tuple(cases), frozenset(), detected, now, policy, why=faults[0].detail)
     return state, acts + more
 
 
@@ -106,9 +125,16 @@ def carry_out(state: SupervisorState, plan: RecoveryPlan, cases: tuple[FaultCase
         return _relaunch_all(state, cases, failed, detected, now, policy, reason=plan.reason)
     moves: list[Replacement] = []
     standbys = dict(state.standbys)
-    for rank, spare in plan.spares:
-        state, wid = (state, standbys.pop(spare)) if spare in standbys else state.new_id(spare)
-        moves.append(Replacement(rank, state.table.slots[rank].node, spare, wid))
+    for rank, spare in plan.spares:  # the lost node's G ranks move to the spare node together
+        old = state.table.slots[rank].node
+        warm = standbys.pop(spare, ())
+        for r in state.table.ranks_on(old):
+            local = state.table.slots[r].local_rank
+            if local < len(warm):
+                wid = warm[local]
+            else:
+                state, wid = state.new_id(spare)
+            moves.append(Replacement(r, old, spare, wid))
     state = dataclasses.replace(state, standbys=standbys)
     if plan.restarts:
         state = dataclasses.replace(state, fault_retries_used=state.fault_retries_used + 1)
@@ -119,8 +145,9 @@ def carry_out(state: SupervisorState, plan: RecoveryPlan, cases: tuple[FaultCase
         in_place.append(Replacement(r, node, node, wid))
     moves += in_place
     table = regenerate(state.table, moves, state.addresses)
-    if plan.lost:
-        table = dataclasses.replace(shrink(table, plan.lost), generation=state.table.generation + 1)
+    if plan.lost:  # whole nodes leave
+        lost = [r for rank in plan.lost for r in state.table.ranks_on(state.table.slots[rank].node)]
+        table = dataclasses.replace(shrink(table, lost), generation=state.table.generation + 1)
     if policy.mode is Mode.RELAUNCH:
         return _relaunch(state, table, plan.reason)
     state, acts = move(state, JobPhase.RECOVERING, why)
@@ -204,12 +231,12 @@ def _relaunch_all(state: SupervisorState, cases, failed, detected: float, now: f
 def _relaunch(state: SupervisorState, table, reason: str) -> Decision:
     """Relaunch mode: the next all-ranks step (in place, or with spares in lost slots)."""
     attempt = state.relaunches + 1
-    previous = list(state.table.nodes)
+    previous = list(state.table.node_list)
     state = dataclasses.replace(state, table=table, relaunches=attempt)
     state, acts = move(state, JobPhase.RECOVERING, reason)
-    acts += [emit(EventKind.RELAUNCH, attempt=attempt, nodes=list(table.nodes), previous=previous, reason=reason),
+    acts += [emit(EventKind.RELAUNCH, attempt=attempt, nodes=list(table.node_list), previous=previous, reason=reason),
              Relaunch(table, attempt)]
-    state, more = move(state, JobPhase.RUNNING, f"step {attempt} on {','.join(table.nodes)}")
+    state, more = move(state, JobPhase.RUNNING, f"step {attempt} on {','.join(table.node_list)}")
     return state, acts + more
 
 
@@ -243,18 +270,21 @@ def on_straggler(state: SupervisorState, obs: Straggler, now: float, policy: Pol
             f"peers {peers[len(peers) // 2] if peers else float('nan'):.1f} ms")]
     if not (policy.migrate_stragglers and state.standbys):
         return state, acts
-    # a planned replacement at the next safe point: no fault, no step lost
+    # a planned replacement at the next safe point: no fault, no step lost; the slow
+    # rank's node moves as a whole (its G ranks) onto a spare node's standbys
     spare = next(iter(state.standbys))
     standbys = dict(state.standbys)
-    move_ = Replacement(obs.rank, slot.node, spare, standbys.pop(spare))
-    state = dataclasses.replace(state.with_dead(slot.worker_id), standbys=standbys,
-                                excluded=state.excluded | {slot.node})
+    warm = standbys.pop(spare)
+    ranks = state.table.ranks_on(slot.node)
+    moves = [Replacement(r, slot.node, spare, warm[state.table.slots[r].local_rank]) for r in ranks]
+    state = dataclasses.replace(state.with_dead(*(state.table.slots[r].worker_id for r in ranks)),
+                                standbys=standbys, excluded=state.excluded | {slot.node})
     acts.append(Isolate(slot.node, "DRAIN", f"slurm_resilience job {state.job_id}: straggler"))
-    table = regenerate(state.table, [move_], state.addresses)
+    table = regenerate(state.table, moves, state.addresses)
     state, more = move(state, JobPhase.RECOVERING, f"migrating straggler rank {obs.rank}")
     acts += more
     state, more = publish(state, Plan(generation=table.generation, action=PlanAction.RUN, table=table,
-                                      joining=(obs.rank,), reason=f"straggler rank {obs.rank} on {slot.node}"),
+                                      joining=tuple(ranks), reason=f"straggler rank {obs.rank} on {slot.node}"),
                           recovery=True)
     acts += more
     state, more = begin(state, "straggler-migration", (), frozenset(), now, now, table.generation)
@@ -276,12 +306,12 @@ def grow(state: SupervisorState, node: str, now: float, policy: Policy) -> Decis
     if state.table.world_size >= state.target_world or state.recovery is not None:
         return state, []  # it stays a spare
     standbys = dict(state.standbys)
-    wid = standbys.pop(node)
-    table = grow_table(state.table, node, wid, state.addresses)
+    wids = standbys.pop(node)
+    table = grow_table(state.table, node, wids, state.addresses, device=state.device)
     state = dataclasses.replace(state, standbys=standbys)
     state, acts = move(state, JobPhase.RECOVERING, f"scaling out onto {node}")
     state, more = publish(state, Plan(generation=table.generation, action=PlanAction.RUN, table=table,
-                                      joining=(table.world_size - 1,),
+                                      joining=table.ranks_on(node),
                                       reason=f"scale out onto returned node {node}"), recovery=True)
     acts += more
     state, more = begin(state, "scale-out", (), frozenset(), now, now, table.generation)

@@ -84,9 +84,11 @@ def master_node(nodes: Sequence[str], allocation: Sequence[str]) -> str:
 
 
 def step_argv(*, job_id: str, name: str, nodes: Sequence[str], command: Sequence[str], mpi: bool,
-              master_addr: str, port: int, attempt: int, python: str = sys.executable) -> list[str]:
-    """The all-ranks step's argv (never a shell). torch mode wraps ``command`` in ``launch.rankenv``."""
-    argv = srun_argv(job_id=job_id, name=name, nodes=nodes, mpi=mpi)
+              master_addr: str, port: int, attempt: int, tasks_per_node: int = 1,
+              python: str = sys.executable) -> list[str]:
+    """The all-ranks step's argv (never a shell): G tasks on each of ``nodes``; torch
+    mode wraps ``command`` in ``launch.rankenv`` (the torchrun environment per task)."""
+    argv = srun_argv(job_id=job_id, name=name, nodes=nodes, tasks_per_node=tasks_per_node, mpi=mpi)
     if mpi:
         return [*argv, "--", *command]
     return [*argv, "--", python, "-m", "slurm_resilience.launch.rankenv", "--master-addr", master_addr,
@@ -125,7 +127,7 @@ class RelaunchExecutor:
         self.state = SupervisorState(
             job_id=job_id, phase=JobPhase.STARTING, table=RankTable(generation=0, slots=()),
             target_world=len(layout.workers), worker_nodes=layout.workers, spare_nodes=layout.spares,
-            addresses={n: launcher.address(n) for n in nodes})
+            addresses={n: launcher.address(n) for n in nodes}, tasks_per_node=config.job.tasks_per_node)
         self.step: _Step | None = None
 
     def run(self) -> int:
@@ -147,7 +149,7 @@ class RelaunchExecutor:
         next_probe = next_states = 0.0
         reachable: dict[str, bool | None] = {}
         states: dict[str, str] = {}
-        nodes = list(state.table.nodes)
+        nodes = list(state.table.node_list)
         while True:
             code = self.step.process.poll()
             now = time.monotonic()
@@ -188,11 +190,11 @@ class RelaunchExecutor:
     # -- adapters ------------------------------------------------------------------------
     def _launch(self, table: RankTable, attempt: int) -> _Step:
         name = f"sr-restart-{attempt}"
-        nodes = list(table.nodes)
+        nodes = list(table.node_list)
         master = master_node(nodes, self.allocation)
         argv = step_argv(job_id=self.job_id, name=name, nodes=nodes, command=self.command, mpi=self.mpi,
                          master_addr=self.launcher.address(master), port=master_port(self.job_id, attempt),
-                         attempt=attempt)
+                         attempt=attempt, tasks_per_node=table.tasks_per_node)
         log_path = os.path.join(self.job_dir, f"step-{attempt:03d}.log")
         fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         with os.fdopen(fd, "ab") as log:

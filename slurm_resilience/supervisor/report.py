@@ -45,7 +45,7 @@ def status_dict(state: SupervisorState, *, mode: str, retry_budget: int,
     return {
         "job_id": state.job_id, "mode": mode, "requeue_count": state.requeue_count,
         "supervisor_pid": os.getpid(), "phase": state.phase.name, "generation": state.table.generation,
-        "recoveries": state.recoveries, "relaunches": state.relaunches, "nodes": list(state.table.nodes),
+        "recoveries": state.recoveries, "relaunches": state.relaunches, "nodes": list(state.table.node_list),
         "excluded": sorted(state.excluded), "fault_retries_used": state.fault_retries_used,
         "retry_budget": retry_budget, **({"endpoints": dict(endpoints)} if endpoints else {}),
         # a slot whose launch failed (or relaunch mode) has no worker record: pid None, step 0
@@ -53,8 +53,10 @@ def status_dict(state: SupervisorState, *, mode: str, retry_budget: int,
                    "pid": getattr(workers.get(s.worker_id), "pid", None),
                    "step": getattr(workers.get(s.worker_id), "step", 0)}
                   for s in state.table.slots],
+        "tasks_per_node": state.tasks_per_node,
+        # one entry per warm standby (a spare node holds G of them)
         "spares": ([{"node": n, "worker_id": wid, "pid": getattr(workers.get(wid), "pid", None)}
-                    for n, wid in state.standbys.items()] if mode == "online" else
+                    for n, wids in state.standbys.items() for wid in wids] if mode == "online" else
                    [{"node": n, "worker_id": None, "pid": None} for n in state.free_spares(Mode.RELAUNCH)]),
         "t": time.time(),
     }

@@ -114,7 +114,9 @@ class SupervisorState:
     worker_nodes: tuple[str, ...]
     spare_nodes: tuple[str, ...]
     addresses: Mapping[str, str]
-    standbys: Mapping[str, str] = dataclasses.field(default_factory=dict)  # node -> worker id
+    tasks_per_node: int = 1  # G: ranks per node, warm standbys per spare node
+    device: str = "cpu"  # "cuda": rank r uses cuda:LOCAL_RANK
+    standbys: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)  # node -> G worker ids
     excluded: frozenset[str] = frozenset()
     returning: frozenset[str] = frozenset()
     workers: Mapping[str, WorkerRecord] = dataclasses.field(default_factory=dict)
@@ -139,14 +141,14 @@ class SupervisorState:
         w = self.workers.get(worker_id) if worker_id else None
         if w is None or w.dead:
             return False
-        return self.slot_of(worker_id) is not None or self.standbys.get(w.node) == worker_id
+        return self.slot_of(worker_id) is not None or worker_id in self.standbys.get(w.node, ())
 
     def watched_nodes(self) -> list[str]:
         return sorted(n for n in set(self.table.nodes) | set(self.standbys) if n not in self.excluded)
 
     def free_spares(self, mode: Mode) -> list[str]:
-        """Spare nodes usable now: online, those with a warm standby (adopting one costs no
-        process start); relaunch, any spare node not in use and not excluded."""
+        """Spare nodes usable now: online, those with G warm standbys (adopting them costs
+        no process start); relaunch, any spare node not in use and not excluded."""
         if mode is Mode.ONLINE:
             return [n for n in self.standbys if n not in self.excluded]
         used = set(self.table.nodes)
@@ -172,7 +174,8 @@ class SupervisorState:
             "job_id": self.job_id, "phase": self.phase.name, "table": self.table.to_dict(),
             "target_world": self.target_world, "worker_nodes": list(self.worker_nodes),
             "spare_nodes": list(self.spare_nodes), "addresses": dict(self.addresses),
-            "standbys": dict(self.standbys), "excluded": sorted(self.excluded),
+            "tasks_per_node": self.tasks_per_node, "device": self.device,
+            "standbys": {n: list(w) for n, w in self.standbys.items()}, "excluded": sorted(self.excluded),
             "returning": sorted(self.returning),
             "workers": [dataclasses.asdict(w) | {"role": w.role.value} for w in self.workers.values()],
             "fault_retries_used": self.fault_retries_used, "requeue_count": self.requeue_count,
@@ -193,7 +196,8 @@ class SupervisorState:
             job_id=str(d["job_id"]), phase=phase, table=RankTable.from_dict(d["table"]),
             target_world=int(d["target_world"]), worker_nodes=tuple(d["worker_nodes"]),
             spare_nodes=tuple(d["spare_nodes"]), addresses=dict(d["addresses"]),
-            standbys=dict(d["standbys"]), excluded=frozenset(d["excluded"]),
+            tasks_per_node=int(d.get("tasks_per_node", 1)), device=str(d.get("device", "cpu")),
+            standbys={n: tuple(w) for n, w in d["standbys"].items()}, excluded=frozenset(d["excluded"]),
             returning=frozenset(d["returning"]), workers=workers,
             fault_retries_used=int(d["fault_retries_used"]), requeue_count=int(d["requeue_count"]),
             relaunches=int(d.get("relaunches", 0)), recoveries=int(d["recoveries"]),

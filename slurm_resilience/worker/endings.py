@@ -7,12 +7,14 @@ persisting and aborting raise :class:`~slurm_resilience.errors.JobEnded`, which
 
 from __future__ import annotations
 
+import hashlib
 import io
 import logging
 import os
 import sys
 from typing import Any, Callable, NoReturn
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -44,10 +46,16 @@ class Endings:
         checkpoint still in flight, and a fault seen while we drain must not start a
         recovery that needs that peer.)"""
         st = self._state
+        state = st.state_dict()
         if group.rank == 0:
-            save_private(st.state_dict(), os.path.join(self._env.job_dir, "final.pt"))
+            save_private(state, os.path.join(self._env.job_dir, "final.pt"))
         self._store.set(StoreKey.DONE.of(group.rank), str(st.step))
-        self._emit(WorkerEvent.DONE, step=st.step)
+        # every rank's final state is checkable, not only rank 0's (one digest per rank) over
+        # what training produced: not Python's and NumPy's global RNGs, which user code seeds
+        # (or not) as it likes — the toolkit restores them but cannot make them agree across runs
+        trained = {k: state[k] for k in ("step", "position", "objects", "extras")}
+        trained["torch_rng"] = state["rng"]["torch"]
+        self._emit(WorkerEvent.DONE, step=st.step, digest=state_digest(trained))
         if not self._checkpoints.wait(timeout=self._drain_s):
             log.warning("rank %d: checkpoints still in flight at exit were abandoned", group.rank)
 
@@ -79,6 +87,38 @@ class Endings:
         print(f"slurm_resilience: job aborted: {plan.reason}; state at step {st.step} kept in {where}",
               file=sys.stderr)
         raise JobEnded(EXIT_ABORTED, f"aborted: {plan.reason}")
+
+
+def state_digest(state: Any) -> str:
+    """SHA-256 over a state tree: tensors and arrays by dtype, shape and bytes (numpy's
+    repr would elide a long RNG state); other values by repr; dict keys sorted. Equal
+    digests mean bit-identical states."""
+    h = hashlib.sha256()
+
+    def walk(x: Any) -> None:
+        if isinstance(x, torch.Tensor):
+            t = x.detach().cpu().contiguous()
+            h.update(f"T{t.dtype}{tuple(t.shape)}".encode())
+            h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        elif isinstance(x, np.ndarray):
+            h.update(f"A{x.dtype}{x.shape}".encode())
+            h.update(np.ascontiguousarray(x).tobytes())
+        elif isinstance(x, dict):
+            h.update(b"{")
+            for k in sorted(x, key=repr):
+                h.update(repr(k).encode())
+                walk(x[k])
+            h.update(b"}")
+        elif isinstance(x, (list, tuple)):
+            h.update(b"[")
+            for v in x:
+                walk(v)
+            h.update(b"]")
+        else:
+            h.update(repr(x).encode())
+
+    walk(state)
+    return h.hexdigest()
 
 
 def save_private(state: dict[str, Any], path: str) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import os
 import sys
 import time
 from typing import TYPE_CHECKING, Callable, NoReturn
@@ -17,7 +18,7 @@ from typing import TYPE_CHECKING, Callable, NoReturn
 import torch.distributed as dist
 
 from ..errors import JobEnded, StepAborted
-from ..model import RankSlot
+from ..model import RankSlot, RankTable
 from ..protocol import Plan, PlanAction, Role, StoreKey, WorkerEvent, WorkerEnv
 from .parking import ParkingLot
 from .reconnect import Generation
@@ -59,6 +60,15 @@ def admit(plan: Plan, worker_id: str, role: Role, has_joined: bool) -> Admission
     if slot_of(plan, worker_id) is None:
         return Admission.FENCED if role is Role.RANK or has_joined else Admission.WAIT
     return Admission.JOIN
+
+
+def torchrun_environ(table: RankTable, rank: int) -> dict[str, str]:
+    """Pure: torchrun's variables for ``rank`` of ``table`` (set in the rank's environment
+    at every join, so library code that reads them sees this generation's values)."""
+    slot = table.slots[rank]
+    return {"RANK": str(rank), "WORLD_SIZE": str(table.world_size), "LOCAL_RANK": str(slot.local_rank),
+            "LOCAL_WORLD_SIZE": str(table.tasks_per_node), "GROUP_RANK": str(table.group_rank(rank)),
+            "SR_DEVICE": slot.device}
 
 
 def slot_of(plan: Plan, worker_id: str) -> RankSlot | None:
@@ -160,6 +170,7 @@ class Membership:
             timeout_s=self._cfg.pg_timeout_s, poll_ms=self._cfg.poll_interval_ms,
             interrupted=lambda: self._store.check([nxt]),
         )
+        os.environ.update(torchrun_environ(plan.table, slot.rank))
         self._checkpoints.bind(rank=slot.rank, world_size=plan.table.world_size, nodes=plan.table.nodes,
                                transfer=self._transfer_factory(plan, slot.rank))
         self._hb.update(generation=plan.generation, rank=slot.rank)

@@ -138,6 +138,16 @@ class Session:
         return self._group.world_size
 
     @property
+    def local_rank(self) -> int:
+        """This rank's slot on its node (its GPU: ``cuda:local_rank``)."""
+        return self._p.members.plan.table.slots[self.rank].local_rank
+
+    @property
+    def local_world_size(self) -> int:
+        """Ranks per node (G)."""
+        return self._p.members.plan.table.tasks_per_node
+
+    @property
     def generation(self) -> int:
         return self._p.members.plan.generation
 

@@ -27,10 +27,10 @@ class LocalJob:
                  step_time: float = STEP_TIME, checkpoint: dict | None = None,
                  job_name: str = "job", local_dir: Path | None = None,
                  recovery: dict | None = None, detect: dict | None = None,
-                 extra_args: tuple[str, ...] = (), script: Path = TRAIN) -> None:
+                 extra_args: tuple[str, ...] = (), script: Path = TRAIN, tasks_per_node: int = 1) -> None:
         cfg = load_config({
             "reconnect": {"gloo_ifname": "lo"},
-            "job": {"nodes": nodes, "spares": spares},
+            "job": {"nodes": nodes, "spares": spares, "tasks_per_node": tasks_per_node},
             "checkpoint": {"local_dir": str((local_dir or root / "local") / "{node}/ckpt"),
                            **(checkpoint or {})},
             "recovery": recovery or {},
@@ -100,6 +100,11 @@ class LocalJob:
             if step.process.poll() is None:
                 step.process.kill()
                 step.process.wait(timeout=10)
+
+
+def rank_digests(job: LocalJob) -> dict[int, str]:
+    """Each rank's final-state digest (from its ``done`` event), by rank."""
+    return {e["rank"]: e["digest"] for e in job.events() if e["kind"] == "rank_done"}
 
 
 def final_state(job: LocalJob) -> dict:

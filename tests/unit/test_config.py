@@ -95,7 +95,7 @@ def test_wrong_type(doc, want):
     [
         ({"job": {"nodes": 0}}, "job.nodes=0 must be >= 1"),
         ({"job": {"spares": -1}}, "job.spares=-1 must be >= 0"),
-        ({"job": {"tasks_per_node": 2}}, "tasks_per_node=2 is not supported yet: use 1"),
+        ({"job": {"tasks_per_node": 0}}, "job.tasks_per_node=0 must be >= 1: one rank per GPU of a node"),
         ({"job": {"time_limit": "1h"}}, "job.time_limit='1h' is not a Slurm time"),
         ({"job": {"job_dir": ""}}, "job.job_dir is empty"),
         ({"detect": {"heartbeat_period_s": 0}}, "detect.heartbeat_period_s=0.0 must be > 0 and <= 0.5"),

@@ -44,7 +44,7 @@ def kinds(acts):
 
 def suspect(state, rank=None, node=None, standby=False, **flags):
     if standby:
-        wid = state.standbys[node]
+        wid = state.standbys[node][0]
     else:
         wid = state.table.slots[rank].worker_id
     return m.Suspects((m.Suspect(worker_id=wid, t=1.0, **flags),))
@@ -74,7 +74,7 @@ def test_start_launches_ranks_and_standbys_and_publishes_generation_0():
     assert plan.generation == 0 and plan.action is PlanAction.RUN and plan.table.nodes == WORKERS
     launches = of(acts, m.Launch)
     assert [(a.node, a.role) for a in launches] == [(n, Role.RANK) for n in WORKERS] + [("n5", Role.STANDBY)]
-    assert state.standbys == {"n5": launches[-1].worker_id} and state.phase is JobPhase.RUNNING
+    assert state.standbys == {"n5": (launches[-1].worker_id,)} and state.phase is JobPhase.RUNNING
     assert EventKind.JOB_START in kinds(acts)
     assert len({a.worker_id for a in launches}) == 4  # ids never repeat
 
@@ -111,7 +111,7 @@ def test_hung_rank_is_killed_before_its_restart():
 def test_node_lost_adopts_the_standby_and_isolates_the_node():
     p = policy()
     state, _ = started(p)
-    standby = state.standbys["n5"]
+    standby = state.standbys["n5"][0]
     state, acts = decide(state, lost(state, 1), 1.0, p)
     assert of(acts, m.Isolate) == [m.Isolate("n3", "DOWN", "slurm_resilience job 7: node_lost")]
     plan = of(acts, m.Publish)[0].plan
@@ -337,3 +337,82 @@ def test_a_spare_whose_standby_died_is_not_handed_out_cold():
     assert state.standbys == {} and "n5" not in state.excluded
     state, acts = decide(state, lost(state, 1), 2.0, p)
     assert state.recovery.level == "scale-in" and "n5" not in of(acts, m.Publish)[0].plan.table.nodes
+
+
+# ---------------------------------------------------------------- several ranks per node (G = 2)
+
+def started_g2(p=None, spares=SPARES):
+    p = p or policy()
+    state = dataclasses.replace(fresh(spares=spares), tasks_per_node=2)
+    return decide(state, m.Start(), 0.0, p)
+
+
+def test_g2_start_places_two_ranks_per_node_and_two_standbys_per_spare():
+    state, acts = started_g2()
+    t = state.table
+    assert t.world_size == 6 and t.node_list == WORKERS and t.tasks_per_node == 2
+    assert [(s.node, s.local_rank) for s in t.slots[:4]] == [("n2", 0), ("n2", 1), ("n3", 0), ("n3", 1)]
+    assert len(state.standbys["n5"]) == 2 and len(of(acts, m.Launch)) == 8
+
+
+def test_g2_node_loss_moves_both_ranks_to_the_spare_in_one_incident():
+    p = policy()
+    state, _ = started_g2(p)
+    warm = state.standbys["n5"]
+    survivors = [s.worker_id for s in state.table.slots if s.node != "n3"]
+    state, acts = decide(state, lost(state, 2), 1.0, p)  # rank 2 is n3's local rank 0
+    plan = of(acts, m.Publish)[0].plan
+    assert [(s.rank, s.node, s.local_rank, s.worker_id) for s in plan.table.slots[2:4]] == \
+        [(2, "n5", 0, warm[0]), (3, "n5", 1, warm[1])]
+    assert [s.worker_id for s in plan.table.slots if s.node != "n5"] == survivors  # survivors keep ranks
+    assert plan.joining == (2, 3) and not of(acts, m.Launch) and state.recovery.level == "node-replacement"
+    # the node's other rank, seen a moment later, is not a second incident
+    old_n3 = [w for w in state.workers.values() if w.node == "n3" and w.role is Role.RANK]
+    assert len(old_n3) == 2 and all(w.dead for w in old_n3)
+    state2, acts2 = decide(state, m.Suspects((m.Suspect(worker_id=old_n3[-1].worker_id, t=1.1,
+                                                        process_exited=True),)), 1.1, p)
+    assert acts2 == [] and state2.recovery.number == state.recovery.number
+
+
+def test_g2_one_local_rank_killed_restarts_only_that_rank():
+    p = policy()
+    state, _ = started_g2(p)
+    before = [s.worker_id for s in state.table.slots]
+    state, acts = decide(state, killed(state, 3), 1.0, p)
+    plan = of(acts, m.Publish)[0].plan
+    after = [s.worker_id for s in plan.table.slots]
+    assert [i for i, (a, b) in enumerate(zip(before, after)) if a != b] == [3]
+    assert plan.table.slots[3].node == "n3" and plan.table.slots[3].local_rank == 1
+    assert [a.node for a in of(acts, m.Launch)] == ["n3"] and not of(acts, m.Isolate)
+
+
+def test_g2_scale_in_drops_a_whole_node():
+    p = policy()
+    state, _ = started_g2(p, spares=())
+    state, acts = decide(state, lost(state, 3), 1.0, p)
+    t = of(acts, m.Publish)[0].plan.table
+    assert t.world_size == 4 and t.node_list == ("n2", "n4") and [s.local_rank for s in t.slots] == [0, 1, 0, 1]
+
+
+def test_g2_min_world_counts_ranks_not_nodes():
+    p = policy(min_world_size=5, max_requeues=0)
+    state, _ = started_g2(p, spares=())
+    _, acts = decide(state, lost(state, 0), 1.0, p)  # 6 - 2 = 4 < 5
+    assert acts[-1].code == EXIT_FAILED and "below min_world_size=5" in acts[-1].error
+
+
+def test_g2_a_dead_standby_takes_its_spare_node_out_of_the_pool():
+    p = policy()
+    state, _ = started_g2(p)
+    other = state.standbys["n5"][1]
+    state, acts = decide(state, suspect(state, node="n5", standby=True, process_exited=True,
+                                        slurmd_reachable=True), 1.0, p)
+    assert state.standbys == {} and m.Kill(other) in acts
+
+
+def test_g2_relaunch_node_loss_keeps_two_tasks_per_node():
+    p = policy(Mode.RELAUNCH)
+    state, _ = started_g2(p)
+    state, acts = decide(state, rfaults(state, node_lost("n3")), 1.0, p)
+    table = of(acts, m.Relaunch)[0].table
+    assert table.node_list == ("n2", "n5", "n4") and table.tasks_per_node == 2

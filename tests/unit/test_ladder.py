@@ -25,7 +25,7 @@ def expected(inp: LadderInput) -> Level:
     ok = {
         Level.ONLINE: inp.online,
         Level.PROCESS_RESTART: inp.relaunch,
-        Level.NODE_REPLACEMENT: inp.spares_left >= inp.lost,
+        Level.NODE_REPLACEMENT: inp.spares_left >= inp.lost_nodes,
         Level.SCALE_IN: inp.scale_in and inp.world_size - inp.lost >= inp.min_world_size,
         Level.REQUEUE: inp.requeues_used < inp.max_requeues,
     }
@@ -109,6 +109,6 @@ def test_shrink_then_grow_keeps_survivor_order():
     t = RankTable(generation=3, slots=tuple(RankSlot(rank=i, node=f"n{i}", worker_id=f"w{i}") for i in range(4)))
     s = shrink(t, [1])
     assert [x.node for x in s.slots] == ["n0", "n2", "n3"] and [x.rank for x in s.slots] == [0, 1, 2]
-    g = grow(s, "n1", "w9", {"n1": "10.0.0.1"})
+    g = grow(s, "n1", ["w9"], {"n1": "10.0.0.1"})
     assert g.generation == s.generation + 1 and g.slots[-1].rank == 3 and g.slots[-1].worker_id == "w9"
     assert g.slots[-1].address == "10.0.0.1"

@@ -19,7 +19,7 @@ def test_initial_table():
     t = _t(3)
     assert t.generation == 0 and t.nodes == ("n0", "n1", "n2")
     assert [s.worker_id for s in t.slots] == ["w0", "w1", "w2"]
-    assert t.slots[2].address == "10.0.0.2" and t.slots[0].device == "cuda"
+    assert t.slots[2].address == "10.0.0.2" and t.slots[0].device == "cuda:0"
 
 
 def test_initial_table_errors():
@@ -40,7 +40,7 @@ def test_regenerate_replaces_and_restarts_in_place():
     assert new.slots[1].address == "10.0.0.9" and new.slots[1].worker_id == "x"
     assert new.slots[3].worker_id == "y"
     assert new.slots[0] == t.slots[0] and new.slots[2] == t.slots[2]
-    assert new.slots[1].device == "cuda"
+    assert new.slots[1].device == "cuda:0"
 
 
 @pytest.mark.parametrize(
@@ -119,3 +119,67 @@ def test_write_table(tmp_path):
     assert open(latest).read() == t1.to_json()
     assert stat.S_IMODE(os.stat(p1).st_mode) == 0o600
     assert sorted(os.listdir(d)) == ["ranktable-gen0000.json", "ranktable-gen0001.json", "ranktable.json"]
+
+
+# ---------------------------------------------------------------- several ranks per node
+
+@st.composite
+def node_scenario(draw):
+    g = draw(st.integers(1, 4))
+    n = draw(st.integers(1, 6))
+    workers = [f"n{i}" for i in range(n)]
+    table = initial_table(workers, [f"w{i}" for i in range(n * g)], ADDR, device="cuda", tasks_per_node=g)
+    events = draw(st.lists(st.tuples(st.sampled_from(["lose", "restart", "shrink"]), st.integers(0, 10**6)),
+                           max_size=6))
+    return table, events
+
+
+@settings(max_examples=200, deadline=None)
+@given(node_scenario())
+def test_node_moves_restarts_and_shrinks_keep_the_node_invariants(sc):
+    """Every slot filled once, survivors keep their rank and worker, a node's G ranks stay
+    together with local ranks 0..G-1, no node holds ranks of two node slots."""
+    from slurm_resilience.supervisor.ranktable import shrink
+
+    table, events = sc
+    g = table.tasks_per_node
+    free = [f"n{i}" for i in range(20, 40)]
+    counter = 0
+    for kind, pick in events:
+        node = table.node_list[pick % len(table.node_list)]
+        ranks = table.ranks_on(node)
+        if kind == "lose" and free:
+            spare = free.pop(0)
+            reps = []
+            for r in ranks:
+                counter += 1
+                reps.append(Replacement(rank=r, old_node=node, new_node=spare, new_worker_id=f"s{counter}"))
+            new = regenerate(table, reps, ADDR)
+            assert new.ranks_on(spare) == ranks and not new.ranks_on(node)
+        elif kind == "restart":
+            r = ranks[pick % g]
+            counter += 1
+            new = regenerate(table, [Replacement(rank=r, old_node=node, new_node=node, new_worker_id=f"s{counter}")],
+                             ADDR)
+            assert [s.worker_id != o.worker_id for s, o in zip(new.slots, table.slots)].count(True) == 1
+        elif kind == "shrink" and len(table.node_list) > 1:
+            new = shrink(table, ranks)
+            assert new.world_size == table.world_size - g and node not in new.node_list
+            kept = [s.worker_id for s in table.slots if s.node != node]
+            assert [s.worker_id for s in new.slots] == kept
+        else:
+            continue
+        assert [s.rank for s in new.slots] == list(range(new.world_size))
+        assert new.tasks_per_node == g and all(s.device == f"cuda:{s.local_rank}" for s in new.slots)
+        assert all(new.group_rank(s.rank) == new.node_list.index(s.node) for s in new.slots)
+        table = new
+
+
+def test_a_node_must_move_whole():
+    t = initial_table(["n0", "n1"], ["a", "b", "c", "d"], ADDR, tasks_per_node=2)
+    with pytest.raises(RankTableError):  # only local rank 1 of n1 moves: n9 would start at local rank 1
+        regenerate(t, [Replacement(rank=3, old_node="n1", new_node="n9", new_worker_id="x")], ADDR)
+    from slurm_resilience.supervisor.ranktable import shrink
+
+    with pytest.raises(RankTableError):
+        shrink(t, [2])  # half a node

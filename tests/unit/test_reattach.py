@@ -89,12 +89,12 @@ def test_state_file_round_trip_is_private_and_keeps_the_event_position(tmp_path)
     state = SupervisorState(job_id="9", phase=JobPhase.RECOVERING, table=table, target_world=3,
                             worker_nodes=("n1", "n2", "n3"), spare_nodes=("n4",),
                             addresses={n: "127.0.0.1" for n in ("n1", "n2", "n3", "n4")},
-                            standbys={"n4": "n4.4"}, workers=workers, fault_retries_used=1, recoveries=2,
+                            standbys={"n4": ("n4.4",)}, workers=workers, fault_retries_used=1, recoveries=2,
                             next_id=4, excluded=frozenset({"n5"}))
     reattach.save(str(tmp_path), state, events_seen=5)
     assert (tmp_path / reattach.STATE_FILE).stat().st_mode & 0o777 == 0o600
     back, seen, written = reattach.load(str(tmp_path))
-    assert seen == 5 and written > 0 and back.table == table and back.standbys == {"n4": "n4.4"}
+    assert seen == 5 and written > 0 and back.table == table and back.standbys == {"n4": ("n4.4",)}
     assert back.workers["n2.2"].pid == 101 and back.fault_retries_used == 1 and back.recoveries == 2
     assert back.excluded == {"n5"} and back.next_id == 4
     assert back.phase is JobPhase.RUNNING  # an in-flight recovery's bookkeeping is not kept

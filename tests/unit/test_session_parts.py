@@ -338,3 +338,12 @@ def test_membership_joins_a_world_of_one_and_parks_the_group_on_leave():
     m.leave()
     assert m.group is None and m.where() == (0, None) and len(m._parking) == 1
     m._parking.close()
+
+
+def test_torchrun_environ_for_two_ranks_per_node():
+    from slurm_resilience.supervisor.ranktable import initial_table
+    from slurm_resilience.worker.membership import torchrun_environ
+
+    t = initial_table(["a", "b"], ["w0", "w1", "w2", "w3"], {"a": "1", "b": "2"}, device="cuda", tasks_per_node=2)
+    assert torchrun_environ(t, 3) == {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
+                                      "GROUP_RANK": "1", "SR_DEVICE": "cuda:1"}
