@@ -3,6 +3,10 @@
 Reads RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT (set by torchrun,
 or by ``slurm-resilience run``), trains a small deterministic MLP data-parallel on
 gloo, saves its own snapshot every 10 steps and resumes from it when relaunched.
+Runs the same with one rank per node or G per node (``torchrun --nproc_per_node=G``,
+``slurm-resilience run --tasks-per-node G``). ``--out final.pt`` is rank 0's final
+state; ``--out final-{rank}.pt`` has every rank write its own, with the torchrun
+variables it ran under, so each rank's end state can be checked.
 Deterministic by construction: data chosen by global sample index, one flat SUM
 all-reduce of the gradients, one thread; so a relaunched run ends with the same
 bits as one that never failed.
@@ -42,7 +46,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=16, help="samples per rank per step")
     ap.add_argument("--step-time", type=float, default=0.1, help="extra seconds per step (emulated compute)")
     ap.add_argument("--ckpt", required=True, help="directory of the snapshot (shared by all ranks)")
-    ap.add_argument("--out", required=True, help="final state, written by rank 0")
+    ap.add_argument("--out", required=True,
+                    help="final state, written by rank 0; with {rank} in it, by every rank")
     args = ap.parse_args()
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -83,8 +88,14 @@ def main() -> None:
             save_atomic({"step": step + 1, "model": model.state_dict(), "optimizer": opt.state_dict()},
                         snapshot)
             print(f"step {step + 1} loss {loss.item():.5f} (snapshot)", flush=True)
-    if rank == 0:
-        save_atomic({"step": args.steps, "model": model.state_dict(), "optimizer": opt.state_dict()}, args.out)
+    final = {"step": args.steps, "model": model.state_dict(), "optimizer": opt.state_dict()}
+    if "{rank}" in args.out:
+        torchrun = ("RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "WORLD_SIZE")
+        final["env"] = {k: os.environ.get(k) for k in torchrun}
+        final["host"] = os.environ.get("SLURMD_NODENAME") or os.uname().nodename  # where it ran
+        save_atomic(final, args.out.format(rank=rank))
+    elif rank == 0:
+        save_atomic(final, args.out)
     dist.barrier()
     dist.destroy_process_group()
 

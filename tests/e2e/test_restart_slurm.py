@@ -3,10 +3,14 @@
 `slurm-resilience run` (3 nodes + 1 spare) with a node killed mid-run: the step
 is relaunched with the spare in the lost node's slot, the program resumes from its
 own snapshot, and its final weights equal those of a fault-free run of the same
-program (torchrun-style on gloo: torch.equal; mpi4py: np.array_equal).
+program (torchrun-style on gloo: torch.equal; mpi4py: np.array_equal). With two
+ranks per node (`--tasks-per-node 2`: 3 nodes x 2 ranks + a spare), the lost node's
+two ranks come back on the spare and every rank's final state is compared.
 """
 
+import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -28,10 +32,13 @@ ENV = {"GLOO_SOCKET_IFNAME": "lo", "OMPI_MCA_btl": "self,tcp",
        "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
 
 
-def _run(root: Path, example: Path, steps: int, *, mpi: bool, spares: int = 1) -> tuple[subprocess.Popen, Path]:
-    out = root / ("final.npy" if mpi else "final.pt")
+def _run(root: Path, example: Path, steps: int, *, mpi: bool, spares: int = 1,
+         tasks_per_node: int = 1) -> tuple[subprocess.Popen, Path]:
+    """``tasks_per_node`` > 1: every rank writes its own final state (``final-{rank}.pt``)."""
+    out = root / ("final.npy" if mpi else "final.pt" if tasks_per_node == 1 else "final-{rank}.pt")
     argv = [sys.executable, "-m", "slurm_resilience.cli", "run", "--wait", "--nodes", "3",
-            "--spares", str(spares), "--job-dir", str(root / "job"), *(["--mpi"] if mpi else []),
+            "--spares", str(spares), "--tasks-per-node", str(tasks_per_node),
+            "--job-dir", str(root / "job"), *(["--mpi"] if mpi else []),
             "--", sys.executable, str(example), "--steps", str(steps), "--ckpt", str(root / "ckpt"),
             "--out", str(out)]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -107,6 +114,52 @@ def test_torchrun_script_node_loss_relaunches_on_spare_identical(cluster, jobs_r
         assert torch.equal(tensor, got["model"][name]), name
     for a, b in zip(ref["optimizer"]["state"].values(), got["optimizer"]["state"].values()):
         assert torch.equal(a["momentum_buffer"], b["momentum_buffer"])
+
+
+G2 = 2  # ranks per node: 3 worker nodes x 2 = 6 ranks; the spare n5 takes a lost node's 2
+
+
+@pytest.fixture(scope="module")
+def torch_reference_g2(slurm_cluster, jobs_root) -> Path:
+    lab.cluster("reset")
+    proc, out = _run(jobs_root / "torchrun-g2-ref", TORCH_EXAMPLE, 40, mpi=False, tasks_per_node=G2)
+    assert _finish(proc, jobs_root / "torchrun-g2-ref") == 0, proc.output
+    return out
+
+
+def _rank_finals(pattern: Path, world: int) -> list[dict]:
+    import torch
+
+    return [torch.load(str(pattern).format(rank=r), weights_only=False) for r in range(world)]
+
+
+@pytest.mark.timeout(480)  # two runs of 6 ranks (torch imports) on the 2-core box
+def test_torchrun_two_ranks_per_node_node_loss_resumes_on_spare_identical(cluster, jobs_root, torch_reference_g2):
+    import torch
+
+    root = jobs_root / "torchrun-g2-node-loss"
+    proc, out = _run(root, TORCH_EXAMPLE, 40, mpi=False, tasks_per_node=G2)
+    victim = _kill_after_first_snapshot(root, "snapshot.pt")  # the 2nd worker node: ranks 2 and 3
+    assert _finish(proc, root) == 0, proc.output
+    _check_recovered(root, victim)
+    # rank 0 of the relaunched step: all 6 ranks back, from a snapshot (10, 20 or 30)
+    assert re.search(r"world 6, from step [1-3]0\b", (root / "job" / "step-001.log").read_text())
+    world = 3 * G2
+    placed = [r["node"] for r in json.loads((root / "job" / "status.json").read_text())["ranks"]]
+    assert len(placed) == world and placed.count("n5") == G2 and victim not in placed
+    refs, gots = _rank_finals(torch_reference_g2, world), _rank_finals(out, world)
+    for rank, (ref, got) in enumerate(zip(refs, gots)):
+        env = got["env"]  # the torchrun variables rank `rank` ran under, after the relaunch
+        assert env["RANK"] == str(rank) and env["WORLD_SIZE"] == str(world) and env["LOCAL_WORLD_SIZE"] == str(G2)
+        assert (int(env["GROUP_RANK"]), int(env["LOCAL_RANK"])) == divmod(rank, G2), env
+        assert got["host"] == placed[rank], (rank, got["host"], placed)  # where the rank table says
+        assert got["step"] == ref["step"] == 40
+        for name, tensor in ref["model"].items():
+            assert torch.equal(tensor, got["model"][name]), (rank, name)
+        ref_opt, got_opt = ref["optimizer"]["state"], got["optimizer"]["state"]
+        assert ref_opt.keys() == got_opt.keys()
+        for key in ref_opt:
+            assert torch.equal(ref_opt[key]["momentum_buffer"], got_opt[key]["momentum_buffer"]), (rank, key)
 
 
 def test_mpi_program_node_loss_relaunches_on_spare_identical(cluster, jobs_root, mpi_reference):
