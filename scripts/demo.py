@@ -58,9 +58,14 @@ def main() -> int:
         return 1
 
     diffs = lab.compare_states(ref.job_dir / "final.pt", run.job_dir / "final.pt")
+    ref_ranks, run_ranks = lab.rank_digests(ref.job_dir), lab.rank_digests(run.job_dir)
+    differing_ranks = sorted(r for r in set(ref_ranks) | set(run_ranks) if ref_ranks.get(r) != run_ranks.get(r))
+    if len(run_ranks) != 4 * g:
+        differing_ranks.append(f"{len(run_ranks)} of {4 * g} ranks reported a final state")
     summary = lab.summarize(run.job_dir, fault_at)
     summary.update(weights_identical=not diffs, killed_node=victim, lost_ranks=lost, fault_at=fault_at,
-                   tasks_per_node=g, world_size=4 * g,
+                   tasks_per_node=g, world_size=4 * g, ranks_identical=not differing_ranks,
+                   differing_ranks=differing_ranks,
                    reference_dir=str(ref.job_dir), job_dir=str(run.job_dir),
                    differing_tensors=diffs[:20])
     print("== recovery timeline (from the fault)")
@@ -71,9 +76,11 @@ def main() -> int:
               f"{ck['overhead_pct']:.3f}% of training time; {ck['failed']} failed")
     print(f"== final weights {'bit-identical' if not diffs else 'DIFFER: ' + ', '.join(diffs[:5])}"
           " to the fault-free run (model + optimizer state, torch.equal)")
+    print(f"== every rank's final state ({len(run_ranks)} ranks, SHA-256 of each): "
+          f"{'identical' if not differing_ranks else 'DIFFER: ' + ', '.join(map(str, differing_ranks[:8]))}")
     (out / "demo-summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(f"summary: {out / 'demo-summary.json'}")
-    return 0 if not diffs else 1
+    return 0 if not diffs and not differing_ranks else 1
 
 
 if __name__ == "__main__":

@@ -112,6 +112,14 @@ def compare_states(a: Path, b: Path) -> list[str]:
     return diffs
 
 
+def rank_digests(job_dir: Path) -> dict[int, str]:
+    """Each rank's final-state digest (its ``done`` event), by rank: comparing two runs'
+    digests compares every rank's final state, not only rank 0's ``final.pt``."""
+    events = read_events(str(Path(job_dir) / "events.jsonl"))
+    return {e["rank"]: e["digest"] for e in events
+            if e["kind"] == WorkerEvent.DONE.logged and "digest" in e}
+
+
 def _compare(x: Any, y: Any, path: str, diffs: list[str]) -> None:
     import torch
 
