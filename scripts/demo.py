@@ -36,6 +36,7 @@ def main() -> int:
 
     shape = f"4 nodes x {g} ranks + 1 spare" if g > 1 else "4 nodes + 1 spare"
     print(f"== fault-free reference run ({shape})", flush=True)
+    lab.cluster("reset")  # a node killed earlier (a test, a previous demo) is revived first
     ref = lab.submit(out / f"reference-{stamp}", steps=args.steps, tasks_per_node=g)
     if ref.wait() != 0:
         print(ref.output(), file=sys.stderr)
