@@ -22,6 +22,7 @@ from .protocol import EventKind, RecoveryPhase, WorkerEvent
 REPO = Path(__file__).resolve().parents[1]
 LOCAL_CLUSTER = REPO / "scripts" / "local-cluster"
 EXAMPLE = REPO / "examples" / "train_mlp.py"
+ZERO_EXAMPLE = REPO / "examples" / "train_zero.py"  # ZeRO-style sharded optimizer state
 LOCAL_CONFIG = REPO / "examples" / "local-cluster.yaml"
 
 
@@ -80,7 +81,7 @@ class JobRun:
 
 def submit(job_dir: Path, *, nodes: int = 4, spares: int = 1, tasks_per_node: int = 1, steps: int = 40,
            step_time: float = 0.05, config: Path | None = LOCAL_CONFIG,
-           extra_args: Sequence[str] = (), hetjob: bool = False) -> JobRun:
+           extra_args: Sequence[str] = (), hetjob: bool = False, script: Path = EXAMPLE) -> JobRun:
     """``hetjob``: submit as a heterogeneous job (supervisor component + worker component).
     ``tasks_per_node``: G ranks on each of the ``nodes`` worker nodes, G standbys per spare."""
     argv = [sys.executable, "-m", "slurm_resilience.cli", "submit", "--wait",
@@ -90,7 +91,7 @@ def submit(job_dir: Path, *, nodes: int = 4, spares: int = 1, tasks_per_node: in
         argv.append("--hetjob")
     if config is not None:
         argv += ["--config", str(config)]
-    argv += ["--", sys.executable, str(EXAMPLE), "--steps", str(steps),
+    argv += ["--", sys.executable, str(script), "--steps", str(steps),
              "--step-time", str(step_time), *extra_args]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     return JobRun(job_dir=Path(job_dir), process=proc)

@@ -76,3 +76,77 @@ def test_g2_hung_local_rank_is_recovered(job_factory, reference_g2):
         os.kill(victim["pid"], signal.SIGCONT) if os.path.exists(f"/proc/{victim['pid']}") else None
     _same_as(job, reference_g2)
     assert _levels(job) == ["online"], job.diag()
+
+
+CKPT = {"local_every": 5, "shared_every_kth": 1, "shared_keep": 20, "local_keep": 20}
+
+
+def _run(job):
+    try:
+        assert job.wait(240) == 0, job.diag()
+    finally:
+        job.kill_leftovers()
+    return job
+
+
+@pytest.mark.timeout(400)
+def test_g2_scale_in_by_a_whole_node_reshards_6_to_4_exactly(tmp_path):
+    """No spare: a node of 2 ranks is lost; the ZeRO-style momentum slices of all 6 ranks
+    come from the newest complete checkpoint, resharded to 4 ranks; the run ends equal to
+    a fresh 4-rank (2 nodes x 2) job started from the same step (the docs' definition)."""
+    import shutil
+    from pathlib import Path
+
+    from slurm_resilience.checkpoint import manifest as mf
+    from slurm_resilience.checkpoint.hdf5_format import shard_crc32
+
+    from .localjob import STEPS, ZERO, assert_bit_identical
+
+    a = LocalJob(tmp_path, nodes=3, spares=0, script=ZERO, checkpoint=CKPT, job_name="a", tasks_per_node=G).start()
+    st = a.wait_for_step(INJECT_AFTER + 6)
+    a.launcher.fail_node(st["ranks"][2]["node"])
+    _run(a)
+    assert _levels(a) == ["scale-in"]
+    resharded = [e for e in a.events() if e["kind"] == "rank_restored" and e.get("resharded")]
+    assert len(resharded) == 4 and len({e["step"] for e in resharded}) == 1, resharded
+    step = resharded[0]["step"]
+    assert a.status()["tasks_per_node"] == G and len(a.status()["ranks"]) == 4
+
+    dst = tmp_path / "b" / "checkpoints"
+    shards = {}
+    for r in range(3 * G):  # rank r ran on local{r // G + 1}
+        src = mf.shard_path(str(tmp_path / "local" / f"local{r // G + 1}" / "ckpt"), step, r)
+        to = mf.shard_path(str(dst), step, r)
+        Path(to).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(src, to)
+        shards[r] = mf.ShardRecord(mf.shard_name(r), Path(to).stat().st_size, shard_crc32(to))
+    mf.write_manifest(str(dst), mf.Manifest(step=step, world_size=3 * G, tier="L2", shards=shards,
+                                            created=0.0, extra={}))
+    mf.set_latest(str(dst), step)
+    b = _run(LocalJob(tmp_path, nodes=2, spares=0, script=ZERO, checkpoint=CKPT, job_name="b",
+                      local_dir=tmp_path / "local-b", tasks_per_node=G).start())
+    assert {e["step"] for e in b.events() if e["kind"] == "rank_restored" and e.get("resharded")} == {step}
+    fa, fb = final_state(a), final_state(b)
+    assert fa["step"] == fb["step"] == STEPS
+    assert_bit_identical(fa["objects"], fb["objects"], "objects")
+    assert rank_digests(a) == rank_digests(b), "every rank's slice, not only rank 0's"
+
+
+@pytest.mark.timeout(400)
+def test_g2_xor_only_redundancy_survives_a_node_of_two_ranks(tmp_path):
+    """XOR groups never hold two ranks of one node: losing a node loses one member of
+    two groups, and both slices are rebuilt from parity."""
+    from .localjob import ZERO, assert_bit_identical
+
+    ckpt = {"local_every": 5, "local_redundancy": "xor", "local_xor_group_size": 3, "shared_every_kth": 0}
+    ref = _run(LocalJob(tmp_path, nodes=3, spares=0, script=ZERO, checkpoint=ckpt, job_name="ref",
+                        local_dir=tmp_path / "local-ref", tasks_per_node=G).start())
+    job = LocalJob(tmp_path, nodes=3, spares=1, script=ZERO, checkpoint=ckpt, job_name="job", tasks_per_node=G).start()
+    st = job.wait_for_step(INJECT_AFTER + 6)
+    job.launcher.fail_node(st["ranks"][2]["node"])
+    _run(job)
+    assert _levels(job) == ["node-replacement"]
+    rebuilt = sorted(r for e in job.events() if e["kind"] == "rank_checkpoint_rebuilt" for r in e["ranks"])
+    assert rebuilt == [2, 3], [e for e in job.events() if e["kind"] == "rank_checkpoint_rebuilt"]
+    assert_bit_identical(final_state(job)["objects"], final_state(ref)["objects"], "objects")
+    assert rank_digests(job) == rank_digests(ref)

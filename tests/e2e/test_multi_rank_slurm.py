@@ -1,0 +1,146 @@
+"""End to end on the real local Slurm with several ranks per node (G = 2): 4 worker
+nodes x 2 ranks + 1 spare node holding 2 warm standbys. Every rank's final state is
+compared (its digest, from its ``rank_done`` event), not only rank 0's ``final.pt``."""
+
+import os
+import shutil
+import signal
+
+import pytest
+import torch
+
+from slurm_resilience import lab
+from slurm_resilience.checkpoint import layout
+from slurm_resilience.checkpoint import manifest as mf
+from slurm_resilience.events import read_events
+
+from .conftest import STEPS
+
+pytestmark = [pytest.mark.slurm, pytest.mark.timeout(420)]
+
+G = 2
+KILL_AT = 12
+
+
+def _events(job_dir, kind=None):
+    return [e for e in read_events(str(job_dir / "events.jsonl")) if kind is None or e["kind"] == kind]
+
+
+def _levels(run):
+    return [e["level"] for e in _events(run.job_dir, "recovery_done")]
+
+
+@pytest.fixture(scope="module")
+def reference_g2(slurm_cluster, jobs_root):
+    lab.cluster("reset")
+    run = lab.submit(jobs_root / "reference-g2", tasks_per_node=G, steps=STEPS)
+    assert run.wait() == 0, run.output()
+    digests = lab.rank_digests(run.job_dir)
+    assert sorted(digests) == list(range(4 * G)), digests
+    assert not _events(run.job_dir, "recovery_start")
+    table = _events(run.job_dir, "plan")[0]
+    assert len(table["nodes"]) == 8 and len(set(table["nodes"])) == 4  # two ranks on each node
+    return run.job_dir / "final.pt", digests
+
+
+def _same_as(run, reference):
+    final, digests = reference
+    assert lab.compare_states(final, run.job_dir / "final.pt") == []
+    assert lab.rank_digests(run.job_dir) == digests
+
+
+def test_g2_node_killed_finishes_on_the_spare_bit_identical(cluster, jobs_root, reference_g2):
+    run = lab.submit(jobs_root / "g2-node-loss", tasks_per_node=G, steps=STEPS)
+    st = run.wait_for_step(KILL_AT)
+    victim = st["ranks"][2]["node"]  # ranks 2 and 3
+    spare = st["spares"][0]["node"]
+    survivors = {r["rank"]: r["pid"] for r in st["ranks"] if r["node"] != victim}
+    lab.kill_node(victim)
+    assert run.wait() == 0, run.output()
+    _same_as(run, reference_g2)
+    assert _levels(run) == ["node-replacement"]
+    assert _events(run.job_dir, "plan")[-1]["nodes"][2:4] == [spare, spare]
+    final = run.status
+    assert {r["rank"]: r["pid"] for r in final["ranks"] if r["rank"] in survivors} == survivors
+
+
+def test_g2_one_local_rank_killed_only_it_restarts(cluster, jobs_root, reference_g2):
+    run = lab.submit(jobs_root / "g2-rank-kill", tasks_per_node=G, steps=STEPS)
+    st = run.wait_for_step(KILL_AT)
+    victim = st["ranks"][5]  # local rank 1 of node index 2
+    others = {r["rank"]: r["pid"] for r in st["ranks"] if r["rank"] != 5}
+    os.kill(victim["pid"], signal.SIGKILL)  # a process this test's job started
+    assert run.wait() == 0, run.output()
+    _same_as(run, reference_g2)
+    assert _levels(run) == ["online"]
+    final = run.status
+    assert final["ranks"][5]["node"] == victim["node"] and final["ranks"][5]["pid"] != victim["pid"]
+    assert {r["rank"]: r["pid"] for r in final["ranks"] if r["rank"] != 5} == others  # its node-mate kept
+
+
+def test_g2_hung_local_rank_is_recovered(cluster, jobs_root, reference_g2):
+    run = lab.submit(jobs_root / "g2-rank-hang", tasks_per_node=G, steps=STEPS)
+    st = run.wait_for_step(KILL_AT)
+    victim = st["ranks"][6]
+    os.kill(victim["pid"], signal.SIGSTOP)
+    try:
+        assert run.wait() == 0, run.output()
+    finally:
+        try:
+            os.kill(victim["pid"], signal.SIGCONT)
+        except ProcessLookupError:
+            pass  # it was killed by the recovery
+    _same_as(run, reference_g2)
+    assert _levels(run) == ["online"]
+    assert any(e["fault"]["kind"] == "process_hung" for e in _events(run.job_dir, "fault_detected"))
+
+
+def test_g2_no_spare_scales_in_by_a_node_and_reshards_8_to_6(cluster, jobs_root, tmp_path):
+    """A: 4 nodes x 2 ranks, no spare, ZeRO-style sharded momentum; a node is lost: the
+    world shrinks by G and every slice comes from the newest complete L2 checkpoint,
+    resharded 8 -> 6. B: a fresh 3-node job started from that same L2 checkpoint.
+    They must end bit-identical (the docs' definition at a changed world size)."""
+    cfg = tmp_path / "zero.yaml"
+    cfg.write_text(lab.LOCAL_CONFIG.read_text().replace("shared_every_kth: 2", "shared_every_kth: 1")
+                   .replace("local_every: 10", "local_every: 5"))
+    a = lab.submit(jobs_root / "g2-scale-in-a", spares=0, tasks_per_node=G, steps=STEPS, config=cfg,
+                   script=lab.ZERO_EXAMPLE)
+    st = a.wait_for_step(KILL_AT)
+    lab.kill_node(st["ranks"][2]["node"])
+    assert a.wait() == 0, a.output()
+    assert _levels(a) == ["scale-in"]
+    resharded = [e for e in _events(a.job_dir, "rank_restored") if e.get("resharded") and e["generation"] > 0]
+    assert len(resharded) == 6 and len({e["step"] for e in resharded}) == 1, resharded
+    step = resharded[0]["step"]
+    assert step >= 5 and a.status["tasks_per_node"] == G and len(a.status["ranks"]) == 6
+
+    b_dir = jobs_root / "g2-scale-in-b"
+    src, dst = layout.job_checkpoints(str(a.job_dir)), layout.job_checkpoints(str(b_dir))
+    shutil.copytree(layout.step_dir(src, step), layout.step_dir(dst, step))
+    mf.set_latest(dst, step)
+    b = lab.submit(b_dir, nodes=3, spares=0, tasks_per_node=G, steps=STEPS, config=cfg, script=lab.ZERO_EXAMPLE)
+    assert b.wait() == 0, b.output()
+    assert {e["step"] for e in _events(b.job_dir, "rank_restored") if e.get("resharded")} == {step}
+    assert lab.compare_states(a.job_dir / "final.pt", b.job_dir / "final.pt") == []
+    assert lab.rank_digests(a.job_dir) == lab.rank_digests(b.job_dir)  # every rank's slice
+    assert torch.load(a.job_dir / "final.pt", weights_only=False)["step"] == STEPS
+
+
+def test_g2_xor_only_redundancy_with_a_node_lost(cluster, jobs_root, tmp_path):
+    """No partner copy, no shared tier: the lost node's two momentum slices are rebuilt
+    from XOR parity (groups never hold two ranks of one node); bit-identical."""
+    cfg = tmp_path / "xor.yaml"
+    cfg.write_text(lab.LOCAL_CONFIG.read_text().replace("shared_every_kth: 2", "shared_every_kth: 0")
+                   .replace("local_every: 10", "local_every: 5")
+                   + "  local_redundancy: xor\n  local_xor_group_size: 4\n")
+    ref = lab.submit(jobs_root / "g2-xor-ref", tasks_per_node=G, steps=STEPS, config=cfg, script=lab.ZERO_EXAMPLE)
+    assert ref.wait() == 0, ref.output()
+    run = lab.submit(jobs_root / "g2-xor", tasks_per_node=G, steps=STEPS, config=cfg, script=lab.ZERO_EXAMPLE)
+    st = run.wait_for_step(KILL_AT)
+    lab.kill_node(st["ranks"][2]["node"])
+    assert run.wait() == 0, run.output()
+    assert _levels(run) == ["node-replacement"]
+    rebuilt = sorted(r for e in _events(run.job_dir, "rank_checkpoint_rebuilt") for r in e["ranks"])
+    assert rebuilt == [2, 3], _events(run.job_dir, "rank_checkpoint_rebuilt")
+    assert lab.compare_states(ref.job_dir / "final.pt", run.job_dir / "final.pt") == []
+    assert lab.rank_digests(run.job_dir) == lab.rank_digests(ref.job_dir)
