@@ -39,7 +39,7 @@ from . import manifest as mf
 from .hdf5_format import flatten_state, read_shard, unflatten_state, verify_shard
 from .intervals import IntervalEstimator
 from .lustre import LustreStriping, Striping
-from .persist import Job, Lazy, first_line, persist_local, persist_shared
+from .persist import Job, Lazy, first_line, persist_local, persist_shared, prune_local
 from .tiers import Redundancy, TierSpec, base_tier, tier_for_step
 from .xor_rebuild import rebuild_tier
 
@@ -59,6 +59,7 @@ class _Rebuild:
     transfer: Any
     rank: int
     nodes: tuple[str, ...]
+    owners: dict[str, tuple[int, ...]]
     done: threading.Event = dataclasses.field(default_factory=threading.Event)
     result: list[tuple[int, int, bool]] = dataclasses.field(default_factory=list)
 
@@ -86,6 +87,7 @@ class CheckpointEngine:
         self._counts: dict[str, int] = {}
         self.estimator = IntervalEstimator(mtbf_s=mtbf_s) if any(s.auto for s in self.specs) else None
         self.rank, self.world_size, self.nodes, self._transfer = 0, 1, (node,), None
+        self._owners = self._root_owners()
         self.stats: list[dict[str, float]] = []
         self.failures: list[tuple[int, str]] = []  # (step, why) of checkpoints not committed
         self._verified: dict[str, tuple[int, int, int]] = {}  # path -> stat key of a verified shard
@@ -104,7 +106,13 @@ class CheckpointEngine:
         off the recovery's critical path.
         """
         self.rank, self.world_size, self.nodes = rank, world_size, tuple(nodes)
+        self._owners = self._root_owners()
         self._transfer = Lazy(transfer) if transfer is not None else None
+
+    def _root_owners(self) -> dict[str, tuple[int, ...]]:
+        """Node-local tier -> the rank owning each rank's root (the G ranks of a node share one)."""
+        return {s.name: layout.root_owners(s, self.nodes, job_id=self.job_id, job_dir=self.job_dir)
+                for s in self.specs if s.storage == "local"}
 
     @property
     def needs_agreement(self) -> bool:
@@ -162,7 +170,8 @@ class CheckpointEngine:
         disk = [n for n in tiers if self._spec(n).storage != "memory"]
         if disk:
             buf.busy = True
-            self._queue.put(Job(step, disk, buf, self._transfer, self.rank, self.world_size, self.nodes))
+            self._queue.put(Job(step, disk, buf, self._transfer, self.rank, self.world_size, self.nodes,
+                                self._owners))
         if self.estimator is not None:
             self.estimator.observe_checkpoint(stall)
         self._emit("checkpoint_saved", step=step, tiers=tiers, stall_ms=round(stall * 1000, 3))
@@ -235,7 +244,7 @@ class CheckpointEngine:
             self._emit("checkpoint_durable", step=job.step, tier=name, seconds=round(dt, 4),
                        bytes=nbytes)
             if spec.storage == "local":
-                mf.prune(root, keep_last=spec.keep)
+                prune_local(spec, root, job)  # the root's owner only: node-mates never race
 
     def _stripe_new_dir(self, spec: TierSpec, directory: str) -> None:
         """Writer thread, rank 0: stripe a new step directory of a shared tier on Lustre.
@@ -271,7 +280,7 @@ class CheckpointEngine:
         if self._transfer is None or self.world_size == 1 or not self._thread.is_alive() or \
                 not any(s.redundancy is Redundancy.XOR for s in self.specs):
             return []
-        job = _Rebuild(self._transfer, self.rank, self.nodes)
+        job = _Rebuild(self._transfer, self.rank, self.nodes, self._owners)
         self._queue.put(job)
         job.done.wait()
         return job.result
@@ -282,10 +291,15 @@ class CheckpointEngine:
                 t0 = time.perf_counter()
                 plan, out = rebuild_tier(job.transfer.get(), root=self.root(spec, job.rank), tier=spec.name,
                                          rank=job.rank, nodes=job.nodes, group_size=spec.group_size,
-                                         limit=spec.keep, verify=self._verify)
+                                         limit=spec.keep, verify=self._verify, owners=job.owners[spec.name])
                 job.result += [(plan.step, r, ok) for r, ok in out]
-                self._emit("checkpoint_rebuilt", tier=spec.name, plan=plan.why, ranks=[r for r, ok in out if ok],
-                           failed=[r for r, ok in out if not ok], seconds=round(time.perf_counter() - t0, 4))
+                # the outcome is the same on every rank: rank 0's event carries it, so a job's
+                # log names each rebuilt rank once; the others report the plan and their time
+                mine = job.rank == 0
+                self._emit("checkpoint_rebuilt", tier=spec.name, plan=plan.why,
+                           ranks=[r for r, ok in out if ok] if mine else [],
+                           failed=[r for r, ok in out if not ok] if mine else [],
+                           seconds=round(time.perf_counter() - t0, 4))
         except Exception as exc:  # reported; restore falls back to other copies
             log.warning("XOR rebuild failed: %s", exc)
             self._emit("checkpoint_rebuild_failed", error=first_line(exc))

@@ -3,7 +3,9 @@
 One tree per tier root; a tier root is the tier's path template filled in for
 this job and rank (:func:`expand_path`)::
 
-    ROOT/                               expand_path(spec, job_id=, node=, rank=, job_dir=)
+    ROOT/                               expand_path(spec, job_id=, node=, rank=, job_dir=);
+                                        shared by the G ranks of a node, owned by the
+                                        lowest of them (root_owners)
       latest                            latest_path: "100\\n", moved only after the manifest
       step-00000100/                    step_dir (8+ digits; only the canonical name counts)
         rank-00003.h5                   shard_path: one HDF5 shard per rank
@@ -29,7 +31,7 @@ from __future__ import annotations
 
 import os
 import re
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Sequence
 
 from ..errors import ConfigError
 
@@ -43,6 +45,7 @@ __all__ = [
     "JOB_CHECKPOINTS",
     "TEMP_SUFFIX",
     "expand_path",
+    "root_owners",
     "job_checkpoints",
     "resolve_root",
     "step_dir_name",
@@ -82,6 +85,23 @@ def expand_path(spec: "TierSpec", **values: Any) -> str:
         return spec.path.format_map(values)
     except KeyError as exc:
         raise ConfigError(f"tier {spec.name!r}: path {spec.path!r} needs a value for {{{exc.args[0]}}}") from None
+
+
+def root_owners(spec: "TierSpec", nodes: Sequence[str], **values: Any) -> tuple[int, ...]:
+    """Pure: for every rank, the lowest rank whose tier root of ``spec`` is the same directory.
+
+    ``nodes[r]`` is rank r's node; ``values`` the other placeholders (job_id, job_dir).
+    A node-local root is per node (``{node}`` in its path), so the G ranks of a node
+    share it and the node's lowest rank owns it; with ``{rank}`` in the path every
+    rank owns its own. The owner alone writes the root's manifests and ``latest``
+    and prunes it (docs/checkpoints.md, "Several ranks per node").
+
+    Raises:
+        ConfigError: as :func:`expand_path`.
+    """
+    first: dict[str, int] = {}
+    return tuple(first.setdefault(expand_path(spec, **values, node=node, rank=r), r)
+                 for r, node in enumerate(nodes))
 
 
 def job_checkpoints(job_dir: str) -> str:

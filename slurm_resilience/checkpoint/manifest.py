@@ -16,6 +16,7 @@ leaves an incomplete directory, never a manifest without shards.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -339,7 +340,9 @@ def prune(
 
     A complete step loses its manifest first (becoming incomplete), then its
     directory, so a crash mid-prune never leaves a manifest without shards.
-    Run it from one process per root, after ``set_latest``.
+    Run it from one process per root (the root's owner), after ``set_latest``;
+    a file or directory that is already gone (another ``prune``, ``ckpt prune``)
+    is not an error: the goal, its absence, holds.
 
     Raises:
         ConfigError: invalid ``keep_last`` or ``keep_every``.
@@ -350,11 +353,18 @@ def prune(
     for step in doomed:
         try:
             if step in complete:
-                os.unlink(manifest_path(root, step))
-                fsync_dir(step_dir(root, step))
-            shutil.rmtree(step_dir(root, step))
+                with contextlib.suppress(FileNotFoundError):  # already gone: no longer complete either way
+                    os.unlink(manifest_path(root, step))
+                    fsync_dir(step_dir(root, step))
+            shutil.rmtree(step_dir(root, step), onerror=_gone_is_fine)
         except OSError as e:
             raise CheckpointError(f"cannot delete step {step} under {root}: {e}") from e
     if doomed:
         fsync_dir(root)
     return doomed
+
+
+def _gone_is_fine(func: Any, path: str, exc_info: Any) -> None:
+    """``rmtree`` error hook: a path that vanished meanwhile is deleted; anything else raises."""
+    if not isinstance(exc_info[1], FileNotFoundError):
+        raise exc_info[1]

@@ -1,7 +1,9 @@
 """What the writer thread does for one checkpoint on one disk tier: write, protect, vote, commit.
 
     persist_local    L1: shard (atomic, checksummed) → PARTNER copy exchange or XOR
-                     parity → vote → manifest → ``latest``
+                     parity → vote (every rank's size and checksum) → the root's
+                     owner: manifest listing the root's ranks, ``latest`` → barrier
+    prune_local      L1, after the commit: the root's owner alone applies retention
     persist_shared   L2: rank 0 creates the step directory (on Lustre: striped, once)
                      → barrier → shard (the L1 file's bytes when there) → vote →
                      rank 0: manifest with every rank's size and checksum, ``latest``,
@@ -11,7 +13,12 @@ Both are collective on the job's transfer group: every rank calls them for the s
 checkpoints in the same order (the engine's writer handles checkpoints in step
 order), so the collectives match. A rank whose write failed still takes part and
 votes failed; the checkpoint is then not committed anywhere (``CheckpointError``).
-Paths come from ``layout``.
+
+Several ranks may share one node-local root (the G ranks of a node): each writes
+only its own files (shard, parity row, the partner copies it receives); the
+root's owner (``layout.root_owners``, its lowest rank) writes the shared files —
+manifests and ``latest`` — and deletes old steps, so no two processes ever write
+or delete the same path. Paths come from ``layout``.
 """
 
 from __future__ import annotations
@@ -28,10 +35,11 @@ from . import layout
 from . import manifest as mf
 from .hdf5_format import shard_crc32, write_shard
 from .partner_tier import exchange_partner
+from .redundancy import partner_map
 from .tiers import Redundancy, TierSpec
-from .xor_tier import encode_step
+from .xor_tier import encode_step, gather_rows
 
-__all__ = ["Job", "Lazy", "gather", "persist_local", "persist_shared", "first_line"]
+__all__ = ["Job", "Lazy", "gather", "persist_local", "prune_local", "persist_shared", "first_line"]
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +55,7 @@ class Job:
     rank: int
     world_size: int
     nodes: tuple[str, ...]
+    owners: dict[str, tuple[int, ...]]  # node-local tier -> the owner of every rank's root
 
 
 class Lazy:
@@ -68,6 +77,13 @@ def gather(job: Job, value: int) -> list[int]:
     return job.transfer.get().all_gather_ints(int(value))
 
 
+def gather_table(job: Job, row: list[int]) -> list[list[int]]:
+    """Collective (transfer group): every rank's ``row`` (same length), in rank order; [row] alone."""
+    if job.transfer is None or job.world_size == 1:
+        return [list(row)]
+    return gather_rows(job.transfer.get(), row)
+
+
 def first_line(exc: BaseException) -> str:
     s = str(exc).strip()
     return (s.splitlines()[0] if s else type(exc).__name__)[:300]
@@ -85,39 +101,80 @@ def persist_local(spec: TierSpec, root: str, job: Job, state: Any,
     """Collective: write, protect and commit this rank's L1 shard; (its path, its size).
 
     Raises:
-        CheckpointError: some rank's shard or redundancy is not durable (nothing committed).
+        CheckpointError: some rank's shard or redundancy is not durable, or some
+            root's owner could not commit it (nothing committed on that root).
         StepAborted: a collective failed or a new generation was published.
     """
     path = layout.shard_path(root, job.step, job.rank)
-    ok, info, err = 1, None, ""
+    ok, nbytes, crc, parity, err = 1, 0, 0, 0, ""
     try:
         info = write_shard(path, state, attrs=attrs)
+        nbytes, crc = info.nbytes, info.crc32
     except (OSError, CheckpointError) as exc:
         ok, err = 0, first_line(exc)
-    copies: dict[int, mf.ShardRecord] = {}
-    extra: dict[str, Any] = {}
+    why = ""
     if spec.redundancy is Redundancy.PARTNER and job.world_size > 1:
-        copies = exchange_partner(job.transfer.get(), layout.partner_root(root), step=job.step,
-                                  rank=job.rank, nodes=job.nodes, path=path if ok else None)
+        why = exchange_partner(job.transfer.get(), layout.partner_root(root), step=job.step, rank=job.rank,
+                               nodes=job.nodes, shard=(path, nbytes, crc) if ok else None)
     elif spec.redundancy is Redundancy.XOR and job.world_size > 1:
-        size, why = encode_step(job.transfer.get(), root=root, step=job.step,
-                                rank=job.rank, nodes=job.nodes, group_size=spec.group_size,
-                                shard=(path, info.nbytes, info.crc32) if ok else None)
-        ok, err = (0, err or why) if why else (ok, err)
-        extra = {"xor": {"parity": layout.parity_name(job.rank), "nbytes": size}}
-    _check_votes(job, spec, gather(job, ok), err)
-    man = mf.Manifest(step=job.step, world_size=job.world_size, tier=spec.name,
-                      shards={job.rank: mf.ShardRecord(layout.shard_name(job.rank), info.nbytes, info.crc32)},
-                      created=time.time(), extra=extra)
-    mf.write_manifest(root, man)
-    if copies:  # the partner copies this node holds form a tier root of their own
-        proot = layout.partner_root(root)
-        mf.write_manifest(proot, mf.Manifest(step=job.step, world_size=job.world_size,
-                                             tier=f"{spec.name}-partner", shards=copies,
-                                             created=time.time(), extra={}))
-        mf.prune(proot, keep_last=spec.keep)
+        parity, why = encode_step(job.transfer.get(), root=root, step=job.step,
+                                  rank=job.rank, nodes=job.nodes, group_size=spec.group_size,
+                                  shard=(path, nbytes, crc) if ok else None)
+    if why:
+        ok, err = 0, err or why
+    table = gather_table(job, [ok, nbytes, crc, parity])  # the vote, with what the owners commit
+    _check_votes(job, spec, [row[0] for row in table], err)
+    owners = job.owners[spec.name]
+    committed = 1
+    if owners[job.rank] == job.rank:
+        try:
+            _commit_root(spec, root, job, [r for r, o in enumerate(owners) if o == job.rank], table)
+        except CheckpointError as exc:
+            committed, err = 0, first_line(exc)
+    done = gather(job, committed)  # nobody reports L1 durable before its root's owner committed
+    if not all(done):
+        raise CheckpointError(f"step {job.step} not committed on {spec.name}: the owners of the roots of ranks "
+                              f"{[r for r, o in enumerate(owners) if not done[o]]} failed"
+                              + (f" (here: {err})" if err else ""))
+    return path, nbytes
+
+
+def _commit_root(spec: TierSpec, root: str, job: Job, ranks: list[int], table: list[list[int]]) -> None:
+    """The root's owner, after the vote: the manifests of ``ranks`` (the ranks sharing
+    ``root``) and of the partner copies they hold, then ``latest``.
+
+    Raises:
+        CheckpointError: a shard is missing or the wrong size, or a file cannot be written.
+    """
+    record = lambda r: mf.ShardRecord(layout.shard_name(r), table[r][1], table[r][2])  # noqa: E731
+    extra: dict[str, Any] = {}
+    if spec.redundancy is Redundancy.XOR and job.world_size > 1:
+        extra = {"xor": {str(r): {"parity": layout.parity_name(r), "nbytes": table[r][3]} for r in ranks}}
+    mf.write_manifest(root, mf.Manifest(step=job.step, world_size=job.world_size, tier=spec.name,
+                                        shards={r: record(r) for r in ranks}, created=time.time(), extra=extra))
+    if spec.redundancy is Redundancy.PARTNER and job.world_size > 1:
+        held = {src for src, holder in enumerate(partner_map(job.nodes)) if holder in ranks}
+        if held:  # the partner copies this root holds form a tier root of their own
+            mf.write_manifest(layout.partner_root(root), mf.Manifest(
+                step=job.step, world_size=job.world_size, tier=f"{spec.name}-partner",
+                shards={r: record(r) for r in held}, created=time.time(), extra={}))
     mf.set_latest(root, job.step)
-    return path, info.nbytes
+
+
+def prune_local(spec: TierSpec, root: str, job: Job) -> list[int]:
+    """Retention of a node-local root after a commit, by the root's owner only (others: []).
+
+    One process per root deletes, so node-mates never race on a directory; a step
+    already gone is not an error (``manifest.prune``). Returns the steps deleted.
+
+    Raises:
+        CheckpointError: a step directory cannot be removed.
+    """
+    if job.owners[spec.name][job.rank] != job.rank:
+        return []
+    deleted = mf.prune(root, keep_last=spec.keep)
+    mf.prune(layout.partner_root(root), keep_last=spec.keep)
+    return deleted
 
 
 def persist_shared(spec: TierSpec, root: str, job: Job, state: Any, attrs: dict[str, Any],

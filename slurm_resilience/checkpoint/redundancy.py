@@ -4,7 +4,12 @@ Pure functions over rank -> node lists and group indices; the byte arithmetic is
 in ``xor_math``, and the engine moves the bytes.
 
 PARTNER: rank r also stores a full copy of rank ``partner_sources(r)``'s shards;
-its own copy lives with :func:`partner_of` ``(r)``, the next rank on another node.
+its own copy lives with :func:`partner_of` ``(r)``: the rank with the same local
+index on the next node (nodes in order of first appearance, cyclic). With G ranks
+on every node each rank holds exactly one copy, never one of its own node's::
+
+    nodes  a a | b b | c c          rank 0 -> 2, 1 -> 3, 2 -> 4, 3 -> 5, 4 -> 0, 5 -> 1
+    ranks  0 1 | 2 3 | 4 5          (one rank per node: r -> r + 1, cyclic)
 
 XOR (SCR-style RAID-5): :func:`xor_groups` splits the ranks into groups whose
 members sit on distinct nodes. In a group of n members every shard is zero-padded
@@ -37,6 +42,8 @@ from typing import Sequence
 from slurm_resilience.errors import CheckpointError
 
 __all__ = [
+    "ranks_by_node",
+    "partner_map",
     "partner_of",
     "partner_sources",
     "xor_groups",
@@ -54,23 +61,44 @@ def _check_rank(rank: int, nodes: Sequence[str]) -> None:
         raise CheckpointError(f"rank {rank} is not in 0..{len(nodes) - 1}")
 
 
-def partner_of(rank: int, nodes: Sequence[str]) -> int:
-    """The rank whose node holds ``rank``'s partner copy: the next rank (cyclic) on another node.
+def ranks_by_node(nodes: Sequence[str]) -> dict[str, list[int]]:
+    """node -> its ranks ascending, nodes in order of first appearance (``nodes[r]``: rank r's node)."""
+    out: dict[str, list[int]] = {}
+    for r, node in enumerate(nodes):
+        out.setdefault(node, []).append(r)
+    return out
 
-    ``nodes[r]`` is the host of rank r.
+
+def partner_map(nodes: Sequence[str]) -> list[int]:
+    """Pure: ``out[r]`` is the rank holding rank r's PARTNER copy, always on another node.
+
+    Local index k of node i sends to local index ``k mod G'`` of node i+1 (cyclic),
+    G' being that node's rank count: a bijection when every node has the same count.
+
+    Raises:
+        CheckpointError: every rank is on one node (no partner exists).
+    """
+    by_node = list(ranks_by_node(nodes).values())
+    if len(by_node) < 2:
+        raise CheckpointError(
+            f"PARTNER redundancy needs ranks on at least 2 nodes; all {len(nodes)} ranks are on {nodes[0]!r}"
+            if nodes else "PARTNER redundancy needs ranks on at least 2 nodes; there are no ranks")
+    out = [0] * len(nodes)
+    for i, ranks in enumerate(by_node):
+        nxt = by_node[(i + 1) % len(by_node)]
+        for k, r in enumerate(ranks):
+            out[r] = nxt[k % len(nxt)]
+    return out
+
+
+def partner_of(rank: int, nodes: Sequence[str]) -> int:
+    """The rank whose node holds ``rank``'s partner copy (:func:`partner_map`).
 
     Raises:
         CheckpointError: rank out of range, or every rank is on one node.
     """
     _check_rank(rank, nodes)
-    n = len(nodes)
-    for k in range(1, n):
-        other = (rank + k) % n
-        if nodes[other] != nodes[rank]:
-            return other
-    raise CheckpointError(
-        f"PARTNER redundancy needs ranks on at least 2 nodes; all {n} ranks are on {nodes[rank]!r}"
-    )
+    return partner_map(nodes)[rank]
 
 
 def partner_sources(rank: int, nodes: Sequence[str]) -> list[int]:
@@ -80,7 +108,7 @@ def partner_sources(rank: int, nodes: Sequence[str]) -> list[int]:
         CheckpointError: as :func:`partner_of`.
     """
     _check_rank(rank, nodes)
-    return [r for r in range(len(nodes)) if partner_of(r, nodes) == rank]
+    return [r for r, p in enumerate(partner_map(nodes)) if p == rank]
 
 
 # -- XOR groups ----------------------------------------------------------------
@@ -112,9 +140,7 @@ def xor_groups(nodes: Sequence[str], group_size: int) -> list[list[int]]:
         sizes.append(rest)
     elif rest == 1:
         sizes[-1] += 1
-    order: dict[str, list[int]] = {}
-    for r, node in enumerate(nodes):
-        order.setdefault(node, []).append(r)
+    order = ranks_by_node(nodes)
     seen = {node: i for i, node in enumerate(order)}  # first-appearance order
     left = {node: list(ranks) for node, ranks in order.items()}
     groups: list[list[int]] = []

@@ -11,8 +11,12 @@ Collective over the checkpoint transfer group, at restore time (SCR's
     move     survivors send the lost member n pieces per column round (their
              segments and parity rows, ``rebuild_sources``); it XORs them into
              the shard's segments and its own parity row       → execute
-    commit   the rebuilt shard is checked (every dataset CRC, the combined CRC
-             the survivors recorded), then parity, manifest, ``latest``
+    store    the rebuilt shard is checked (every dataset CRC, the combined CRC
+             the survivors recorded), then written with its parity row
+    commit   one all-reduce of (ok, size, checksum); the owner of each root
+             holding a rebuilt rank (``layout.root_owners``: one process per
+             node-local directory) merges them into the step's manifest, then
+             ``latest``; one all-gather of the owners' outcome
 
 Every rank reaches the same plan from the same gathered data, so the collectives
 match; a rank that cannot read its data still takes part (sending zeros) and
@@ -22,6 +26,7 @@ the rebuilt shard then fails its checksum instead of hanging anyone.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from typing import Any, Callable, Mapping, Sequence
 
@@ -39,6 +44,8 @@ from .xor_math import xor_into
 from .xor_tier import ROUND_BYTES, ParityHeader, gather_rows, group_of, pread_into, read_parity, rounds, write_parity
 
 __all__ = ["RebuildPlan", "plan_rebuild", "held_steps", "rebuild_tier"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,14 +102,15 @@ def held_steps(root: str, *, rank: int, group: Sequence[int], world_size: int, l
 
 
 def rebuild_tier(g: Any, *, root: str, tier: str, rank: int, nodes: Sequence[str], group_size: int,
-                 limit: int, verify: Callable[[str], list[str]],
+                 limit: int, verify: Callable[[str], list[str]], owners: Sequence[int] | None = None,
                  round_bytes: int = ROUND_BYTES) -> tuple[RebuildPlan, list[tuple[int, bool]]]:
     """Collective (transfer group): scan, agree and rebuild one XOR tier.
 
-    Every rank of the group must call it with the same ``nodes``, ``group_size``
-    and ``limit``; a missing rank makes a collective raise ``StepAborted`` on the
-    others. Returns the plan and [(lost rank, rebuilt and verified)], identical on
-    every rank.
+    Every rank of the group must call it with the same ``nodes``, ``group_size``,
+    ``limit`` and ``owners`` (``owners[r]``: the rank that owns rank r's root,
+    ``layout.root_owners``; default: every rank its own); a missing rank makes a
+    collective raise ``StepAborted`` on the others. Returns the plan and
+    [(lost rank, rebuilt, verified and committed)], identical on every rank.
 
     Raises:
         CheckpointError: no XOR grouping exists for ``nodes`` (same on every rank,
@@ -116,13 +124,52 @@ def rebuild_tier(g: Any, *, root: str, tier: str, rank: int, nodes: Sequence[str
     plan = plan_rebuild(groups, table)
     if plan.step is None or not plan.lost:
         return plan, []
-    error = _execute(g, plan, root=root, tier=tier, rank=rank, round_bytes=round_bytes)
-    ok = g.all_gather_ints(0 if error else 1)
-    return plan, [(r, bool(ok[r])) for r in sorted(plan.lost)]
+    owners = list(range(len(nodes))) if owners is None else list(owners)
+    error, record = _execute(g, plan, root=root, rank=rank, round_bytes=round_bytes)
+    rows = gather_rows(g, [0 if error else 1, *(record or (0, 0))])
+    committed = 1
+    mine = {r: rows[r] for r in plan.lost if owners[r] == rank and rows[r][0]}
+    if mine:
+        try:
+            _commit_rebuilt(root, tier, plan.step, g.world_size, mine, groups)
+        except CheckpointError as e:
+            committed = 0
+            log.warning("cannot commit rebuilt ranks %s: %s", sorted(mine), e)
+    done = g.all_gather_ints(committed)
+    return plan, [(r, bool(rows[r][0] and done[owners[r]])) for r in sorted(plan.lost)]
 
 
-def _execute(g: Any, plan: RebuildPlan, *, root: str, tier: str, rank: int, round_bytes: int) -> str:
-    """Collective: move the pieces and, on a lost rank, commit the shard. Returns "" or why it failed."""
+def _commit_rebuilt(root: str, tier: str, step: int, world_size: int,
+                    rebuilt: Mapping[int, Sequence[int]], groups: Sequence[Sequence[int]]) -> None:
+    """The root's owner: add the ``rebuilt`` ranks (rank -> (ok, size, crc)) to the step's
+    manifest, keeping the records of the root's other ranks, then ``latest``.
+
+    Raises:
+        CheckpointError: a shard is missing or the wrong size, or a file cannot be written.
+    """
+    try:
+        old = mf.read_manifest(root, step)
+    except CheckpointError:  # none yet (a replacement node's fresh disk) or unreadable: start over
+        old = None
+    keep = old is not None and old.world_size == world_size
+    shards = dict(old.shards) if keep else {}
+    extra = dict(old.extra) if keep else {}
+    xor = dict(extra.get("xor", {}))
+    for r, (_, length, crc) in rebuilt.items():
+        shards[r] = mf.ShardRecord(layout.shard_name(r), length, crc)
+        xor[str(r)] = {"parity": layout.parity_name(r), "group": group_of(r, groups), "rebuilt": True}
+    mf.write_manifest(root, mf.Manifest(step=step, world_size=world_size, tier=tier, shards=shards,
+                                        extra={**extra, "xor": xor}))
+    latest = mf.read_latest(root)
+    if latest is None or latest < step:
+        mf.set_latest(root, step)
+
+
+def _execute(g: Any, plan: RebuildPlan, *, root: str, rank: int,
+             round_bytes: int) -> tuple[str, tuple[int, int] | None]:
+    """Collective: move the pieces and, on a lost rank, store the verified shard and parity row.
+
+    Returns ("" or why it failed, (size, combined crc32) of the shard this rank stored or None)."""
     step = plan.step
     target = next((lost for lost, grp in plan.lost.items() if rank in grp and rank != lost), None)
     hdr = offset = None
@@ -154,8 +201,8 @@ def _execute(g: Any, plan: RebuildPlan, *, root: str, tier: str, rank: int, roun
             if fd >= 0:
                 os.close(fd)
     if lost and not error:
-        error = lost.commit(root, tier, step, g.world_size)
-    return error
+        error = lost.store(root, step)
+    return error, (lost.record if lost and not error else None)
 
 
 def _width(segment: int, c0: int, round_bytes: int) -> int:
@@ -239,8 +286,15 @@ class _Lost:
             xor_into(self.acc[j * self.seg + c0: j * self.seg + c0 + width], piece[j * width:(j + 1) * width])
         xor_into(self.row[c0:c0 + width], piece[(self.n - 1) * width:])
 
-    def commit(self, root: str, tier: str, step: int, world_size: int) -> str:
-        length, crc = self.hdr.lengths[self.member], self.hdr.shard_crc32[self.member]
+    @property
+    def record(self) -> tuple[int, int]:
+        """(size, combined crc32) of the lost shard, as the survivors recorded it."""
+        return self.hdr.lengths[self.member], self.hdr.shard_crc32[self.member]
+
+    def store(self, root: str, step: int) -> str:
+        """Write the rebuilt shard (checked) and its parity row; "" or why not. The
+        manifest is the root owner's (:func:`_commit_rebuilt`)."""
+        length, crc = self.record
         if self.acc[length:].any():
             return "rebuilt shard does not match the parity (padding not zero)"
         path = layout.shard_path(root, step, self.hdr.group[self.member])
@@ -254,16 +308,8 @@ class _Lost:
             hdr = dataclasses.replace(self.hdr, parity_crc32=crc32(self.row))
             rank = hdr.group[self.member]
             write_parity(layout.parity_path(root, step, rank), hdr, self.row)
-            man = mf.Manifest(step=step, world_size=world_size, tier=tier,
-                              shards={rank: mf.ShardRecord(layout.shard_name(rank), length, crc)},
-                              extra={"xor": {"parity": layout.parity_name(rank), "group": list(hdr.group),
-                                             "rebuilt": True}})
-            mf.write_manifest(root, man)
-            latest = mf.read_latest(root)
-            if latest is None or latest < step:
-                mf.set_latest(root, step)
         except (OSError, CheckpointError) as e:
-            return f"cannot commit the rebuilt shard: {e}"
+            return f"cannot store the rebuilt shard: {e}"
         return ""
 
 

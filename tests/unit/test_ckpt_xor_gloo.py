@@ -40,8 +40,9 @@ class Cluster:
     def __init__(self, root, nodes, *, gen, group_size=3, timeout_s=20.0, redundancy=Redundancy.XOR):
         self.root, self.nodes, self.gen = root, list(nodes), gen
         self.store = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=30), wait_for_workers=False)
-        self.table = RankTable(generation=gen, slots=tuple(RankSlot(rank=i, node=n, worker_id=f"w{i}")
-                                                           for i, n in enumerate(self.nodes)))
+        self.table = RankTable(generation=gen, slots=tuple(
+            RankSlot(rank=i, node=n, worker_id=f"w{i}", local_rank=self.nodes[:i].count(n))
+            for i, n in enumerate(self.nodes)))
         spec = TierSpec(name="L1", storage="local", interval_steps=1, redundancy=redundancy,
                         group_size=group_size, path=str(root) + "/{node}/l1", keep=2)
         self.events = [[] for _ in self.nodes]
@@ -106,7 +107,7 @@ def test_encode_then_rebuild_a_lost_node(tmp_path, small_rounds):
     for r, node in enumerate(nodes):
         l1 = str(tmp_path / node / "l1")
         man = mf.read_manifest(l1, 2)
-        assert man.extra["xor"]["parity"] == f"xor-{r:05d}.bin"
+        assert man.extra["xor"][str(r)]["parity"] == f"xor-{r:05d}.bin"
         hdr, _, row = xor_tier.read_parity(layout.parity_path(l1, 2, r))
         assert hdr.group == (0, 1, 2, 3) and hdr.member == r and hdr.step == 2
         assert len(row) * 3 >= max(hdr.lengths)  # a row is about a third of a shard

@@ -35,12 +35,13 @@ def test_partner_one_rank_per_node():
 
 
 def test_partner_several_ranks_per_node():
-    nodes = ["a", "a", "b", "b", "c", "c"]
-    assert [partner_of(r, nodes) for r in range(6)] == [2, 2, 4, 4, 0, 0]
-    assert partner_sources(2, nodes) == [0, 1]
-    assert partner_sources(3, nodes) == []
+    nodes = ["a", "a", "b", "b", "c", "c"]  # same local rank on the next node: one copy per rank
+    assert [partner_of(r, nodes) for r in range(6)] == [2, 3, 4, 5, 0, 1]
+    assert [partner_sources(r, nodes) for r in range(6)] == [[4], [5], [0], [1], [2], [3]]
     cyclic = ["a", "b", "a", "b"]
-    assert [partner_of(r, cyclic) for r in range(4)] == [1, 2, 3, 0]
+    assert [partner_of(r, cyclic) for r in range(4)] == [1, 0, 3, 2]
+    uneven = ["a", "a", "a", "b"]  # after an uneven scale-in: still another node, every copy once
+    assert [partner_of(r, uneven) for r in range(4)] == [3, 3, 3, 0]
 
 
 def test_partner_errors():
