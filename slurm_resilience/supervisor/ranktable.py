@@ -189,3 +189,19 @@ def grow(table: RankTable, node: str, worker_ids: Sequence[str], addresses: Mapp
                          device=slot_device(device, l), address=_address(addresses, node))
                 for l, wid in enumerate(worker_ids))
     return RankTable(generation=table.generation + 1, slots=(*table.slots, *new))
+
+
+def in_node_order(table: RankTable, order: Sequence[str]) -> RankTable:
+    """The same placement with nodes in ``order`` (ranks renumbered node-major, local
+    ranks kept). Relaunch mode: Slurm numbers a step's tasks in allocation order whatever
+    the order of ``-w``, so the table must say what Slurm will do.
+
+    Raises:
+        RankTableError: a node of the table is not in ``order``.
+    """
+    missing = [n for n in table.node_list if n not in order]
+    if missing:
+        raise RankTableError(f"node(s) {missing} not in the allocation order")
+    nodes = sorted(table.node_list, key=list(order).index)
+    slots = [table.slots[r] for n in nodes for r in table.ranks_on(n)]
+    return RankTable(generation=table.generation, slots=tuple(replace(s, rank=i) for i, s in enumerate(slots)))

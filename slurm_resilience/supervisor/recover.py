@@ -23,7 +23,7 @@ from .classify import classify_fault, is_node_fault
 from .ladder import FaultCase, LadderInput, Level, RecoveryPlan, choose_level, plan_recovery
 from .plans import abort, launch, move, publish, requeue
 from .messages import Action, Isolate, Kill, Relaunch, Say, StepFaults, Straggler, Suspects, emit
-from .ranktable import Replacement, grow as grow_table, regenerate, shrink
+from .ranktable import Replacement, grow as grow_table, in_node_order, regenerate, shrink
 from .state import Mode, Policy, Recovery, SupervisorState
 
 PROCESS_RESTART = Level.PROCESS_RESTART.value
@@ -232,6 +232,7 @@ def _relaunch(state: SupervisorState, table, reason: str) -> Decision:
     """Relaunch mode: the next all-ranks step (in place, or with spares in lost slots)."""
     attempt = state.relaunches + 1
     previous = list(state.table.node_list)
+    table = in_node_order(table, (*state.worker_nodes, *state.spare_nodes))  # Slurm's task order
     state = dataclasses.replace(state, table=table, relaunches=attempt)
     state, acts = move(state, JobPhase.RECOVERING, reason)
     acts += [emit(EventKind.RELAUNCH, attempt=attempt, nodes=list(table.node_list), previous=previous, reason=reason),

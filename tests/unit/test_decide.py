@@ -260,13 +260,14 @@ def node_lost(node):
 STEP_DIED = Fault(kind=FaultKind.PROCESS_DIED, rank=None, node="n[2-4]", time=1.0, detail="exit code 1")
 
 
-def test_relaunch_mode_node_lost_goes_to_the_spare_keeping_the_slot():
+def test_relaunch_mode_node_lost_goes_to_the_spare_in_allocation_order():
+    """Slurm numbers a step's tasks in allocation order, whatever -w says: so does the table."""
     p = policy(Mode.RELAUNCH)
     state, acts = started(p)
     assert [type(a) for a in acts if not isinstance(a, (m.Emit, m.Say, m.Phase))] == [m.Relaunch]
     state, acts = decide(state, rfaults(state, node_lost("n3")), 1.0, p)
     relaunch = of(acts, m.Relaunch)[0]
-    assert relaunch.table.nodes == ("n2", "n5", "n4") and relaunch.attempt == 1
+    assert relaunch.table.nodes == ("n2", "n4", "n5") and relaunch.attempt == 1
     assert of(acts, m.Isolate)[0].node == "n3" and state.phase is JobPhase.RUNNING
     assert not of(acts, m.Publish) and not of(acts, m.Launch)
 
@@ -276,7 +277,7 @@ def test_relaunch_mode_two_lost_two_spares_and_an_excluded_spare_is_skipped():
     state, _ = started(p, spares=("n5", "n6", "n7"))
     state = dataclasses.replace(state, excluded=frozenset({"n5"}))
     state, acts = decide(state, rfaults(state, node_lost("n2"), node_lost("n4")), 1.0, p)
-    assert of(acts, m.Relaunch)[0].table.nodes == ("n6", "n3", "n7")
+    assert of(acts, m.Relaunch)[0].table.nodes == ("n3", "n6", "n7")
 
 
 def test_relaunch_mode_process_death_relaunches_in_place_within_the_budget_then_fails():
@@ -415,4 +416,6 @@ def test_g2_relaunch_node_loss_keeps_two_tasks_per_node():
     state, _ = started_g2(p)
     state, acts = decide(state, rfaults(state, node_lost("n3")), 1.0, p)
     table = of(acts, m.Relaunch)[0].table
-    assert table.node_list == ("n2", "n5", "n4") and table.tasks_per_node == 2
+    assert table.node_list == ("n2", "n4", "n5") and table.tasks_per_node == 2
+    assert [(s.rank, s.node, s.local_rank) for s in table.slots[2:]] == [(2, "n4", 0), (3, "n4", 1), (4, "n5", 0),
+                                                                        (5, "n5", 1)]

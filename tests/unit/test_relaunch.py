@@ -188,7 +188,7 @@ def test_loop_node_lost_relaunches_on_spare(tmp_path, fake_srun, monkeypatch):
     assert _supervisor(tmp_path, launcher).run() == 0
     first, second = fake_srun()
     assert first["argv"][first["argv"].index("-w") + 1] == "n2,n3,n4" and first["restart"] == "0"
-    assert second["argv"][second["argv"].index("-w") + 1] == "n2,n5,n4" and second["restart"] == "1"
+    assert second["argv"][second["argv"].index("-w") + 1] == "n2,n4,n5" and second["restart"] == "1"
     assert "--restart" in second["argv"] and second["argv"][second["argv"].index("--restart") + 1] == "1"
     assert launcher.killed == ["sr-restart-0"]
     assert [i[:2] for i in launcher.isolated] == [("n3", "DOWN")]
@@ -197,7 +197,7 @@ def test_loop_node_lost_relaunches_on_spare(tmp_path, fake_srun, monkeypatch):
                                                                  "relaunch", "job_done"]
     assert _kinds(tmp_path).count("isolated") == 1
     status = json.loads((tmp_path / "job" / "status.json").read_text())
-    assert status["phase"] == "SUCCEEDED" and status["nodes"] == ["n2", "n5", "n4"]
+    assert status["phase"] == "SUCCEEDED" and status["nodes"] == ["n2", "n4", "n5"]  # allocation order
 
 
 @pytest.mark.timeout(30)
