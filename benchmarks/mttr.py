@@ -27,6 +27,7 @@ import argparse
 import json
 import os
 import signal
+import statistics
 import sys
 import tempfile
 import time
@@ -126,21 +127,37 @@ def main() -> int:
     ap.add_argument("--cases", default=",".join([*CASES, "baseline"]))
     ap.add_argument("--tasks-per-node", type=int, default=1, metavar="G",
                     help="ranks per worker node, for every case alike (G <= the local cluster's CPUs per node)")
+    ap.add_argument("--repeats", type=int, default=1, metavar="N",
+                    help="runs of every case alike (interleaved: case a, b, ..., then again); median/min/max")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
     if args.tasks_per_node < 1:
         ap.error(f"--tasks-per-node={args.tasks_per_node} must be >= 1")
+    if args.repeats < 1:
+        ap.error(f"--repeats={args.repeats} must be >= 1")
     root = Path(tempfile.mkdtemp(prefix="mttr-"))
+    runs: dict[str, list[dict]] = {}
+    for rep in range(args.repeats):  # interleaved, so a slow spell of the box hits every case alike
+        for name in args.cases.split(","):
+            case_root = root / f"r{rep}"
+            case_root.mkdir(exist_ok=True)
+            r = baseline(case_root, args) if name == "baseline" else run_case(name, case_root, args)
+            runs.setdefault(name, []).append(r)
+            print(f"{name:<18} run {rep + 1}/{args.repeats} {json.dumps(r)}", flush=True)
     results = {}
-    for name in args.cases.split(","):
-        results[name] = baseline(root, args) if name == "baseline" else run_case(name, root, args)
-        print(f"{name:<18} {json.dumps(results[name])}", flush=True)
+    for name, rs in runs.items():
+        ms = sorted(r["mttr_s"] for r in rs if r.get("mttr_s") is not None)
+        results[name] = {**rs[-1], "runs": rs, "mttr_s": statistics.median(ms) if ms else None,
+                         "mttr_min_s": ms[0] if ms else None, "mttr_max_s": ms[-1] if ms else None}
     base = results.get("baseline", {}).get("mttr_s")
-    print(f"\n{'level':<18}{'MTTR (s)':>10}{'vs baseline':>14}")
+    print(f"\n{'level':<18}{'median (s)':>11}{'min':>8}{'max':>8}{'vs baseline':>14}   (G={args.tasks_per_node}, "
+          f"{args.repeats} run(s) each)")
     for name, r in results.items():
         m = r.get("mttr_s")
         ratio = f"{base / m:10.1f}x" if base and m else ""
-        print(f"{name:<18}{m if m is not None else float('nan'):>10.3f}{ratio:>14}")
+        nan = float("nan")
+        print(f"{name:<18}{m if m is not None else nan:>11.3f}{r['mttr_min_s'] or nan:>8.3f}"
+              f"{r['mttr_max_s'] or nan:>8.3f}{ratio:>14}")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
     return 0
