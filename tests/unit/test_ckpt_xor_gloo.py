@@ -196,3 +196,90 @@ def test_partner_copies_over_the_same_groups(tmp_path):
         own = mf.shard_path(str(tmp_path / nodes[src] / "l1"), 2, src)
         assert open(copy, "rb").read() == open(own, "rb").read()
         assert mf.validate_step(proot, 2, deep=True) == []
+
+
+# -- several ranks per node (G = 2): one node-local directory per node --------------
+
+G2 = ["a", "a", "b", "b", "c", "c"]
+
+
+def test_g2_xor_node_of_two_ranks_is_rebuilt(tmp_path):
+    """Ranks 2k and 2k+1 share node k's directory: its manifest lists both, retention
+    (keep=2 over 5 steps) never fails a checkpoint, and losing node b rebuilds both of
+    its ranks from parity onto the replacement node d, bit-identical."""
+    c = Cluster(tmp_path, G2, gen=0, group_size=3)
+    try:
+        assert c.run(_save([1, 2, 3, 4, 5])) == {r: [] for r in range(6)}
+    finally:
+        c.close()
+    for k, node in enumerate("abc"):
+        l1 = str(tmp_path / node / "l1")
+        assert mf.complete_steps(l1) == [4, 5] and mf.read_latest(l1) == 5
+        assert sorted(mf.read_manifest(l1, 5).shards) == [2 * k, 2 * k + 1]
+        assert mf.validate_step(l1, 5, deep=True) == []
+        assert sorted(os.listdir(l1)) == ["latest", "step-00000004", "step-00000005"]
+    lost = {r: (tmp_path / "b" / "l1" / "step-00000005" / f"rank-{r:05d}.h5").read_bytes() for r in (2, 3)}
+    shutil.rmtree(tmp_path / "b")
+
+    c = Cluster(tmp_path, ["a", "a", "d", "d", "c", "c"], gen=1, group_size=3)
+    try:
+        rebuilt = c.run(lambda r, eng: eng.rebuild_missing())
+        best = c.run(lambda r, eng: eng.best())
+    finally:
+        c.close()
+    assert all(v == [(5, 2, True), (5, 3, True)] for v in rebuilt.values()), rebuilt
+    d = str(tmp_path / "d" / "l1")
+    assert sorted(mf.read_manifest(d, 5).shards) == [2, 3] and mf.read_latest(d) == 5
+    for r in (2, 3):
+        assert best[r] == (5, "L1", mf.shard_path(d, 5, r))
+        assert open(mf.shard_path(d, 5, r), "rb").read() == lost[r]
+    events = [f for r in range(6) for k, f in c.events[r] if k == "checkpoint_rebuilt"]
+    assert len(events) == 6 and {f["plan"] for f in events} == {"step 5: rebuild ranks [2, 3]"}
+    assert sorted(r for f in events for r in f["ranks"]) == [2, 3]  # named once in the job's log
+
+
+def test_g2_partner_copies_are_on_the_next_node(tmp_path):
+    """Same local rank on the next node: node b holds the copies of a's ranks, and so on;
+    after losing node b every shard is still on disk somewhere, bit-identical."""
+    c = Cluster(tmp_path, G2, gen=0, redundancy=Redundancy.PARTNER)
+    try:
+        assert c.run(_save([1, 2, 3])) == {r: [] for r in range(6)}
+    finally:
+        c.close()
+    for k, node in enumerate("abc"):
+        prev = "abc"[(k - 1) % 3]
+        proot = str(tmp_path / node / "l1" / "partner")
+        assert mf.complete_steps(proot) == [2, 3]
+        assert sorted(mf.read_manifest(proot, 3).shards) == [2 * ((k - 1) % 3), 2 * ((k - 1) % 3) + 1]
+        assert mf.validate_step(proot, 3, deep=True) == []
+        for r in mf.read_manifest(proot, 3).shards:
+            own = mf.shard_path(str(tmp_path / prev / "l1"), 3, r)
+            assert open(mf.shard_path(proot, 3, r), "rb").read() == open(own, "rb").read()
+    shutil.rmtree(tmp_path / "b")
+    left = {r for node in "ac" for root in (tmp_path / node / "l1", tmp_path / node / "l1" / "partner")
+            for r in mf.read_manifest(str(root), 3).shards}
+    assert left == set(range(6))
+
+
+def test_prune_leaves_a_step_a_node_mate_already_removed(tmp_path, monkeypatch):
+    """Retention is the root owner's; still, a step (or one of its files) that vanished
+    between the scan and the delete is deleted, not a failed checkpoint."""
+    root = str(tmp_path / "l1")
+    for step in (1, 2, 3):
+        path = mf.shard_path(root, step, 0)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        open(path, "wb").write(b"x")
+        mf.write_manifest(root, mf.Manifest(step=step, world_size=1, tier="L1",
+                                            shards={0: mf.ShardRecord("rank-00000.h5", 1, 0)}))
+    mf.set_latest(root, 3)
+    real = mf.steps_to_prune
+
+    def racing(*a, **kw):  # another process removes step 1 completely and step 2's shard
+        doomed = real(*a, **kw)
+        shutil.rmtree(mf.step_dir(root, 1))
+        os.unlink(mf.shard_path(root, 2, 0))
+        return doomed
+
+    monkeypatch.setattr(mf, "steps_to_prune", racing)
+    assert mf.prune(root, keep_last=1) == [1, 2]
+    assert mf.complete_steps(root) == [3] and not os.path.exists(mf.step_dir(root, 2))

@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from slurm_resilience.checkpoint.redundancy import (
+    partner_map,
     partner_of,
     partner_sources,
     segment_row,
@@ -23,6 +24,7 @@ from slurm_resilience.checkpoint.xor_math import (
     rebuild_distributed,
     xor_encode,
 )
+from slurm_resilience.checkpoint.xor_rebuild import plan_rebuild
 from slurm_resilience.errors import CheckpointError
 
 # -- PARTNER --------------------------------------------------------------------
@@ -124,6 +126,114 @@ def test_groups_balanced_always_feasible(per_node, n_nodes, g):
     nodes = [f"n{i}" for i in range(n_nodes) for _ in range(per_node)]
     if g <= n_nodes and not (len(nodes) % g == 1 and g + 1 > n_nodes):
         assert _feasible(nodes, g) is not None
+
+
+# -- placement properties: G ranks per node, scale-ins, one node lost ----------------
+
+
+@st.composite
+def clusters(draw, max_nodes=8, max_g=4):
+    """A rank table's node list: N >= 1 nodes x G ranks (ranks node_index*G ..), node
+    names in any order (a replacement's spare name lands anywhere), then whole nodes
+    removed by a scale-in."""
+    n, g = draw(st.integers(1, max_nodes)), draw(st.integers(1, max_g))
+    names = draw(st.permutations([f"n{i}" for i in range(n + 2)]))[:n]
+    removed = draw(st.sets(st.sampled_from(names), max_size=n - 1))
+    return [name for name in names if name not in removed for _ in range(g)], g
+
+
+def _one_line(exc):
+    return "\n" not in str(exc.value) and str(exc.value)
+
+
+@settings(max_examples=400, deadline=None)
+@given(clusters())
+def test_partner_placement_survives_any_one_node(cluster):
+    nodes, g = cluster
+    if len(set(nodes)) < 2:
+        with pytest.raises(CheckpointError) as exc:
+            partner_map(nodes)
+        assert _one_line(exc)
+        return
+    holder = partner_map(nodes)
+    assert sorted(holder) == list(range(len(nodes)))  # G on every node: each rank holds exactly one copy
+    for r, h in enumerate(holder):
+        assert nodes[h] != nodes[r]  # never on the rank's own node
+        assert partner_of(r, nodes) == h and r in partner_sources(h, nodes)
+    for lost in set(nodes):  # every shard survives as itself or as its copy
+        assert all(nodes[r] != lost or nodes[holder[r]] != lost for r in range(len(nodes)))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from("abcdef"), min_size=2, max_size=30).filter(lambda ns: len(set(ns)) >= 2))
+def test_partner_placement_any_node_list(nodes):
+    holder = partner_map(nodes)
+    assert all(nodes[h] != nodes[r] for r, h in enumerate(holder))
+    for lost in set(nodes):
+        assert all(nodes[r] != lost or nodes[holder[r]] != lost for r in range(len(nodes)))
+
+
+def _sizes(total, g):
+    sizes = [g] * (total // g)
+    rest = total % g
+    if rest >= 2 or not sizes:
+        sizes.append(rest)
+    elif rest == 1:
+        sizes[-1] += 1
+    return sizes
+
+
+def _partition_exists(nodes, g):
+    """Gale-Ryser: groups of these sizes with members on distinct nodes exist iff, for every
+    k, the k largest groups fit in what the nodes can give k groups (min(count, k) each)."""
+    counts = [nodes.count(n) for n in set(nodes)]
+    sizes = sorted(_sizes(len(nodes), g), reverse=True)
+    return all(sum(sizes[:k]) <= sum(min(c, k) for c in counts) for k in range(1, len(sizes) + 1))
+
+
+def _check_groups_survive_one_node(nodes, groups):
+    for grp in groups:
+        assert len({nodes[r] for r in grp}) == len(grp)  # members on distinct nodes
+    for lost in set(nodes):
+        gone = [r for r in range(len(nodes)) if nodes[r] == lost]
+        held = [[] if nodes[r] == lost else [7] for r in range(len(nodes))]
+        plan = plan_rebuild(groups, held)  # at most one member per group lost: recoverable
+        assert plan.step == 7 and sorted(plan.lost) == gone
+
+
+@settings(max_examples=400, deadline=None)
+@given(clusters(), st.integers(2, 6))
+def test_xor_placement_survives_any_one_node(cluster, g):
+    nodes, per_node = cluster  # G on every node: groups exist iff G = 1 or group_size <= nodes
+    if len(nodes) < 2 or (per_node > 1 and g > len(set(nodes))):
+        with pytest.raises(CheckpointError) as exc:  # a group would need two ranks of one node
+            xor_groups(nodes, g)
+        assert _one_line(exc)
+        return
+    groups = xor_groups(nodes, g)
+    assert sorted(r for grp in groups for r in grp) == list(range(len(nodes)))
+    _check_groups_survive_one_node(nodes, groups)
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(st.sampled_from("abcdefg"), min_size=2, max_size=30), st.integers(2, 6))
+def test_xor_groups_exist_exactly_when_a_partition_does(nodes, g):
+    if not _partition_exists(nodes, g):
+        with pytest.raises(CheckpointError, match="cannot form XOR groups") as exc:
+            xor_groups(nodes, g)
+        assert _one_line(exc)
+        return
+    groups = xor_groups(nodes, g)  # the greedy never misses an existing partition
+    assert sorted(map(len, groups)) == sorted(_sizes(len(nodes), g))
+    _check_groups_survive_one_node(nodes, groups)
+
+
+def test_g2_layouts_of_the_local_tests():
+    nodes = ["local1", "local1", "local2", "local2", "local3", "local3"]
+    assert xor_groups(nodes, 3) == [[0, 2, 4], [1, 3, 5]]
+    replaced = ["local1", "local1", "local4", "local4", "local3", "local3"]  # the spare took node index 1
+    assert xor_groups(replaced, 3) == xor_groups(nodes, 3)  # same groups: the parity headers still match
+    assert partner_map(nodes) == partner_map(replaced) == [2, 3, 4, 5, 0, 1]
 
 
 def test_parity_holder_and_rows():
