@@ -102,7 +102,7 @@ def test_g2_no_spare_scales_in_by_a_node_and_reshards_8_to_6(cluster, jobs_root,
     They must end bit-identical (the docs' definition at a changed world size)."""
     cfg = tmp_path / "zero.yaml"
     cfg.write_text(lab.LOCAL_CONFIG.read_text().replace("shared_every_kth: 2", "shared_every_kth: 1")
-                   .replace("local_every: 10", "local_every: 5"))
+                   .replace("local_every: 10", "local_every: 5") + "  shared_keep: 20\n")  # B starts from A's step
     a = lab.submit(jobs_root / "g2-scale-in-a", spares=0, tasks_per_node=G, steps=STEPS, config=cfg,
                    script=lab.ZERO_EXAMPLE)
     st = a.wait_for_step(KILL_AT)
