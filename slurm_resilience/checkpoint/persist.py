@@ -146,7 +146,9 @@ def _commit_root(spec: TierSpec, root: str, job: Job, ranks: list[int], table: l
     Raises:
         CheckpointError: a shard is missing or the wrong size, or a file cannot be written.
     """
-    record = lambda r: mf.ShardRecord(layout.shard_name(r), table[r][1], table[r][2])  # noqa: E731
+    def record(r: int) -> mf.ShardRecord:
+        return mf.ShardRecord(layout.shard_name(r), table[r][1], table[r][2])
+
     extra: dict[str, Any] = {}
     if spec.redundancy is Redundancy.XOR and job.world_size > 1:
         extra = {"xor": {str(r): {"parity": layout.parity_name(r), "nbytes": table[r][3]} for r in ranks}}
