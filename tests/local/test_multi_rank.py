@@ -148,5 +148,38 @@ def test_g2_xor_only_redundancy_survives_a_node_of_two_ranks(tmp_path):
     assert _levels(job) == ["node-replacement"]
     rebuilt = sorted(r for e in job.events() if e["kind"] == "rank_checkpoint_rebuilt" for r in e["ranks"])
     assert rebuilt == [2, 3], [e for e in job.events() if e["kind"] == "rank_checkpoint_rebuilt"]
+    races = [e for e in job.events() if e["kind"] == "rank_checkpoint_failed" and "No such file" in e["error"]]
+    assert not races, races
+    assert_bit_identical(final_state(job)["objects"], final_state(ref)["objects"], "objects")
+    assert rank_digests(job) == rank_digests(ref)
+
+
+@pytest.mark.timeout(400)
+def test_g2_partner_only_redundancy_survives_a_node_of_two_ranks(tmp_path):
+    """PARTNER copies go to the same local rank on the next node, never to the rank's own
+    node: losing a node of two ranks leaves both slices as copies on the next node."""
+    from slurm_resilience.checkpoint import layout
+    from slurm_resilience.checkpoint import manifest as mf
+
+    from .localjob import ZERO, assert_bit_identical
+
+    ckpt = {"local_every": 5, "local_redundancy": "partner", "shared_every_kth": 0}
+    ref = _run(LocalJob(tmp_path, nodes=3, spares=0, script=ZERO, checkpoint=ckpt, job_name="ref",
+                        local_dir=tmp_path / "local-ref", tasks_per_node=G).start())
+    for k in range(3):  # node local{k+1} holds ranks 2k, 2k+1; their copies are on the next node
+        root = str(tmp_path / "local-ref" / f"local{k + 1}" / "ckpt")
+        steps = mf.complete_steps(root)
+        assert steps and all(sorted(mf.read_manifest(root, s).shards) == [G * k, G * k + 1] for s in steps)
+        proot = layout.partner_root(root)
+        prev = (k - 1) % 3
+        assert mf.complete_steps(proot) == steps
+        assert all(sorted(mf.read_manifest(proot, s).shards) == [G * prev, G * prev + 1] for s in steps)
+    job = LocalJob(tmp_path, nodes=3, spares=1, script=ZERO, checkpoint=ckpt, job_name="job", tasks_per_node=G).start()
+    st = job.wait_for_step(INJECT_AFTER + 6)
+    job.launcher.fail_node(st["ranks"][2]["node"])
+    _run(job)
+    assert _levels(job) == ["node-replacement"]
+    races = [e for e in job.events() if e["kind"] == "rank_checkpoint_failed" and "No such file" in e["error"]]
+    assert not races, races  # node-mates never delete what the other one is pruning or still needs
     assert_bit_identical(final_state(job)["objects"], final_state(ref)["objects"], "objects")
     assert rank_digests(job) == rank_digests(ref)
