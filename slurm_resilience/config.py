@@ -145,6 +145,10 @@ class DetectConfig:
                 raise ConfigError(f"detect.{name}={getattr(self, name)} must be > 0")
 
 
+# What ``recovery.isolate_state`` may say (see RecoveryConfig).
+ISOLATE_STATES = ("auto", "none", "DRAIN", "DOWN")
+
+
 @dataclass(frozen=True, kw_only=True)
 class RecoveryConfig:
     """Recovery policy.
@@ -154,7 +158,15 @@ class RecoveryConfig:
         fault_retry_times: process faults on healthy nodes this job may answer by restarting
             processes in place (online or a relaunch), counted per job (>= 0); past it a
             process fault is treated as a node fault.
-        isolate_state: Slurm state given to a bad node: DOWN or DRAIN.
+        isolate_state: Slurm state given to a bad node: ``auto`` (DOWN when this user
+            may change node states, i.e. is root, Slurm's SlurmUser or has AdminLevel
+            Operator/Administrator; else none), ``none`` (never touch node states:
+            release the node from the job, exclude it from a requeue, report it),
+            DRAIN or DOWN (needs operator rights; a refusal is an event, not fatal).
+        isolate_hook: a site command run once per isolated node (an argv list, no
+            shell), e.g. a script that files a ticket; the node, its reason and the
+            job id follow as the last three arguments. Empty: none.
+        isolate_hook_timeout_s: how long the hook may run before it is killed (> 0).
         fallback_relaunch: when online recovery fails, relaunch every rank on healthy
             nodes from the node-local snapshots.
         fallback_timeout_s: how long that relaunch may take to train a step (> 0).
@@ -169,7 +181,9 @@ class RecoveryConfig:
     online_timeout_s: float = 30.0
     fallback_timeout_s: float = 120.0
     fault_retry_times: int = 3
-    isolate_state: str = "DOWN"
+    isolate_state: str = "auto"
+    isolate_hook: tuple[str, ...] = ()
+    isolate_hook_timeout_s: float = 30.0
     fallback_relaunch: bool = True
     scale_in: bool = True
     min_world_size: int = 1
@@ -188,8 +202,13 @@ class RecoveryConfig:
             raise ConfigError(
                 f"recovery.fault_retry_times={self.fault_retry_times} must be >= 0: use 0 to never restart in place"
             )
-        if self.isolate_state not in ("DOWN", "DRAIN"):
-            raise ConfigError(f"recovery.isolate_state={self.isolate_state!r} must be 'DOWN' or 'DRAIN'")
+        if self.isolate_state not in ISOLATE_STATES:
+            raise ConfigError(f"recovery.isolate_state={self.isolate_state!r} must be one of "
+                              f"{', '.join(ISOLATE_STATES)}")
+        if self.isolate_hook_timeout_s <= 0:
+            raise ConfigError(f"recovery.isolate_hook_timeout_s={self.isolate_hook_timeout_s} must be > 0")
+        if self.isolate_hook and not self.isolate_hook[0]:
+            raise ConfigError("recovery.isolate_hook starts with an empty string: the first item is the program")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -365,5 +384,6 @@ def load_config(
 
 
 def config_to_dict(cfg: ResilienceConfig) -> dict[str, dict[str, Any]]:
-    """Plain nested dict; ``load_config(config_to_dict(cfg)) == cfg``."""
-    return {name: dataclasses.asdict(getattr(cfg, name)) for name in _SECTIONS}
+    """Plain nested dict (lists for tuples: YAML-safe); ``load_config(config_to_dict(cfg)) == cfg``."""
+    return {name: {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(getattr(cfg, name)).items()}
+            for name in _SECTIONS}

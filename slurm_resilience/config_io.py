@@ -22,6 +22,10 @@ def check_type(where: str, value: Any, annotation: Any) -> Any:
     """Return ``value`` (ints widened to float) or raise ConfigError."""
     args = typing.get_args(annotation)
     optional = type(None) in args
+    if typing.get_origin(annotation) is tuple:  # tuple[str, ...]: a YAML list of strings
+        if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+            return tuple(value)
+        raise ConfigError(f"{where} must be a list of strings, got {value!r}")
     base = next((a for a in args if a is not type(None)), annotation) if args else annotation
     if value is None:
         if optional:

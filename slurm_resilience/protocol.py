@@ -128,6 +128,7 @@ class EventKind(_Named):
     PHASE = "phase"
     ISOLATED = "isolated"
     ISOLATE_FAILED = "isolate_failed"
+    ISOLATE_HOOK = "isolate_hook"
     STRAGGLER = "straggler"
     NODE_RETURNED = "node_returned"
     FALLBACK = "fallback"

@@ -5,6 +5,8 @@ Never a shell; node names are validated before they reach argv.
 
 from __future__ import annotations
 
+import os
+import pwd
 import subprocess
 from typing import Mapping, Sequence
 
@@ -17,6 +19,7 @@ from slurm_resilience.slurm.parse import (
     parse_scontrol_nodes,
     validate_node_name,
 )
+from slurm_resilience.slurm.rights import operator_verdict, parse_show_config, uses_slurmdbd
 
 __all__ = [
     "run",
@@ -29,6 +32,8 @@ __all__ = [
     "node_address",
     "show_job",
     "set_job_nodes",
+    "operator_rights",
+    "requeue_excluding",
 ]
 
 _NODE_STATES = frozenset({"DOWN", "DRAIN", "RESUME", "UNDRAIN", "IDLE", "FAIL", "POWER_DOWN", "POWER_UP"})
@@ -140,6 +145,58 @@ def set_job_nodes(job_id: str, nodes: Sequence[str]) -> None:
         raise ValueError(f"job {job_id}: a running job keeps at least one node")
     nodelist = compress_hostlist(validate_node_name(n) for n in nodes)
     run(["scontrol", "update", f"JobId={job_id}", f"NodeList={nodelist}"])
+
+
+def operator_rights() -> tuple[bool, str]:
+    """May this process's user change node states? ``(verdict, why)`` from
+    ``scontrol show config`` (root, SlurmUser) and, where accounting runs through
+    slurmdbd, ``sacctmgr show user`` (AdminLevel). See :mod:`slurm.rights`.
+
+    Raises:
+        SlurmCommandError: ``scontrol show config`` failed (sacctmgr failing only
+            means no admin level is known).
+    """
+    uid = os.getuid()
+    try:
+        user = pwd.getpwuid(uid).pw_name
+    except KeyError:
+        user = str(uid)
+    config = parse_show_config(run(["scontrol", "show", "config"]).stdout)
+    level = None
+    if uid != 0 and uses_slurmdbd(config):
+        proc = run(["sacctmgr", "-nP", "show", "user", user, "format=AdminLevel"], check=False)
+        level = proc.stdout.strip().splitlines()[0] if proc.returncode == 0 and proc.stdout.strip() else None
+    return operator_verdict(uid=uid, user=user, config=config, admin_level=level)
+
+
+def requeue_excluding(job_id: str, exclude: Sequence[str] = ()) -> None:
+    """Requeue a running job so that it never runs on ``exclude`` again.
+
+    A running job's ``ExcNodeList`` cannot be changed (Slurm 22.05 answers "Job
+    update not available right now" or "Job is no longer pending"), a requeued one's
+    can: ``scontrol requeuehold`` → ``scontrol update JobId=… ExcNodeList=…`` (the
+    job's own exclusions kept) → ``scontrol release``. The owner may do all three;
+    the job is released even when the update fails. Without ``exclude``: a plain
+    ``scontrol requeue``.
+
+    Raises:
+        SlurmCommandError (the first failure, after the release was tried),
+        ValueError (non-numeric job id, invalid node name).
+    """
+    if not str(job_id).isdigit():
+        raise ValueError(f"invalid job id {job_id!r}: must be numeric")
+    bad = [validate_node_name(n) for n in exclude]
+    if not bad:
+        run(["scontrol", "requeue", str(job_id)], timeout=15)
+        return
+    before = show_job(job_id).get("ExcNodeList", "(null)")
+    kept = [] if before in ("", "(null)") else expand_hostlist(before)
+    run(["scontrol", "requeuehold", str(job_id)], timeout=15)
+    try:
+        run(["scontrol", "update", f"JobId={job_id}",
+             f"ExcNodeList={compress_hostlist(sorted(set(kept) | set(bad)))}"], timeout=15)
+    finally:
+        run(["scontrol", "release", str(job_id)], timeout=15)
 
 
 def hostnames(hostlist: str) -> list[str]:

@@ -13,8 +13,10 @@ a node still in any component fails, ``--no-kill`` notwithstanding.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
+import signal
 import socket
 import subprocess
 import threading
@@ -113,6 +115,8 @@ class SrunLauncher:
         self._release_lock = threading.Lock()
         self._launched: list[SrunStep] = []  # srun clients still running (hetjob release ends them)
         self._steps_cache: tuple[float, set[str] | None] = (0.0, None)
+        self._isolated: set[str] = set()  # excluded from a requeue (ExcNodeList)
+        self._rights: tuple[bool, str] | None = None
         info = commands.show_nodes(list(nodes))
         self._addr = {n: commands.node_address(info[n]) for n in nodes}
 
@@ -175,33 +179,83 @@ class SrunLauncher:
         info = commands.show_nodes(list(nodes))
         return {n: info[n].get("State", "UNKNOWN") for n in nodes if n in info}
 
-    def isolate(self, node: str, state: str, reason: str) -> None:
-        """Take ``node`` out of service. In a hetjob it is first released from the
-        worker component, so that Slurm never sees a failed node inside the job.
+    def isolate(self, node: str, state: str, reason: str) -> dict[str, object]:
+        """Take ``node`` out of this job, and out of service where ``state`` says so.
+
+        ``state`` DOWN or DRAIN (operator rights): in a hetjob the node is first
+        released from the worker component, so that Slurm never sees a failed node
+        inside the job; then marked. ``state`` "none" (an ordinary user): the node is
+        released from the job (the owner may shrink a running job), never marked. In
+        every case it is kept for :meth:`requeue`'s exclude list. Returns what was
+        done: ``{"released": bool, "state": state, "excluded_at_requeue": True}``.
 
         Raises:
-            SlurmCommandError; RecoveryError (the component's first node, which Slurm
-            cannot release). If the release fails the node is left unmarked: marking
-            a node that is still in a component DOWN would requeue the whole hetjob.
+            SlurmCommandError; RecoveryError (the job's BatchHost, which Slurm cannot
+            release). If the release fails the node is left unmarked: marking a node
+            that is still in a component DOWN would requeue the whole hetjob.
         """
-        if self.het_job_id is not None:
-            self._release(node)
-        commands.set_node_state(node, state, reason)
+        self._isolated.add(validate_node_name(node))
+        released = False
+        if self.het_job_id is not None or state == "none":
+            released = self._release(node)
+        if state != "none":
+            commands.set_node_state(node, state, reason)
+        return {"released": released, "state": state, "excluded_at_requeue": True}
 
-    def _release(self, node: str) -> None:
+    def exclude_at_requeue(self, node: str) -> None:
+        """Keep ``node`` for the exclude list of a later :meth:`requeue` (at once,
+        before the isolation's thread runs)."""
+        self._isolated.add(validate_node_name(node))
+
+    def may_set_node_state(self) -> tuple[bool, str]:
+        """May this user mark nodes DOWN/DRAIN? Asked once (see :mod:`slurm.rights`).
+
+        Raises:
+            SlurmCommandError: ``scontrol show config`` failed.
+        """
+        if self._rights is None:
+            self._rights = commands.operator_rights()
+        return self._rights
+
+    def _release(self, node: str) -> bool:
         with self._release_lock:  # two isolations at once must not resurrect each other's node
-            remaining = nodes_after_release(commands.show_job(self.het_job_id), node)
+            remaining = nodes_after_release(commands.show_job(self._steps_job), node)
             if remaining is not None:
-                commands.set_job_nodes(self.het_job_id, remaining)
+                commands.set_job_nodes(self._steps_job, remaining)
         # A resize, unlike a node failure, does not tell the step's srun client: it
         # would wait for the lost task forever. End the clients of steps on the node.
         for step in list(self._launched):
             if step.node == node and step.exit_code() is None:
                 step.process.kill()
+        return remaining is not None
 
     def address(self, node: str) -> str:
         return self._addr[node][0]
 
     def requeue(self) -> None:
-        """Job-level: put the whole job back in the queue (it resumes from checkpoints)."""
-        commands.run(["scontrol", "requeue", self.job_id], timeout=15)
+        """Job-level: put the whole job back in the queue (it resumes from checkpoints),
+        excluding every node this job isolated (``ExcNodeList``, see
+        :func:`commands.requeue_excluding`). Slurm's SIGTERM for the requeue is held
+        back until the job is released again, then delivered.
+
+        Raises:
+            SlurmCommandError.
+        """
+        with _deferred(signal.SIGTERM), self._release_lock:  # after a release in flight
+            commands.requeue_excluding(self.job_id, sorted(self._isolated))
+
+
+@contextlib.contextmanager
+def _deferred(signum: int):
+    """Hold ``signum`` while the block runs (main thread only), then re-deliver it."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    got: list[int] = []
+    previous = signal.signal(signum, lambda s, _f: got.append(s))
+    try:
+        yield
+    finally:
+        signal.signal(signum, previous)
+        if got:
+            os.kill(os.getpid(), signum)

@@ -97,7 +97,7 @@ class Supervisor:
         self.seen: queue.Queue = queue.Queue()
         self.liveness = LivenessServer(self.store_host, self.token, self.seen).start()
         self.store.set(StoreKey.LIVENESS_PORT.value, str(self.liveness.port))
-        self.isolator = Isolator(self.launcher.isolate, self.events.emit)
+        self.isolator = Isolator(self.launcher, self.events.emit, self.cfg.recovery, job_id=self.job_id, say=self._say)
 
     def run(self) -> int:
         """Run the job to its end. Returns the exit code (0 done, 3 failed, 4 requeued)."""

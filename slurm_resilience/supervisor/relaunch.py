@@ -121,7 +121,7 @@ class RelaunchExecutor:
         self.job_dir = job_dir
         makedirs_private(job_dir)
         self.events = EventLog(os.path.join(job_dir, "events.jsonl"), clock=clock)
-        self.isolator = Isolator(launcher.isolate, self.events.emit)
+        self.isolator = Isolator(launcher, self.events.emit, config.recovery, job_id=job_id)
         self.policy = Policy.from_config(config, mode=Mode.RELAUNCH, can_requeue=False)
         nodes = [*layout.workers, *layout.spares]
         self.state = SupervisorState(

@@ -113,7 +113,7 @@ def test_node_lost_adopts_the_standby_and_isolates_the_node():
     state, _ = started(p)
     standby = state.standbys["n5"][0]
     state, acts = decide(state, lost(state, 1), 1.0, p)
-    assert of(acts, m.Isolate) == [m.Isolate("n3", "DOWN", "slurm_resilience job 7: node_lost")]
+    assert of(acts, m.Isolate) == [m.Isolate("n3", "auto", "slurm_resilience job 7: node_lost")]
     plan = of(acts, m.Publish)[0].plan
     assert plan.table.slots[1].node == "n5" and plan.table.slots[1].worker_id == standby
     assert not of(acts, m.Launch)  # the standby is already running: no process start
