@@ -245,7 +245,7 @@ class CheckpointConfig:
         local_every: L1 node-local checkpoint every N steps (0: off).
         local_auto: size the L1 interval by Young/Daly from the measured checkpoint
             cost and ``mtbf_s`` (overrides ``local_every``).
-        local_dir: node-local directory; ``{job_id}``, ``{node}``, ``{rank}``, ``{job_dir}``.
+        local_dir: node-local directory; ``{job_id}``, ``{node}``, ``{rank}``, ``{job_dir}``, ``{user}``.
         local_redundancy: ``partner`` (a copy on the next node), ``xor`` (parity over
             groups of ``local_xor_group_size`` nodes: one lost node per group is
             rebuilt), or ``none``.
@@ -264,7 +264,7 @@ class CheckpointConfig:
     memory_every: int = 10
     local_every: int = 10
     local_auto: bool = False
-    local_dir: str = "/tmp/slurm_resilience/{job_id}/{node}/ckpt"
+    local_dir: str = "/tmp/slurm_resilience-{user}/{job_id}/{node}/ckpt"
     local_redundancy: str = "partner"
     local_xor_group_size: int = 4
     local_keep: int = 2

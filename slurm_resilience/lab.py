@@ -81,10 +81,14 @@ class JobRun:
 
 def submit(job_dir: Path, *, nodes: int = 4, spares: int = 1, tasks_per_node: int = 1, steps: int = 40,
            step_time: float = 0.05, config: Path | None = LOCAL_CONFIG,
-           extra_args: Sequence[str] = (), hetjob: bool = False, script: Path = EXAMPLE) -> JobRun:
+           extra_args: Sequence[str] = (), hetjob: bool = False, script: Path = EXAMPLE,
+           as_user: Sequence[str] = ()) -> JobRun:
     """``hetjob``: submit as a heterogeneous job (supervisor component + worker component).
-    ``tasks_per_node``: G ranks on each of the ``nodes`` worker nodes, G standbys per spare."""
-    argv = [sys.executable, "-m", "slurm_resilience.cli", "submit", "--wait",
+    ``tasks_per_node``: G ranks on each of the ``nodes`` worker nodes, G standbys per spare.
+    ``as_user``: an argv prefix that runs ``submit`` with another user's credentials
+    (e.g. ``runuser -u USER -- env SLURM_CONF=… PYTHONPATH=…``); it runs in the job
+    directory's parent, which that user must own."""
+    argv = [*as_user, sys.executable, "-m", "slurm_resilience.cli", "submit", "--wait",
             "--nodes", str(nodes), "--spares", str(spares), "--tasks-per-node", str(tasks_per_node),
             "--job-dir", str(job_dir)]
     if hetjob:
@@ -93,7 +97,8 @@ def submit(job_dir: Path, *, nodes: int = 4, spares: int = 1, tasks_per_node: in
         argv += ["--config", str(config)]
     argv += ["--", sys.executable, str(script), "--steps", str(steps),
              "--step-time", str(step_time), *extra_args]
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            cwd=str(Path(job_dir).parent) if as_user else None)
     return JobRun(job_dir=Path(job_dir), process=proc)
 
 

@@ -30,6 +30,7 @@ module pulls in neither torch nor h5py, so the ``ckpt`` CLI can use it at once.
 from __future__ import annotations
 
 import os
+import pwd
 import re
 from typing import TYPE_CHECKING, Any, Sequence
 
@@ -81,10 +82,21 @@ def expand_path(spec: "TierSpec", **values: Any) -> str:
     """
     if spec.path is None:
         raise ConfigError(f"tier {spec.name!r}: storage {spec.storage!r} has no path to expand")
+    if "user" not in values:
+        values["user"] = _user()
     try:
         return spec.path.format_map(values)
     except KeyError as exc:
         raise ConfigError(f"tier {spec.name!r}: path {spec.path!r} needs a value for {{{exc.args[0]}}}") from None
+
+
+def _user() -> str:
+    """The name of the user this process runs as (by uid: not from the environment)."""
+    uid = os.getuid()
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return str(uid)
 
 
 def root_owners(spec: "TierSpec", nodes: Sequence[str], **values: Any) -> tuple[int, ...]:

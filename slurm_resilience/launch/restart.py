@@ -1,6 +1,6 @@
 """Job-level recovery of an unmodified program: submit it, and supervise it in the allocation.
 
-``slurm-resilience run`` renders ``sbatch_templates/restart.sbatch.tmpl`` and
+``slurm-resilience run`` renders ``slurm_resilience/templates/restart.sbatch.tmpl`` and
 submits it; the batch host then runs ``slurm-resilience restart-supervise``, which
 is ``supervise_restart`` below (``supervisor/relaunch.py`` carries out ``supervisor/decide.py``'s decisions).
 """

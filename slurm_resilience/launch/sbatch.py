@@ -18,6 +18,7 @@ import re
 import shlex
 import string
 import sys
+from importlib import resources
 from pathlib import Path
 from typing import Sequence
 
@@ -25,7 +26,9 @@ from ..config import ResilienceConfig
 from ..errors import ConfigError
 
 _PARTITION = re.compile(r"[A-Za-z0-9_.,-]+")
-TEMPLATE_DIR = Path(os.environ.get("SR_TEMPLATE_DIR", Path(__file__).resolve().parents[2] / "sbatch_templates"))
+# The templates ship inside the package (``package_data``), so a wheel or a
+# non-editable install finds them as well as a checkout; SR_TEMPLATE_DIR overrides.
+TEMPLATE_DIR = Path(os.environ.get("SR_TEMPLATE_DIR") or str(resources.files("slurm_resilience") / "templates"))
 
 
 TEMPLATES = {False: "resilient.sbatch.tmpl", True: "hetjob.sbatch.tmpl"}

@@ -41,7 +41,7 @@ def _events(job_dir: Path, kind: str) -> list[dict]:
 def test_killed_supervisor_reattaches_and_still_recovers_a_killed_rank(tmp_path):
     job_dir = tmp_path / "job"
     cfg = tmp_path / "cfg.yaml"
-    cfg.write_text(CONFIG.read_text().replace("/tmp/slurm_resilience/{job_id}", str(tmp_path / "local")))
+    cfg.write_text(CONFIG.read_text().replace("/tmp/slurm_resilience-{user}/{job_id}", str(tmp_path / "local")))
     keeper = subprocess.Popen(
         [sys.executable, "-m", "slurm_resilience.cli", "local", "--config", str(cfg), "--nodes", "3",
          "--spares", "1", "--job-dir", str(job_dir), "--", sys.executable, str(TRAIN), "--steps", "160",
