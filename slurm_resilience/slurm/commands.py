@@ -32,6 +32,7 @@ __all__ = [
     "node_address",
     "show_job",
     "set_job_nodes",
+    "slurm_config",
     "operator_rights",
     "requeue_excluding",
 ]
@@ -147,10 +148,19 @@ def set_job_nodes(job_id: str, nodes: Sequence[str]) -> None:
     run(["scontrol", "update", f"JobId={job_id}", f"NodeList={nodelist}"])
 
 
-def operator_rights() -> tuple[bool, str]:
-    """May this process's user change node states? ``(verdict, why)`` from
-    ``scontrol show config`` (root, SlurmUser) and, where accounting runs through
-    slurmdbd, ``sacctmgr show user`` (AdminLevel). See :mod:`slurm.rights`.
+def slurm_config() -> dict[str, str]:
+    """``scontrol show config`` as ``{Key: value}``.
+
+    Raises:
+        SlurmCommandError.
+    """
+    return parse_show_config(run(["scontrol", "show", "config"]).stdout)
+
+
+def operator_rights(config: Mapping[str, str] | None = None) -> tuple[bool, str]:
+    """May this process's user change node states? ``(verdict, why)`` from the
+    Slurm config (root, SlurmUser) and, where accounting runs through slurmdbd,
+    ``sacctmgr show user`` (AdminLevel). See :mod:`slurm.rights`.
 
     Raises:
         SlurmCommandError: ``scontrol show config`` failed (sacctmgr failing only
@@ -161,7 +171,7 @@ def operator_rights() -> tuple[bool, str]:
         user = pwd.getpwuid(uid).pw_name
     except KeyError:
         user = str(uid)
-    config = parse_show_config(run(["scontrol", "show", "config"]).stdout)
+    config = slurm_config() if config is None else config
     level = None
     if uid != 0 and uses_slurmdbd(config):
         proc = run(["sacctmgr", "-nP", "show", "user", user, "format=AdminLevel"], check=False)
@@ -169,34 +179,42 @@ def operator_rights() -> tuple[bool, str]:
     return operator_verdict(uid=uid, user=user, config=config, admin_level=level)
 
 
-def requeue_excluding(job_id: str, exclude: Sequence[str] = ()) -> None:
-    """Requeue a running job so that it never runs on ``exclude`` again.
+def requeue_excluding(job_id: str, exclude: Sequence[str] = ()) -> str | None:
+    """Requeue a running job so that it never runs on ``exclude`` again: ``scontrol
+    requeue``, then ``scontrol update JobId=… ExcNodeList=…`` (the job's own
+    exclusions kept) while the requeued job waits for its begin time.
 
-    A running job's ``ExcNodeList`` cannot be changed (Slurm 22.05 answers "Job
-    update not available right now" or "Job is no longer pending"), a requeued one's
-    can: ``scontrol requeuehold`` → ``scontrol update JobId=… ExcNodeList=…`` (the
-    job's own exclusions kept) → ``scontrol release``. The owner may do all three;
-    the job is released even when the update fails. Without ``exclude``: a plain
-    ``scontrol requeue``.
+    Measured on Slurm 22.05 as the job's owner: a running job's ``ExcNodeList``
+    cannot be changed ("Job is no longer pending execution"); a requeued one's can,
+    even after the job was shrunk. ``requeuehold`` first is no better: after a
+    shrink, without slurmdbd, every update of the held job waits for a DB index
+    that never comes, and a job left held never runs again.
+
+    Returns None, or why the exclusion failed (the job is requeued regardless).
 
     Raises:
-        SlurmCommandError (the first failure, after the release was tried),
-        ValueError (non-numeric job id, invalid node name).
+        SlurmCommandError: the requeue itself failed.
+        ValueError: non-numeric job id, invalid node name.
     """
     if not str(job_id).isdigit():
         raise ValueError(f"invalid job id {job_id!r}: must be numeric")
     bad = [validate_node_name(n) for n in exclude]
+    kept: list[str] = []
+    if bad:
+        try:
+            before = show_job(job_id).get("ExcNodeList", "(null)")
+            kept = [] if before in ("", "(null)") else expand_hostlist(before)
+        except SlurmCommandError as exc:
+            return f"requeued without excluding {', '.join(bad)}: {exc}"
+    run(["scontrol", "requeue", str(job_id)], timeout=15)
     if not bad:
-        run(["scontrol", "requeue", str(job_id)], timeout=15)
-        return
-    before = show_job(job_id).get("ExcNodeList", "(null)")
-    kept = [] if before in ("", "(null)") else expand_hostlist(before)
-    run(["scontrol", "requeuehold", str(job_id)], timeout=15)
+        return None
     try:
         run(["scontrol", "update", f"JobId={job_id}",
              f"ExcNodeList={compress_hostlist(sorted(set(kept) | set(bad)))}"], timeout=15)
-    finally:
-        run(["scontrol", "release", str(job_id)], timeout=15)
+    except SlurmCommandError as exc:
+        return f"requeued, but excluding {', '.join(bad)} failed: {exc}"
+    return None
 
 
 def hostnames(hostlist: str) -> list[str]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import os
 import signal
 import socket
@@ -26,6 +27,9 @@ from typing import Mapping, Sequence
 from ..errors import RecoveryError
 from . import commands
 from .parse import expand_hostlist, validate_node_name
+from .rights import uses_slurmdbd
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -117,6 +121,7 @@ class SrunLauncher:
         self._steps_cache: tuple[float, set[str] | None] = (0.0, None)
         self._isolated: set[str] = set()  # excluded from a requeue (ExcNodeList)
         self._rights: tuple[bool, str] | None = None
+        self._slurm_config: dict[str, str] | None = None  # scontrol show config, read once
         info = commands.show_nodes(list(nodes))
         self._addr = {n: commands.node_address(info[n]) for n in nodes}
 
@@ -184,10 +189,14 @@ class SrunLauncher:
 
         ``state`` DOWN or DRAIN (operator rights): in a hetjob the node is first
         released from the worker component, so that Slurm never sees a failed node
-        inside the job; then marked. ``state`` "none" (an ordinary user): the node is
-        released from the job (the owner may shrink a running job), never marked. In
-        every case it is kept for :meth:`requeue`'s exclude list. Returns what was
-        done: ``{"released": bool, "state": state, "excluded_at_requeue": True}``.
+        inside the job; then marked. ``state`` "none" (an ordinary user): never
+        marked; released from the job (the owner may shrink a running job) in a
+        hetjob, and in an ordinary job where accounting runs through slurmdbd —
+        without it Slurm refuses every later update of a shrunk job ("the DB index
+        is being set"), the requeue's ``ExcNodeList`` included, so the node stays in
+        the job, unused, until Slurm itself takes it out. In every case it is kept
+        for :meth:`requeue`'s exclude list. Returns ``{"released": bool, "state":
+        state, "note": str}``.
 
         Raises:
             SlurmCommandError; RecoveryError (the job's BatchHost, which Slurm cannot
@@ -195,12 +204,28 @@ class SrunLauncher:
             that is still in a component DOWN would requeue the whole hetjob.
         """
         self._isolated.add(validate_node_name(node))
-        released = False
-        if self.het_job_id is not None or state == "none":
+        released, note = False, ""
+        if self.het_job_id is not None:
             released = self._release(node)
+        elif state == "none":
+            if self._may_shrink():
+                released = self._release(node)
+            else:
+                note = "kept in the job (no slurmdbd: a shrunk job's ExcNodeList could not be set)"
         if state != "none":
             commands.set_node_state(node, state, reason)
-        return {"released": released, "state": state, "excluded_at_requeue": True}
+        return {"released": released, "state": state, "note": note}
+
+    def _config(self) -> dict[str, str]:
+        if self._slurm_config is None:
+            self._slurm_config = commands.slurm_config()
+        return self._slurm_config
+
+    def _may_shrink(self) -> bool:
+        try:
+            return uses_slurmdbd(self._config())
+        except commands.SlurmCommandError:
+            return False
 
     def exclude_at_requeue(self, node: str) -> None:
         """Keep ``node`` for the exclude list of a later :meth:`requeue` (at once,
@@ -214,7 +239,7 @@ class SrunLauncher:
             SlurmCommandError: ``scontrol show config`` failed.
         """
         if self._rights is None:
-            self._rights = commands.operator_rights()
+            self._rights = commands.operator_rights(self._config())
         return self._rights
 
     def _release(self, node: str) -> bool:
@@ -235,14 +260,16 @@ class SrunLauncher:
     def requeue(self) -> None:
         """Job-level: put the whole job back in the queue (it resumes from checkpoints),
         excluding every node this job isolated (``ExcNodeList``, see
-        :func:`commands.requeue_excluding`). Slurm's SIGTERM for the requeue is held
-        back until the job is released again, then delivered.
+        :func:`commands.requeue_excluding`; a failed exclusion is logged, not raised).
+        Slurm's SIGTERM for the requeue is held back until the exclusion is set.
 
         Raises:
-            SlurmCommandError.
+            SlurmCommandError: the requeue failed.
         """
         with _deferred(signal.SIGTERM), self._release_lock:  # after a release in flight
-            commands.requeue_excluding(self.job_id, sorted(self._isolated))
+            problem = commands.requeue_excluding(self.job_id, sorted(self._isolated))
+        if problem:
+            log.warning("job %s: %s", self.job_id, problem)
 
 
 @contextlib.contextmanager

@@ -11,8 +11,8 @@ What Slurm is told depends on ``recovery.isolate_state`` and on this user's righ
     isolate_state   operator rights     node state       released from the job
     DOWN | DRAIN    (assumed)           that state       hetjob only (first)
     auto            yes                 DOWN (stragglers DRAIN)  hetjob only
-    auto            no                  untouched        yes (the owner may)
-    none            any                 untouched        yes
+    auto            no                  untouched        with slurmdbd, or hetjob
+    none            any                 untouched        with slurmdbd, or hetjob
 
 In every case the node is kept for the job's ``ExcNodeList`` at a requeue, a log
 line says what was done, and ``recovery.isolate_hook`` (a site command, argv list,
@@ -81,11 +81,12 @@ class Isolator:
             operator, why = self._rights()
             state = node_state_for(self._cfg.isolate_state, requested, operator)
             done = self._launcher.isolate(node, state, reason) or {}
+            note = str(done.get("note") or "")
             self._emit(EventKind.ISOLATED, node=node, state=state, reason=reason, rights=why,
-                       released=bool(done.get("released")), start=t0, end=time.time())
+                       released=bool(done.get("released")), note=note, start=t0, end=time.time())
             self._say(f"isolated node {node} ({reason}): Slurm state {state}"
-                      f"{', released from the job' if done.get('released') else ''}; excluded from this "
-                      f"job and from its requeue ({why})")
+                      f"{', released from the job' if done.get('released') else ''}{'; ' + note if note else ''}; "
+                      f"excluded from this job and from its requeue ({why})")
         except Exception as exc:  # reported, never fatal: the node is excluded regardless
             self._emit(EventKind.ISOLATE_FAILED, node=node, error=str(exc), start=t0, end=time.time())
             self._say(f"isolating node {node} failed ({exc}); it stays excluded from this job and its requeue")

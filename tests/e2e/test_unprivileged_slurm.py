@@ -24,6 +24,7 @@ import pytest
 from slurm_resilience import lab
 from slurm_resilience.events import read_events
 from slurm_resilience.slurm import commands
+from slurm_resilience.slurm.rights import uses_slurmdbd
 
 from .conftest import STEPS
 
@@ -98,7 +99,7 @@ def _hook(parent: Path) -> str:
             f"\"import sys; open('{parent}/hook.txt', 'a').write(' '.join(sys.argv[1:]) + chr(10))\"]\n")
 
 
-def test_node_loss_as_ordinary_user_releases_the_node_and_finishes_bit_identical(
+def test_node_loss_as_ordinary_user_isolates_without_marking_and_finishes_bit_identical(
         cluster, ordinary_user, reference):
     prefix = ordinary_user[0]
     job_dir, _ = _job(ordinary_user, "node-loss")
@@ -112,7 +113,9 @@ def test_node_loss_as_ordinary_user_releases_the_node_and_finishes_bit_identical
     assert lab.compare_states(reference, job_dir / "final.pt") == []
     assert [d["level"] for d in _events(job_dir, "recovery_done")] == ["node-replacement"]
     iso, = _events(job_dir, "isolated")
-    assert iso["node"] == victim and iso["state"] == "none" and iso["released"], iso
+    assert iso["node"] == victim and iso["state"] == "none", iso
+    # released from the job only where slurmdbd lets a shrunk job be updated later
+    assert iso["released"] == uses_slurmdbd(commands.slurm_config()), iso
     assert not _events(job_dir, "isolate_failed")
     assert (job_dir.parent / "hook.txt").read_text().split()[0] == victim
     assert _events(job_dir, "isolate_hook")[0]["ok"]

@@ -112,8 +112,8 @@ def test_hook_failure_is_an_event_not_fatal(hook, want):
 
 
 class FakeScontrol:
-    def __init__(self, monkeypatch, job):
-        self.job, self.calls = job, []
+    def __init__(self, monkeypatch, job, accounting="accounting_storage/slurmdbd"):
+        self.job, self.calls, self.accounting = job, [], accounting
         monkeypatch.setattr(commands, "run", self.run)
         monkeypatch.setattr(commands, "show_nodes", lambda names: {n: {"NodeName": n} for n in names})
 
@@ -122,6 +122,8 @@ class FakeScontrol:
         if argv[:4] == ["scontrol", "-o", "show", "job"]:
             fields = " ".join(f"{k}={v}" for k, v in self.job.items())
             return subprocess.CompletedProcess(argv, 0, fields + "\n", "")
+        if argv == ["scontrol", "show", "config"]:
+            return subprocess.CompletedProcess(argv, 0, CONFIG.replace("accounting_storage/none", self.accounting), "")
         if argv[:2] == ["scontrol", "update"] and any(a.startswith("NodeList=") for a in argv):
             self.job["NodeList"] = argv[-1].split("=", 1)[1]
         return subprocess.CompletedProcess(argv, 0, "", "")
@@ -137,9 +139,8 @@ def test_isolate_none_releases_and_requeue_excludes(monkeypatch):
     assert not any("nodename=" in " ".join(c) for c in fake.calls)
     fake.calls.clear()
     launcher.requeue()
-    assert fake.calls[1:] == [["scontrol", "requeuehold", "42"],
-                              ["scontrol", "update", "JobId=42", "ExcNodeList=n[3,9]"],
-                              ["scontrol", "release", "42"]]
+    assert fake.calls[1:] == [["scontrol", "requeue", "42"],
+                              ["scontrol", "update", "JobId=42", "ExcNodeList=n[3,9]"]]
 
 
 def test_requeue_without_isolated_nodes_is_plain(monkeypatch):
@@ -148,17 +149,28 @@ def test_requeue_without_isolated_nodes_is_plain(monkeypatch):
     assert fake.calls == [["scontrol", "requeue", "42"]]
 
 
-def test_requeue_releases_the_job_even_when_the_update_fails(monkeypatch):
+def test_a_failed_exclusion_is_reported_not_raised(monkeypatch):
     fake = FakeScontrol(monkeypatch, {"JobId": "42", "NodeList": "n[1-5]"})
     real = fake.run
 
     def run(argv, **kw):
         if argv[:2] == ["scontrol", "update"]:
             fake.calls.append(list(argv))
-            raise SlurmCommandError(argv, 1, "Invalid node name")
+            raise SlurmCommandError(argv, 1, "Job is no longer pending execution")
         return real(argv, **kw)
 
     monkeypatch.setattr(commands, "run", run)
-    with pytest.raises(SlurmCommandError):
-        commands.requeue_excluding("42", ["n3"])
-    assert fake.calls[-1] == ["scontrol", "release", "42"]
+    problem = commands.requeue_excluding("42", ["n3"])
+    assert "excluding n3 failed" in problem and "no longer pending" in problem
+    assert ["scontrol", "requeue", "42"] in fake.calls
+
+
+def test_without_slurmdbd_the_node_stays_in_the_job_but_is_excluded_at_requeue(monkeypatch):
+    fake = FakeScontrol(monkeypatch, {"JobId": "42", "NodeList": "n[1-5]", "BatchHost": "n1"},
+                        accounting="accounting_storage/none")
+    launcher = SrunLauncher("42", ["n2", "n3", "n4", "n5"])
+    done = launcher.isolate("n3", "none", "node_lost")
+    assert not done["released"] and "no slurmdbd" in done["note"]
+    assert not any(a.startswith("NodeList=") for c in fake.calls for a in c)
+    launcher.requeue()
+    assert fake.calls[-1] == ["scontrol", "update", "JobId=42", "ExcNodeList=n3"]
