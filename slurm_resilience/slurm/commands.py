@@ -188,7 +188,11 @@ def requeue_excluding(job_id: str, exclude: Sequence[str] = ()) -> str | None:
     cannot be changed ("Job is no longer pending execution"); a requeued one's can,
     even after the job was shrunk. ``requeuehold`` first is no better: after a
     shrink, without slurmdbd, every update of the held job waits for a DB index
-    that never comes, and a job left held never runs again.
+    that never comes, and a job left held never runs again. Nor can the update
+    always land: while a step of the job is still on a dead node, the requeue does
+    not complete until Slurm declares that node down, and until then the job has no
+    DB index and every update is refused (measured without slurmdbd; an operator's
+    DOWN ends that at once).
 
     Returns None, or why the exclusion failed (the job is requeued regardless).
 
@@ -209,9 +213,9 @@ def requeue_excluding(job_id: str, exclude: Sequence[str] = ()) -> str | None:
     run(["scontrol", "requeue", str(job_id)], timeout=15)
     if not bad:
         return None
-    try:
+    try:  # a short time-out: Slurm kills this process KillWait after the requeue
         run(["scontrol", "update", f"JobId={job_id}",
-             f"ExcNodeList={compress_hostlist(sorted(set(kept) | set(bad)))}"], timeout=15)
+             f"ExcNodeList={compress_hostlist(sorted(set(kept) | set(bad)))}"], timeout=3)
     except SlurmCommandError as exc:
         return f"requeued, but excluding {', '.join(bad)} failed: {exc}"
     return None
