@@ -19,7 +19,12 @@ __all__ = ["check_type", "read_source"]
 
 
 def check_type(where: str, value: Any, annotation: Any) -> Any:
-    """Return ``value`` (ints widened to float) or raise ConfigError."""
+    """Return ``value`` (ints widened to float, a list of strings to a tuple for
+    ``tuple[str, ...]``) or raise ConfigError."""
+    if typing.get_origin(annotation) is tuple:
+        if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+            return tuple(value)
+        raise ConfigError(f"{where} must be a list of strings (an argv list), got {value!r}")
     args = typing.get_args(annotation)
     optional = type(None) in args
     base = next((a for a in args if a is not type(None)), annotation) if args else annotation
