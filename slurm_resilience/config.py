@@ -114,6 +114,10 @@ class DetectConfig:
     Fields:
         heartbeat_period_s: how often each worker beats (0 < p <= 0.5).
         heartbeat_timeout_s: a rank is stale after this silence (> 2 * period).
+        standby_heartbeat_timeout_s: a warm standby is stale after this silence (>= the rank
+            timeout): it is idle and off the critical path, so a busy node starving its
+            heartbeat thread must not cost a spare; a standby that is really hung does not
+            pass the adoption (its node's check needs every standby connected).
         node_poll_s: how often Slurm node states are polled (> 0).
         probe_timeout_s: timeout of one slurmd reachability probe (> 0).
         straggler_threshold: a rank whose own compute time exceeds this × the
@@ -123,6 +127,7 @@ class DetectConfig:
 
     heartbeat_period_s: float = 0.25
     heartbeat_timeout_s: float = 2.0
+    standby_heartbeat_timeout_s: float = 10.0
     node_poll_s: float = 2.0
     probe_timeout_s: float = 0.3
     straggler_threshold: float = 1.5
@@ -133,6 +138,9 @@ class DetectConfig:
             raise ConfigError(
                 f"detect.heartbeat_period_s={self.heartbeat_period_s} must be > 0 and <= 0.5"
             )
+        if self.standby_heartbeat_timeout_s < self.heartbeat_timeout_s:
+            raise ConfigError(f"detect.standby_heartbeat_timeout_s={self.standby_heartbeat_timeout_s} must be >= "
+                              f"heartbeat_timeout_s={self.heartbeat_timeout_s}")
         if self.heartbeat_timeout_s <= 2 * self.heartbeat_period_s:
             raise ConfigError(
                 f"detect.heartbeat_timeout_s={self.heartbeat_timeout_s} must be > 2 * heartbeat_period_s"
