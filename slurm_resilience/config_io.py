@@ -20,13 +20,23 @@ __all__ = ["check_type", "read_source"]
 
 def check_type(where: str, value: Any, annotation: Any) -> Any:
     """Return ``value`` (ints widened to float) or raise ConfigError."""
-    args = typing.get_args(annotation)
+    args = () if typing.get_origin(annotation) in (dict, tuple) else typing.get_args(annotation)
     optional = type(None) in args
     base = next((a for a in args if a is not type(None)), annotation) if args else annotation
     if value is None:
         if optional:
             return None
         raise ConfigError(f"{where} must be {_type_word(base)}, got null")
+    origin = typing.get_origin(base)
+    if origin is dict:
+        if isinstance(value, Mapping):
+            return dict(value)  # the owning section checks names and values
+        raise ConfigError(f"{where} must be a mapping of option → value, got {value!r}")
+    if origin is tuple:
+        lines = value.splitlines() if isinstance(value, str) else value
+        if isinstance(lines, (list, tuple)) and all(isinstance(v, str) for v in lines):
+            return tuple(lines)
+        raise ConfigError(f"{where} must be a list of lines (or one string), got {value!r}")
     if base is bool:
         if isinstance(value, bool):
             return value
