@@ -40,7 +40,7 @@ _GENERIC = {"gpus_per_node": "gpus-per-node", "cpus_per_task": "cpus-per-task"}
 _SUBMITIT_OWN = ("slurm_job_name", "slurm_signal_delay_s", "slurm_max_num_timeout", "slurm_stderr_to_stdout",
                  "slurm_array_parallelism")
 # slurm_* parameters submitit has that the toolkit decides: → what controls them.
-_REFUSED = {"slurm_time": "timeout_min", "slurm_use_srun": "the toolkit (the batch step runs the supervisor)",
+_REFUSED = {"slurm_time": "timeout_min", "slurm_use_srun": "nothing: the batch step runs the supervisor",
             "slurm_nodes": "nodes and spares", "slurm_ntasks_per_node": "tasks_per_node"}
 
 
@@ -144,7 +144,7 @@ class ResilientExecutor:
                 section, field = _CONFIG_PARAMS[key]
                 overrides.setdefault(section, {})[field] = value
             elif key in _REFUSED:
-                raise ConfigError(f"{key} is set by the toolkit: use {_REFUSED[key]}")
+                raise ConfigError(f"{key} is the toolkit's own: set it with {_REFUSED[key]}")
             elif key in _GENERIC:
                 sbatch[_GENERIC[key]] = value
             elif key == "mem_gb":

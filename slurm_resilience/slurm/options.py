@@ -30,42 +30,42 @@ _NAME = re.compile(r"[a-z][a-z0-9-]*")
 # (a&b|c, [x*2], !y), times, mail addresses. No spaces, quotes, $, `, ;, \ or #.
 _VALUE = re.compile(r"[A-Za-z0-9_.,:=@%+/*&|!()\[\]{}~^-]*")
 
-_SBATCH_SCRIPT = "a heterogeneous job (--hetjob) or the template"
+_SBATCH_SCRIPT = "submit --hetjob (the template renders the components)"
 # option → the config key (or flag) that controls it: the toolkit renders these itself.
 OWNED_SBATCH: dict[str, str] = {
     "nodes": "job.nodes and job.spares (--nodes, --spares)",
     "ntasks": "job.tasks_per_node (--tasks-per-node)",
     "ntasks-per-node": "job.tasks_per_node (--tasks-per-node)",
     "tasks-per-node": "job.tasks_per_node (--tasks-per-node)",
-    "no-kill": "the toolkit (always set: a lost node must not end the job)",
+    "no-kill": "nothing: always on (a lost node must not end the job)",
     "requeue": "recovery.max_requeues",
     "no-requeue": "recovery.max_requeues",
     "signal": "job.preempt_signal",
-    "output": "the job directory (--job-dir): the supervisor's log is JOBDIR/supervisor.log",
-    "error": "the job directory (--job-dir): the supervisor's log is JOBDIR/supervisor.log",
-    "open-mode": "the toolkit (append: one log across requeues)",
+    "output": "--job-dir / job.job_dir (the log is JOBDIR/supervisor.log)",
+    "error": "--job-dir / job.job_dir (the log is JOBDIR/supervisor.log)",
+    "open-mode": "nothing: always append (one log across requeues)",
     "time": "job.time_limit (timeout_min in the executor)",
     "partition": "job.partition (job.supervisor_partition for a hetjob's supervisor)",
     "job-name": "the job name (name= in the executor)",
     "het-group": _SBATCH_SCRIPT,
     "hetjob": _SBATCH_SCRIPT,
     "packjob": _SBATCH_SCRIPT,
-    "array": "the toolkit (one resilient job per submission)",
-    "wrap": "the toolkit (the batch script runs the supervisor)",
-    "parsable": "the toolkit (it reads the job id from sbatch)",
+    "array": "nothing: one resilient job per submission",
+    "wrap": "the command after -- (the batch script runs the supervisor)",
+    "parsable": "nothing: the toolkit reads the job id from sbatch",
     "wait": "--wait of slurm-resilience submit",
-    "batch": "the toolkit (the batch step runs the supervisor)",
+    "batch": "nothing: the batch step runs the supervisor",
 }
-_STEP = "the toolkit: each rank's step is its own (srun_argv in slurm/steps.py)"
+_STEP = "nothing: each rank's step is the toolkit's (srun_argv in slurm/steps.py)"
 OWNED_SRUN: dict[str, str] = {
     "nodes": _STEP, "ntasks": _STEP, "ntasks-per-node": _STEP, "tasks-per-node": _STEP,
     "nodelist": _STEP, "exclude": _STEP, "jobid": _STEP, "het-group": _STEP, "job-name": _STEP,
     "no-kill": _STEP, "overlap": _STEP, "exclusive": _STEP, "exact": _STEP, "kill-on-bad-exit": _STEP,
     "relative": _STEP, "distribution": _STEP,
-    "output": "the job directory: each step's output is JOBDIR/logs/<worker>.log",
-    "error": "the job directory: each step's output is JOBDIR/logs/<worker>.log",
-    "input": "the toolkit (steps read nothing)",
-    "pty": "the toolkit (steps read nothing)",
+    "output": "--job-dir / job.job_dir (each step logs to JOBDIR/logs/)",
+    "error": "--job-dir / job.job_dir (each step logs to JOBDIR/logs/)",
+    "input": "nothing: steps read no input",
+    "pty": "nothing: steps read no input",
     "gpus-per-task": "job.tasks_per_node: each rank binds cuda:LOCAL_RANK of its node's GPUs "
                      "(docs/site-options.md, GPUs)",
     "gpus": "job.tasks_per_node: each rank binds cuda:LOCAL_RANK of its node's GPUs (docs/site-options.md, GPUs)",
@@ -95,6 +95,7 @@ def _name(where: str, key: Any) -> str:
 
 
 def _value(where: str, name: str, value: Any) -> str | bool | None:
+    at = f"{where}.{name}" if where.startswith("job.") else f"{where} {name}"
     if value is None or value is False:
         return None
     if value is True:
@@ -102,16 +103,16 @@ def _value(where: str, name: str, value: Any) -> str | bool | None:
     if isinstance(value, (list, tuple)):
         parts = [_value(where, name, v) for v in value]
         if any(not isinstance(p, str) for p in parts):
-            raise ConfigError(f"{where}.{name}: a list holds strings or numbers, got {list(value)!r}")
+            raise ConfigError(f"{at}: a list holds strings or numbers, got {list(value)!r}")
         value = ",".join(parts)  # type: ignore[arg-type]
     if isinstance(value, bool) or not isinstance(value, (str, int, float)):
-        raise ConfigError(f"{where}.{name} must be a string, a number, true, false or a list, got {value!r}")
+        raise ConfigError(f"{at} must be a string, a number, true, false or a list, got {value!r}")
     text = str(value)
     if any(c in text for c in "\n\r\0"):
-        raise ConfigError(f"{where}.{name}={text!r} contains a line break: not allowed in an sbatch script")
+        raise ConfigError(f"{at}={text!r} contains a line break: not allowed in an sbatch script")
     if not text or not _VALUE.fullmatch(text):
         bad = "".join(sorted({c for c in text if not _VALUE.fullmatch(c)})) or "(empty)"
-        raise ConfigError(f"{where}.{name}={text!r} has characters outside Slurm's option syntax: "
+        raise ConfigError(f"{at}={text!r} has characters outside Slurm's option syntax: "
                           f"{bad!r} (no spaces, quotes, $ ` ; \\ #)")
     return text
 
@@ -131,7 +132,7 @@ def normalize(where: str, options: Any, owned: Mapping[str, str]) -> dict[str, s
     for key, value in options.items():
         name = _name(where, key)
         if name in owned:
-            raise ConfigError(f"{where}: --{name} is set by the toolkit: use {owned[name]}")
+            raise ConfigError(f"{where}: --{name} is the toolkit's own: set it with {owned[name]}")
         if name in out:
             raise ConfigError(f"{where}: --{name} is given twice ({key!r})")
         v = _value(where, name, value)
