@@ -90,6 +90,11 @@ class RecoveryConfig:
         migrate_stragglers: replace a persistently slow rank's node with a spare
             at the next safe point (no step lost).
         min_world_size: never scale in below this many ranks (>= 1).
+        health_check: a command (argv list, no shell) run on every spare node, with the
+            built-in checks, before it may be adopted; it must exit 0 (empty: none).
+        health_check_timeout_s: how long the checks may take on a node (> 0).
+        spare_check_max_age_s: a spare whose last passed check is older is checked again
+            (> 0); at adoption, in parallel with the recovery.
         max_requeues: job-level requeues (``scontrol requeue``) allowed, counted by
             ``SLURM_RESTART_COUNT`` (>= 0; the sbatch template sets ``--requeue``).
     """
@@ -103,9 +108,12 @@ class RecoveryConfig:
     min_world_size: int = 1
     max_requeues: int = 1
     migrate_stragglers: bool = False
+    health_check: tuple[str, ...] = ()
+    health_check_timeout_s: float = 30.0
+    spare_check_max_age_s: float = 300.0
 
     def __post_init__(self) -> None:
-        for name in ("online_timeout_s", "fallback_timeout_s"):
+        for name in ("online_timeout_s", "fallback_timeout_s", "health_check_timeout_s", "spare_check_max_age_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"recovery.{name}={getattr(self, name)} must be > 0")
         if self.min_world_size < 1:
@@ -159,6 +167,8 @@ class CheckpointConfig:
             groups of ``local_xor_group_size`` nodes: one lost node per group is
             rebuilt), or ``none``.
         local_keep: L1 checkpoints kept (>= 1).
+        local_min_free_gb: a spare whose node-local directory has less free space is not
+            adopted (>= 0).
         shared_every_kth: L2 drains every K-th L1 checkpoint (0: off).
         shared_dir: shared-filesystem directory (Lustre or any shared path).
         shared_keep: L2 checkpoints kept (>= 1); ``shared_keep_every``: also every M-th step.
@@ -177,6 +187,7 @@ class CheckpointConfig:
     local_redundancy: str = "partner"
     local_xor_group_size: int = 4
     local_keep: int = 2
+    local_min_free_gb: float = 1.0
     shared_every_kth: int = 5
     shared_dir: str = "{job_dir}/checkpoints"
     shared_keep: int = 2
@@ -186,7 +197,7 @@ class CheckpointConfig:
     mtbf_s: float = 86400.0
 
     def __post_init__(self) -> None:
-        for name in ("memory_every", "local_every", "shared_every_kth", "shared_keep_every"):
+        for name in ("memory_every", "local_every", "shared_every_kth", "shared_keep_every", "local_min_free_gb"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"checkpoint.{name}={getattr(self, name)} must be >= 0 (0 turns it off)")
         for name in ("local_keep", "shared_keep"):

@@ -19,8 +19,13 @@ __all__ = ["check_type", "read_source"]
 
 
 def check_type(where: str, value: Any, annotation: Any) -> Any:
-    """Return ``value`` (ints widened to float) or raise ConfigError."""
-    args = () if typing.get_origin(annotation) in (dict, tuple) else typing.get_args(annotation)
+    """Return ``value`` (ints widened to float, a list of strings to a tuple for
+    ``tuple[str, ...]``) or raise ConfigError."""
+    if typing.get_origin(annotation) is tuple:
+        if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+            return tuple(value)
+        raise ConfigError(f"{where} must be a list of strings, got {value!r}")
+    args = () if typing.get_origin(annotation) is dict else typing.get_args(annotation)
     optional = type(None) in args
     base = next((a for a in args if a is not type(None)), annotation) if args else annotation
     if value is None:
@@ -32,11 +37,6 @@ def check_type(where: str, value: Any, annotation: Any) -> Any:
         if isinstance(value, Mapping):
             return dict(value)  # the owning section checks names and values
         raise ConfigError(f"{where} must be a mapping of option → value, got {value!r}")
-    if origin is tuple:
-        lines = value.splitlines() if isinstance(value, str) else value
-        if isinstance(lines, (list, tuple)) and all(isinstance(v, str) for v in lines):
-            return tuple(lines)
-        raise ConfigError(f"{where} must be a list of lines (or one string), got {value!r}")
     if base is bool:
         if isinstance(value, bool):
             return value

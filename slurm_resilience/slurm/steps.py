@@ -210,6 +210,23 @@ class SrunLauncher:
     def address(self, node: str) -> str:
         return self._addr[node][0]
 
+    def run_check(self, node: str, argv: Sequence[str], timeout_s: float) -> tuple[int | None, str]:
+        """A short step on ``node`` (the spare health check): (exit code, output), or
+        (None, why) when it did not end within ``timeout_s`` (the step is cancelled)."""
+        name = f"sr-health-{node}"
+        srun = srun_argv(job_id=self.job_id, name=name, nodes=[node], het_group=self.het_group)
+        try:
+            out = subprocess.run([*srun, *argv], capture_output=True, text=True, timeout=timeout_s,
+                                 stdin=subprocess.DEVNULL, check=False)
+        except subprocess.TimeoutExpired:
+            for step_id in self._step_ids(name):
+                try:
+                    commands.cancel_step(self._steps_job, step_id, signal="KILL")
+                except commands.SlurmCommandError:
+                    pass  # it ended meanwhile
+            return None, f"the health check step did not end within {timeout_s:g}s"
+        return out.returncode, out.stdout + out.stderr
+
     def requeue(self) -> None:
         """Job-level: put the whole job back in the queue (it resumes from checkpoints)."""
         commands.run(["scontrol", "requeue", self.job_id], timeout=15)

@@ -131,7 +131,8 @@ def test_bad_values_one_line(options, match):
 
 @pytest.mark.parametrize("job,match", [
     ({"sbatch_options": "account=proj"}, "job.sbatch_options must be a mapping"),
-    ({"setup": 3}, "job.setup must be a list of lines"),
+    ({"setup": 3}, "job.setup must be a list of strings"),
+    ({"setup": "module load a"}, "job.setup must be a list of strings"),
     ({"setup": ["export A=1 \\"]}, "ends with a backslash"),
     ({"supervisor_partition": "cpu\nx"}, "job.supervisor_partition='cpu\\\\nx' is not a partition name"),
 ])
@@ -142,7 +143,7 @@ def test_bad_job_keys_one_line(job, match):
 
 def test_normalised_and_round_trips():
     cfg = load_config({"job": {"sbatch_options": {"--gpus_per_node": 8, "exclusive": True},
-                               "setup": "module load a\nmodule load b"}})
+                               "setup": ["module load a", "module load b"]}})
     assert cfg.job.sbatch_options == {"gpus-per-node": "8", "exclusive": True}
     assert cfg.job.setup == ("module load a", "module load b")
     import yaml
