@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
-import signal
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from slurm_resilience.config_io import check_type, read_source
+from slurm_resilience.config_job import JobConfig
 from slurm_resilience.errors import ConfigError
 
 __all__ = [
@@ -35,77 +34,6 @@ __all__ = [
     "load_config",
     "config_to_dict",
 ]
-
-_TIME_LIMIT = re.compile(r"(\d+-)?\d{1,2}:\d{2}:\d{2}|\d+")
-
-
-@dataclass(frozen=True, kw_only=True)
-class JobConfig:
-    """The Slurm allocation.
-
-    Fields:
-        nodes: worker nodes, one rank each (>= 1).
-        spares: extra nodes held idle to replace lost ones (>= 0).
-        tasks_per_node: ranks per node, one per GPU on a GPU node (>= 1); a spare node
-            holds as many warm standbys.
-        job_dir: where the job writes rank tables and events; ``{job_id}`` is filled in.
-        time_limit: Slurm ``--time``: ``[D-]HH:MM:SS`` or minutes.
-        partition: Slurm partition, or None for the default.
-        supervisor_node: an extra node in the allocation runs the supervisor alone.
-        preempt_signal: ``SIG@SECONDS`` sent to the supervisor before the time limit
-            or on preemption (``--signal=B:USR2@60``); it checkpoints to a durable
-            tier and requeues the job. Empty: none.
-        supervisor_respawns: times the batch step respawns a supervisor that was
-            killed; the restarted one re-attaches to the running workers (>= 0).
-    """
-
-    nodes: int = 4
-    spares: int = 1
-    tasks_per_node: int = 1
-    job_dir: str = "sr-jobs/{job_id}"
-    time_limit: str = "00:30:00"
-    partition: str | None = None
-    supervisor_node: bool = True
-    preempt_signal: str = "USR2@60"
-    supervisor_respawns: int = 3
-
-    @property
-    def preempt_signum(self) -> "signal.Signals | None":
-        """The preemption signal as a ``signal.Signals`` (None when disabled); the one
-        parser of ``preempt_signal`` (supervisor, keeper and sessions use it)."""
-        if not self.preempt_signal:
-            return None
-        name = self.preempt_signal.split("@")[0]
-        return signal.Signals[name if name.startswith("SIG") else "SIG" + name]
-
-    @property
-    def preempt_signal_name(self) -> str:
-        """``USR2`` for ``USR2@60`` (empty when disabled)."""
-        return self.preempt_signal.split("@")[0].removeprefix("SIG") if self.preempt_signal else ""
-
-    def __post_init__(self) -> None:
-        if self.nodes < 1:
-            raise ConfigError(f"job.nodes={self.nodes} must be >= 1: give at least one worker node")
-        if self.spares < 0:
-            raise ConfigError(f"job.spares={self.spares} must be >= 0: use 0 for no spare nodes")
-        if self.supervisor_respawns < 0:
-            raise ConfigError(f"job.supervisor_respawns={self.supervisor_respawns} must be >= 0: "
-                              "use 0 to never respawn a killed supervisor")
-        if self.tasks_per_node < 1:
-            raise ConfigError(f"job.tasks_per_node={self.tasks_per_node} must be >= 1: one rank per GPU of a node")
-        if not _TIME_LIMIT.fullmatch(self.time_limit):
-            raise ConfigError(
-                f"job.time_limit={self.time_limit!r} is not a Slurm time: use [D-]HH:MM:SS or minutes"
-            )
-        if self.preempt_signal and not re.fullmatch(r"(SIG)?(USR1|USR2|TERM|INT|HUP)@\d+", self.preempt_signal):
-            raise ConfigError(f"job.preempt_signal={self.preempt_signal!r} must look like 'USR2@60' (or be empty)")
-        if not self.job_dir:
-            raise ConfigError("job.job_dir is empty: give a directory such as 'sr-jobs/{job_id}'")
-        if self.partition is not None and not re.fullmatch(r"[A-Za-z0-9_.,-]+", self.partition):
-            raise ConfigError(
-                f"job.partition={self.partition!r} is not a partition name: letters, digits, _ . , - only"
-            )
-
 
 @dataclass(frozen=True, kw_only=True)
 class DetectConfig:
@@ -384,6 +312,6 @@ def load_config(
 
 
 def config_to_dict(cfg: ResilienceConfig) -> dict[str, dict[str, Any]]:
-    """Plain nested dict; ``load_config(config_to_dict(cfg)) == cfg``."""
+    """Plain nested dict (lists, not tuples: YAML-safe); ``load_config(config_to_dict(cfg)) == cfg``."""
     return {name: {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(getattr(cfg, name)).items()}
             for name in _SECTIONS}

@@ -81,8 +81,10 @@ class JobRun:
 
 def submit(job_dir: Path, *, nodes: int = 4, spares: int = 1, tasks_per_node: int = 1, steps: int = 40,
            step_time: float = 0.05, config: Path | None = LOCAL_CONFIG,
-           extra_args: Sequence[str] = (), hetjob: bool = False, script: Path = EXAMPLE) -> JobRun:
+           extra_args: Sequence[str] = (), hetjob: bool = False, script: Path = EXAMPLE,
+           cli_args: Sequence[str] = ()) -> JobRun:
     """``hetjob``: submit as a heterogeneous job (supervisor component + worker component).
+    ``cli_args``: more ``submit`` flags (``--sbatch-option``, ``--setup`` ...).
     ``tasks_per_node``: G ranks on each of the ``nodes`` worker nodes, G standbys per spare."""
     argv = [sys.executable, "-m", "slurm_resilience.cli", "submit", "--wait",
             "--nodes", str(nodes), "--spares", str(spares), "--tasks-per-node", str(tasks_per_node),
@@ -91,7 +93,7 @@ def submit(job_dir: Path, *, nodes: int = 4, spares: int = 1, tasks_per_node: in
         argv.append("--hetjob")
     if config is not None:
         argv += ["--config", str(config)]
-    argv += ["--", sys.executable, str(script), "--steps", str(steps),
+    argv += [*cli_args, "--", sys.executable, str(script), "--steps", str(steps),
              "--step-time", str(step_time), *extra_args]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     return JobRun(job_dir=Path(job_dir), process=proc)
