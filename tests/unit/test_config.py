@@ -99,7 +99,7 @@ def test_wrong_type(doc, want):
         ({"detect": {"standby_heartbeat_timeout_s": 1}},
          "detect.standby_heartbeat_timeout_s=1.0 must be >= heartbeat_timeout_s=2.0"),
         ({"recovery": {"health_check": "true"}},
-         "recovery.health_check must be a list of strings (an argv list), got 'true'"),
+         "recovery.health_check must be a list of strings, got 'true'"),
         ({"recovery": {"spare_check_max_age_s": 0}}, "recovery.spare_check_max_age_s=0.0 must be > 0"),
         ({"checkpoint": {"local_min_free_gb": -1}}, "checkpoint.local_min_free_gb=-1.0 must be >= 0 (0 turns it off)"),
         ({"job": {"time_limit": "1h"}}, "job.time_limit='1h' is not a Slurm time"),
