@@ -3,6 +3,7 @@ user's health check (run as a step on each spare) fails on the first spare: the 
 drains it with the check's reason, and when a node is lost it adopts the other spare;
 the run ends bit-identical to a fault-free one."""
 
+import json
 import sys
 
 import pytest
@@ -28,7 +29,7 @@ def test_a_spare_failing_its_health_check_is_drained_and_the_other_adopted(clust
     probe = [sys.executable, "-c", "import os, sys; n = os.environ.get('SLURMD_NODENAME'); "
              "print('probe: ' + str(n) + ' is sick') if n == 'n5' else None; sys.exit(n == 'n5')"]
     cfg = tmp_path / "hc.yaml"
-    cfg.write_text(lab.LOCAL_CONFIG.read_text() + "recovery:\n  health_check: " + repr(probe).replace("'", '"') + "\n")
+    cfg.write_text(lab.LOCAL_CONFIG.read_text() + "recovery:\n  health_check: " + json.dumps(probe) + "\n")
     run = lab.submit(jobs_root / "hc", nodes=3, spares=2, steps=STEPS, config=cfg)
     st = run.wait_for_step(12)
     failed = _events(run.job_dir, "spare_check_failed")
