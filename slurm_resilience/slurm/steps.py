@@ -225,7 +225,8 @@ class SrunLauncher:
                 except commands.SlurmCommandError:
                     pass  # it ended meanwhile
             return None, f"the health check step did not end within {timeout_s:g}s"
-        return out.returncode, out.stdout + out.stderr
+        # the check prints its one line on stdout; srun's own complaints go to stderr
+        return out.returncode, out.stdout if out.stdout.strip() else out.stderr
 
     def requeue(self) -> None:
         """Job-level: put the whole job back in the queue (it resumes from checkpoints)."""
