@@ -28,6 +28,15 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- python train.py ...")
 
 
+def _site_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--sbatch-option", action="append", metavar="KEY=VALUE",
+                   help="an #SBATCH option, repeatable: account=proj, gres=gpu:8, exclusive (adds to job.sbatch_options)")
+    p.add_argument("--srun-option", action="append", metavar="KEY=VALUE",
+                   help="an option of every rank's step, repeatable: gpu-bind=closest (adds to job.srun_options)")
+    p.add_argument("--setup", action="append", metavar="LINE",
+                   help="a shell line run before the supervisor, repeatable: 'module load cuda' (adds to job.setup)")
+
+
 def _no_reattach(args) -> None:
     if args.reattach:
         raise ResilienceError("--reattach is for the supervisor the batch step restarts; a job whose "
@@ -63,8 +72,32 @@ def _load(args):
     job = {k: v for k, v in (("nodes", args.nodes), ("spares", args.spares),
                              ("tasks_per_node", _tasks_per_node(args.tasks_per_node))) if v is not None}
     cfg = load_config(args.config, {"job": job} if job else None)
+    site = _site_overrides(cfg, args)
+    if site:
+        cfg = load_config(args.config, {"job": {**job, **site}})
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     return cfg, command
+
+
+def _site_overrides(cfg, args) -> dict:
+    """``--sbatch-option``/``--srun-option``/``--setup`` added to the config's own
+    (a flag's option replaces the config's value for that option).
+
+    Raises:
+        ConfigError: a malformed item (the config checks names and values).
+    """
+    from .slurm.options import OWNED_SBATCH, OWNED_SRUN, normalize, parse_cli
+
+    out: dict = {}
+    for flag, key, owned in (("--sbatch-option", "sbatch_options", OWNED_SBATCH),
+                             ("--srun-option", "srun_options", OWNED_SRUN)):
+        items = getattr(args, key.replace("_options", "_option"), None)
+        if items:
+            given = normalize(f"{flag}", parse_cli(flag, items), owned)
+            out[key] = {**getattr(cfg.job, key), **given}
+    if getattr(args, "setup", None):
+        out["setup"] = [*cfg.job.setup, *args.setup]
+    return out
 
 
 def _job_dir(args, cfg, job_id: str) -> str:
@@ -191,6 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--wait", action="store_true", help="wait for the job; exit with its code")
     p.add_argument("--hetjob", action="store_true",
                    help="heterogeneous job: the supervisor on component 0, workers and spares on component 1")
+    _site_flags(p)
     p.set_defaults(func=cmd_submit)
     p = sub.add_parser("supervise", help="(inside an allocation) run the supervisor")
     _common(p)
@@ -204,6 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
     _common(p)
     p.add_argument("--wait", action="store_true", help="wait for the job; exit with its code")
     p.add_argument("--mpi", action="store_true", help="MPI program: srun --mpi=pmix, no torch env wrapper")
+    _site_flags(p)
     p.set_defaults(func=cmd_run)
     p = sub.add_parser("restart-supervise", help="(inside an allocation) the supervisor of `run`")
     _common(p)

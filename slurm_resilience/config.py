@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
-import signal
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from slurm_resilience.config_io import check_type, read_source
+from slurm_resilience.config_job import JobConfig
 from slurm_resilience.errors import ConfigError
 
 __all__ = [
@@ -36,77 +35,6 @@ __all__ = [
     "config_to_dict",
 ]
 
-_TIME_LIMIT = re.compile(r"(\d+-)?\d{1,2}:\d{2}:\d{2}|\d+")
-
-
-@dataclass(frozen=True, kw_only=True)
-class JobConfig:
-    """The Slurm allocation.
-
-    Fields:
-        nodes: worker nodes, one rank each (>= 1).
-        spares: extra nodes held idle to replace lost ones (>= 0).
-        tasks_per_node: ranks per node, one per GPU on a GPU node (>= 1); a spare node
-            holds as many warm standbys.
-        job_dir: where the job writes rank tables and events; ``{job_id}`` is filled in.
-        time_limit: Slurm ``--time``: ``[D-]HH:MM:SS`` or minutes.
-        partition: Slurm partition, or None for the default.
-        supervisor_node: an extra node in the allocation runs the supervisor alone.
-        preempt_signal: ``SIG@SECONDS`` sent to the supervisor before the time limit
-            or on preemption (``--signal=B:USR2@60``); it checkpoints to a durable
-            tier and requeues the job. Empty: none.
-        supervisor_respawns: times the batch step respawns a supervisor that was
-            killed; the restarted one re-attaches to the running workers (>= 0).
-    """
-
-    nodes: int = 4
-    spares: int = 1
-    tasks_per_node: int = 1
-    job_dir: str = "sr-jobs/{job_id}"
-    time_limit: str = "00:30:00"
-    partition: str | None = None
-    supervisor_node: bool = True
-    preempt_signal: str = "USR2@60"
-    supervisor_respawns: int = 3
-
-    @property
-    def preempt_signum(self) -> "signal.Signals | None":
-        """The preemption signal as a ``signal.Signals`` (None when disabled); the one
-        parser of ``preempt_signal`` (supervisor, keeper and sessions use it)."""
-        if not self.preempt_signal:
-            return None
-        name = self.preempt_signal.split("@")[0]
-        return signal.Signals[name if name.startswith("SIG") else "SIG" + name]
-
-    @property
-    def preempt_signal_name(self) -> str:
-        """``USR2`` for ``USR2@60`` (empty when disabled)."""
-        return self.preempt_signal.split("@")[0].removeprefix("SIG") if self.preempt_signal else ""
-
-    def __post_init__(self) -> None:
-        if self.nodes < 1:
-            raise ConfigError(f"job.nodes={self.nodes} must be >= 1: give at least one worker node")
-        if self.spares < 0:
-            raise ConfigError(f"job.spares={self.spares} must be >= 0: use 0 for no spare nodes")
-        if self.supervisor_respawns < 0:
-            raise ConfigError(f"job.supervisor_respawns={self.supervisor_respawns} must be >= 0: "
-                              "use 0 to never respawn a killed supervisor")
-        if self.tasks_per_node < 1:
-            raise ConfigError(f"job.tasks_per_node={self.tasks_per_node} must be >= 1: one rank per GPU of a node")
-        if not _TIME_LIMIT.fullmatch(self.time_limit):
-            raise ConfigError(
-                f"job.time_limit={self.time_limit!r} is not a Slurm time: use [D-]HH:MM:SS or minutes"
-            )
-        if self.preempt_signal and not re.fullmatch(r"(SIG)?(USR1|USR2|TERM|INT|HUP)@\d+", self.preempt_signal):
-            raise ConfigError(f"job.preempt_signal={self.preempt_signal!r} must look like 'USR2@60' (or be empty)")
-        if not self.job_dir:
-            raise ConfigError("job.job_dir is empty: give a directory such as 'sr-jobs/{job_id}'")
-        if self.partition is not None and not re.fullmatch(r"[A-Za-z0-9_.,-]+", self.partition):
-            raise ConfigError(
-                f"job.partition={self.partition!r} is not a partition name: letters, digits, _ . , - only"
-            )
-
-
 @dataclass(frozen=True, kw_only=True)
 class DetectConfig:
     """Fault detection.
@@ -114,6 +42,10 @@ class DetectConfig:
     Fields:
         heartbeat_period_s: how often each worker beats (0 < p <= 0.5).
         heartbeat_timeout_s: a rank is stale after this silence (> 2 * period).
+        standby_heartbeat_timeout_s: a warm standby is stale after this silence (>= the rank
+            timeout): it is idle and off the critical path, so a busy node starving its
+            heartbeat thread must not cost a spare; a standby that is really hung does not
+            pass the adoption (its node's check needs every standby connected).
         node_poll_s: how often Slurm node states are polled (> 0).
         probe_timeout_s: timeout of one slurmd reachability probe (> 0).
         straggler_threshold: a rank whose own compute time exceeds this × the
@@ -123,6 +55,7 @@ class DetectConfig:
 
     heartbeat_period_s: float = 0.25
     heartbeat_timeout_s: float = 2.0
+    standby_heartbeat_timeout_s: float = 10.0
     node_poll_s: float = 2.0
     probe_timeout_s: float = 0.3
     straggler_threshold: float = 1.5
@@ -133,6 +66,9 @@ class DetectConfig:
             raise ConfigError(
                 f"detect.heartbeat_period_s={self.heartbeat_period_s} must be > 0 and <= 0.5"
             )
+        if self.standby_heartbeat_timeout_s < self.heartbeat_timeout_s:
+            raise ConfigError(f"detect.standby_heartbeat_timeout_s={self.standby_heartbeat_timeout_s} must be >= "
+                              f"heartbeat_timeout_s={self.heartbeat_timeout_s}")
         if self.heartbeat_timeout_s <= 2 * self.heartbeat_period_s:
             raise ConfigError(
                 f"detect.heartbeat_timeout_s={self.heartbeat_timeout_s} must be > 2 * heartbeat_period_s"
@@ -174,6 +110,11 @@ class RecoveryConfig:
         migrate_stragglers: replace a persistently slow rank's node with a spare
             at the next safe point (no step lost).
         min_world_size: never scale in below this many ranks (>= 1).
+        health_check: a command (argv list, no shell) run on every spare node, with the
+            built-in checks, before it may be adopted; it must exit 0 (empty: none).
+        health_check_timeout_s: how long the checks may take on a node (> 0).
+        spare_check_max_age_s: a spare whose last passed check is older is checked again
+            (> 0); at adoption, in parallel with the recovery.
         max_requeues: job-level requeues (``scontrol requeue``) allowed, counted by
             ``SLURM_RESTART_COUNT`` (>= 0; the sbatch template sets ``--requeue``).
     """
@@ -189,9 +130,12 @@ class RecoveryConfig:
     min_world_size: int = 1
     max_requeues: int = 1
     migrate_stragglers: bool = False
+    health_check: tuple[str, ...] = ()
+    health_check_timeout_s: float = 30.0
+    spare_check_max_age_s: float = 300.0
 
     def __post_init__(self) -> None:
-        for name in ("online_timeout_s", "fallback_timeout_s"):
+        for name in ("online_timeout_s", "fallback_timeout_s", "health_check_timeout_s", "spare_check_max_age_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"recovery.{name}={getattr(self, name)} must be > 0")
         if self.min_world_size < 1:
@@ -250,6 +194,8 @@ class CheckpointConfig:
             groups of ``local_xor_group_size`` nodes: one lost node per group is
             rebuilt), or ``none``.
         local_keep: L1 checkpoints kept (>= 1).
+        local_min_free_gb: a spare whose node-local directory has less free space is not
+            adopted (>= 0).
         shared_every_kth: L2 drains every K-th L1 checkpoint (0: off).
         shared_dir: shared-filesystem directory (Lustre or any shared path).
         shared_keep: L2 checkpoints kept (>= 1); ``shared_keep_every``: also every M-th step.
@@ -268,6 +214,7 @@ class CheckpointConfig:
     local_redundancy: str = "partner"
     local_xor_group_size: int = 4
     local_keep: int = 2
+    local_min_free_gb: float = 1.0
     shared_every_kth: int = 5
     shared_dir: str = "{job_dir}/checkpoints"
     shared_keep: int = 2
@@ -277,7 +224,7 @@ class CheckpointConfig:
     mtbf_s: float = 86400.0
 
     def __post_init__(self) -> None:
-        for name in ("memory_every", "local_every", "shared_every_kth", "shared_keep_every"):
+        for name in ("memory_every", "local_every", "shared_every_kth", "shared_keep_every", "local_min_free_gb"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"checkpoint.{name}={getattr(self, name)} must be >= 0 (0 turns it off)")
         for name in ("local_keep", "shared_keep"):
@@ -384,6 +331,6 @@ def load_config(
 
 
 def config_to_dict(cfg: ResilienceConfig) -> dict[str, dict[str, Any]]:
-    """Plain nested dict (lists for tuples: YAML-safe); ``load_config(config_to_dict(cfg)) == cfg``."""
+    """Plain nested dict (lists, not tuples: YAML-safe); ``load_config(config_to_dict(cfg)) == cfg``."""
     return {name: {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(getattr(cfg, name)).items()}
             for name in _SECTIONS}

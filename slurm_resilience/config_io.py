@@ -19,18 +19,24 @@ __all__ = ["check_type", "read_source"]
 
 
 def check_type(where: str, value: Any, annotation: Any) -> Any:
-    """Return ``value`` (ints widened to float) or raise ConfigError."""
-    args = typing.get_args(annotation)
-    optional = type(None) in args
-    if typing.get_origin(annotation) is tuple:  # tuple[str, ...]: a YAML list of strings
+    """Return ``value`` (ints widened to float, a list of strings to a tuple for
+    ``tuple[str, ...]``) or raise ConfigError."""
+    if typing.get_origin(annotation) is tuple:
         if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
             return tuple(value)
         raise ConfigError(f"{where} must be a list of strings, got {value!r}")
+    args = () if typing.get_origin(annotation) is dict else typing.get_args(annotation)
+    optional = type(None) in args
     base = next((a for a in args if a is not type(None)), annotation) if args else annotation
     if value is None:
         if optional:
             return None
         raise ConfigError(f"{where} must be {_type_word(base)}, got null")
+    origin = typing.get_origin(base)
+    if origin is dict:
+        if isinstance(value, Mapping):
+            return dict(value)  # the owning section checks names and values
+        raise ConfigError(f"{where} must be a mapping of option → value, got {value!r}")
     if base is bool:
         if isinstance(value, bool):
             return value

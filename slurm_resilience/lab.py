@@ -82,8 +82,9 @@ class JobRun:
 def submit(job_dir: Path, *, nodes: int = 4, spares: int = 1, tasks_per_node: int = 1, steps: int = 40,
            step_time: float = 0.05, config: Path | None = LOCAL_CONFIG,
            extra_args: Sequence[str] = (), hetjob: bool = False, script: Path = EXAMPLE,
-           as_user: Sequence[str] = ()) -> JobRun:
+           cli_args: Sequence[str] = (), as_user: Sequence[str] = ()) -> JobRun:
     """``hetjob``: submit as a heterogeneous job (supervisor component + worker component).
+    ``cli_args``: more ``submit`` flags (``--sbatch-option``, ``--setup`` ...).
     ``tasks_per_node``: G ranks on each of the ``nodes`` worker nodes, G standbys per spare.
     ``as_user``: an argv prefix that runs ``submit`` with another user's credentials
     (e.g. ``runuser -u USER -- env SLURM_CONF=… PYTHONPATH=…``); it runs in the job
@@ -95,7 +96,7 @@ def submit(job_dir: Path, *, nodes: int = 4, spares: int = 1, tasks_per_node: in
         argv.append("--hetjob")
     if config is not None:
         argv += ["--config", str(config)]
-    argv += ["--", sys.executable, str(script), "--steps", str(steps),
+    argv += [*cli_args, "--", sys.executable, str(script), "--steps", str(steps),
              "--step-time", str(step_time), *extra_args]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             cwd=str(Path(job_dir).parent) if as_user else None)

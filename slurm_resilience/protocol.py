@@ -136,6 +136,8 @@ class EventKind(_Named):
     REQUEUE = "requeue"
     RELAUNCH = "relaunch"
     SUPERVISOR_REATTACHED = "supervisor_reattached"
+    SPARE_CHECKED = "spare_checked"
+    SPARE_CHECK_FAILED = "spare_check_failed"
     EVENT_LOST = "event_lost"
 
 

@@ -64,6 +64,7 @@ def supervise_allocation(cfg: ResilienceConfig, command: Sequence[str], job_dir:
         ResilienceError: not inside an allocation, too few nodes for the config, or a
             heterogeneous job without a worker component.
     """
+    from ..slurm.options import srun_args
     from ..slurm.parse import SlurmEnv
     from ..slurm.steps import SrunLauncher
     from ..supervisor.online import Supervisor
@@ -75,7 +76,7 @@ def supervise_allocation(cfg: ResilienceConfig, command: Sequence[str], job_dir:
     workers = worker_pool(env, cfg.job.supervisor_node)
     pool = list(workers.nodes)
     launcher = SrunLauncher(env.job_id, [*pool, me] if me else pool, het_group=workers.het_group,
-                            het_job_id=workers.het_job_id)
+                            het_job_id=workers.het_job_id, srun_options=srun_args(cfg.job.srun_options))
     job_dir = os.path.abspath((job_dir or cfg.job.job_dir.format(job_id=env.job_id)).replace("%j", env.job_id))
     sup = Supervisor(config=cfg, command=command, job_dir=job_dir, nodes=pool, launcher=launcher,
                      store_host=launcher.address(me) if me else "127.0.0.1", job_id=env.job_id,

@@ -22,6 +22,7 @@ from typing import Any, Mapping, Sequence
 
 from ..config import ResilienceConfig, config_to_dict, load_config
 from ..errors import ConfigError, ResilienceError
+from ..slurm.options import parse_argv
 
 __all__ = ["ResilientExecutor", "ResilientJob"]
 
@@ -32,7 +33,15 @@ _CONFIG_PARAMS = {
     "tasks_per_node": ("job", "tasks_per_node"),
     "slurm_partition": ("job", "partition"),
 }
-_OWN_PARAMS = ("timeout_min", "recovery", "name")
+_OWN_PARAMS = ("timeout_min", "recovery", "name", "gpus_per_node", "mem_gb", "cpus_per_task")
+# submitit's generic parameters, with submitit's meaning, as #SBATCH options.
+_GENERIC = {"gpus_per_node": "gpus-per-node", "cpus_per_task": "cpus-per-task"}
+# slurm_* parameters that stay submitit's own (they shape its batch script, not the job).
+_SUBMITIT_OWN = ("slurm_job_name", "slurm_signal_delay_s", "slurm_max_num_timeout", "slurm_stderr_to_stdout",
+                 "slurm_array_parallelism")
+# slurm_* parameters submitit has that the toolkit decides: → what controls them.
+_REFUSED = {"slurm_time": "timeout_min", "slurm_use_srun": "nothing: the batch step runs the supervisor",
+            "slurm_nodes": "nodes and spares", "slurm_ntasks_per_node": "tasks_per_node"}
 
 
 class ResilientJob:
@@ -112,20 +121,43 @@ class ResilientExecutor:
         ``nodes``, ``spares``, ``tasks_per_node`` (as in submitit: ranks per node, one
         per GPU; a spare holds as many standbys), ``timeout_min``,
         ``recovery`` (config sections → keys, e.g. ``{"recovery": {"scale_in": False},
-        "checkpoint": {"local_every": 10}}``), ``name`` (the Slurm job name) and any
-        ``slurm_*`` parameter of submitit's Slurm executor (``slurm_partition`` also
-        sets ``job.partition``).
+        "checkpoint": {"local_every": 10}}``), ``name`` (the Slurm job name), and
+        submitit's Slurm parameters with submitit's meaning: ``slurm_partition``
+        (``job.partition``), ``slurm_setup`` (``job.setup``), ``slurm_srun_args``
+        (``job.srun_options``), ``slurm_additional_parameters`` and every other
+        ``slurm_X`` (``slurm_account``, ``slurm_qos``, ``slurm_gres``,
+        ``slurm_constraint``, ``slurm_mem``, ``slurm_exclusive`` ...) become
+        ``job.sbatch_options`` (``#SBATCH --X``), as do ``gpus_per_node``,
+        ``cpus_per_task`` and ``mem_gb`` (``--mem=<N>GB``). Options the toolkit owns
+        (``nodes``, ``no_kill``, ``requeue``, ``signal``, ``time`` ...) are refused.
 
         Raises:
-            ConfigError: an unknown parameter, or a value the config rejects.
+            ConfigError: an unknown or refused parameter, or a value the config rejects.
         """
         overrides = {section: dict(keys) for section, keys in self._overrides.items()}
         slurm = dict(self._slurm)
         timeout = self._timeout_min
+        job = overrides.setdefault("job", {})
+        sbatch = dict(job.get("sbatch_options", self._base["job"]["sbatch_options"]))
         for key, value in kwargs.items():
             if key in _CONFIG_PARAMS:
                 section, field = _CONFIG_PARAMS[key]
                 overrides.setdefault(section, {})[field] = value
+            elif key in _REFUSED:
+                raise ConfigError(f"{key} is the toolkit's own: set it with {_REFUSED[key]}")
+            elif key in _GENERIC:
+                sbatch[_GENERIC[key]] = value
+            elif key == "mem_gb":
+                sbatch["mem"] = f"{value}GB"
+            elif key == "slurm_setup":
+                job["setup"] = value
+            elif key == "slurm_srun_args":
+                job["srun_options"] = {**job.get("srun_options", self._base["job"]["srun_options"]),
+                                       **parse_argv(key, value)}
+            elif key == "slurm_additional_parameters":
+                if not isinstance(value, Mapping):
+                    raise ConfigError(f"slurm_additional_parameters must be a mapping, got {value!r}")
+                sbatch.update(value)
             elif key == "recovery":
                 for section, keys in _sections(value).items():
                     overrides.setdefault(section, {}).update(keys)
@@ -133,13 +165,16 @@ class ResilientExecutor:
                 timeout = int(value)
             elif key == "name":
                 slurm["slurm_job_name"] = value
-            elif key.startswith("slurm_"):
+            elif key in _SUBMITIT_OWN:
                 slurm[key] = value
+            elif key.startswith("slurm_"):
+                sbatch[key.removeprefix("slurm_")] = value
             else:
                 valid = ", ".join([*_CONFIG_PARAMS, *_OWN_PARAMS, "slurm_*"])
                 raise ConfigError(f"unknown parameter {key!r} for ResilientExecutor; valid: {valid}")
         if timeout < 1:
             raise ConfigError(f"timeout_min={timeout} must be >= 1")
+        job["sbatch_options"] = _dedupe(sbatch)
         load_config(self._base, overrides)  # validate now, not at submission
         self._overrides, self._slurm, self._timeout_min = overrides, slurm, timeout
 
@@ -165,6 +200,17 @@ class ResilientExecutor:
                      job_dir=str(self.folder / "%j"), config=cfg, timeout_min=self._timeout_min,
                      executor_params=self._slurm)
         return ResilientJob(job, self.folder / str(job.job_id))
+
+
+def _dedupe(options: Mapping[str, Any]) -> dict[str, Any]:
+    """Later spellings of one option win (``slurm_mem`` then ``mem_gb``): the config
+    refuses an option given twice, which two parameters are not."""
+    out: dict[str, Any] = {}
+    for key, value in options.items():
+        name = key.strip().lstrip("-").replace("_", "-").lower() if isinstance(key, str) else key
+        out.pop(name, None)
+        out[name] = value
+    return out
 
 
 def _sections(value: Any) -> dict[str, Mapping[str, Any]]:

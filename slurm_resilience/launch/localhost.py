@@ -98,3 +98,14 @@ class LocalLauncher:
 
     def address(self, node: str) -> str:
         return "127.0.0.1"
+
+    def run_check(self, node: str, argv: Sequence[str], timeout_s: float) -> tuple[int | None, str]:
+        """On this host, with ``SLURMD_NODENAME`` set to the pseudo-node (as srun would)."""
+        if node in self.lost:
+            return None, f"node {node} is unreachable"
+        try:
+            out = subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout_s, check=False,
+                                 env={**os.environ, "SLURMD_NODENAME": node}, stdin=subprocess.DEVNULL)
+        except subprocess.TimeoutExpired:
+            return None, f"the health check did not end within {timeout_s:g}s"
+        return out.returncode, out.stdout + out.stderr

@@ -9,6 +9,13 @@ component 0 is the supervisor's one node, component 1 the nodes + spares.
 
 Every node of the allocation gets ``--ntasks-per-node=job.tasks_per_node`` (G
 ranks, one per GPU; a spare holds G standbys); in a hetjob only component 1 does.
+
+Site options (docs/site-options.md): ``job.sbatch_options`` become ``#SBATCH`` lines
+of the allocation; in a hetjob component 1 (workers) gets them all, component 0
+(the supervisor) only the job-wide ones (account, qos, reservation ...: not the
+per-node resources of ``slurm.options.HETJOB_WORKER_ONLY``) plus
+``job.supervisor_sbatch_options`` and ``job.supervisor_partition``. ``job.setup``
+lines run before the supervisor, verbatim.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from typing import Sequence
 
 from ..config import ResilienceConfig
 from ..errors import ConfigError
+from ..slurm.options import HETJOB_WORKER_ONLY, sbatch_lines
 
 _PARTITION = re.compile(r"[A-Za-z0-9_.,-]+")
 # The templates ship inside the package (``package_data``), so a wheel or a
@@ -45,11 +53,17 @@ def render(cfg: ResilienceConfig, *, command: Sequence[str], config_path: str, j
 
     Raises:
         ConfigError: empty command, missing template, a line break in a value, a bad
-            partition name, or ``hetjob`` with ``job.supervisor_node`` false.
+            partition name, ``hetjob`` with ``job.supervisor_node`` false, or supervisor
+            options without ``hetjob``.
     """
     if hetjob and not cfg.job.supervisor_node:
         raise ConfigError("job.supervisor_node=false contradicts --hetjob: a heterogeneous job "
                           "always gives the supervisor a component of its own")
+    job = cfg.job
+    if not hetjob and (job.supervisor_partition or job.supervisor_sbatch_options):
+        key = "supervisor_partition" if job.supervisor_partition else "supervisor_sbatch_options"
+        raise ConfigError(f"job.{key} needs --hetjob: only a heterogeneous job gives the supervisor "
+                          "a component (partition, size, options) of its own")
     template = template or TEMPLATES[hetjob]
     if not command:
         raise ConfigError("no training command given: add `-- python train.py ...`")
@@ -68,7 +82,10 @@ def render(cfg: ResilienceConfig, *, command: Sequence[str], config_path: str, j
     sup_node = 1 if cfg.job.supervisor_node else 0
     partition = f"#SBATCH --partition={cfg.job.partition}" if cfg.job.partition else ""
     signal = f"#SBATCH --signal=B:{cfg.job.preempt_signal}" if cfg.job.preempt_signal else ""
-    return string.Template(text).substitute(
+    sup_partition = job.supervisor_partition or job.partition
+    job_wide = {k: v for k, v in job.sbatch_options.items()
+                if k not in HETJOB_WORKER_ONLY and k not in job.supervisor_sbatch_options}
+    return _fill(text, dict(
         job_name=shlex.quote(job_name),
         total_nodes=cfg.job.nodes + cfg.job.spares + sup_node,
         worker_nodes=cfg.job.nodes + cfg.job.spares,
@@ -76,10 +93,23 @@ def render(cfg: ResilienceConfig, *, command: Sequence[str], config_path: str, j
         time_limit=cfg.job.time_limit,
         output=shlex.quote(os.path.join(job_dir, "supervisor.log")),
         partition_line=partition,
+        supervisor_partition_line=f"#SBATCH --partition={sup_partition}" if sup_partition else "",
+        site_lines="\n".join(sbatch_lines(job.sbatch_options)),
+        supervisor_site_lines="\n".join(sbatch_lines({**job_wide, **job.supervisor_sbatch_options})),
+        setup="\n".join(job.setup),
         signal_line=signal,
         python=shlex.quote(python),
         config=shlex.quote(config_path),
         job_dir=shlex.quote(job_dir),
         command=" ".join(shlex.quote(a) for a in command),
         **(extra or {}),
-    )
+    ))
+
+
+def _fill(text: str, values: dict[str, object]) -> str:
+    """Substitute ``values``; a template line that is only ``${name}`` of an empty
+    value (no partition, no site option, no setup) is left out, not left blank."""
+    lines = [ln for ln in text.splitlines(keepends=True)
+             if not (ln.strip().startswith("${") and ln.strip().endswith("}")
+                     and values.get(ln.strip()[2:-1]) == "")]
+    return string.Template("".join(lines)).substitute(values)

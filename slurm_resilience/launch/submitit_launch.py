@@ -9,7 +9,9 @@ starts the ranks and warm standbys as ``srun`` steps, exactly as on the sbatch p
 ``job_dir`` may hold ``%j`` (as submitit's folder does): it becomes the job id in
 the batch step. ``launch/executor.py`` wraps this in a submitit-like executor.
 ``tasks_per_node`` has submitit's meaning: G ranks on each worker node (one per
-GPU), G warm standbys on each spare.
+GPU), G warm standbys on each spare. The site's ``job.sbatch_options`` reach
+submitit's ``slurm_additional_parameters`` next to the toolkit's own (``no_kill``,
+``nodes``, ``requeue``, ``signal``), ``job.setup`` its ``slurm_setup``.
 """
 
 from __future__ import annotations
@@ -73,6 +75,12 @@ def submit(command: Sequence[str], *, nodes: int, spares: int = 1, tasks_per_nod
     }
     if resolved.job.partition:
         params["slurm_partition"] = resolved.job.partition
+    if resolved.job.setup:
+        params["slurm_setup"] = list(resolved.job.setup)
     params.update(executor_params or {})
+    # The site's #SBATCH options join the toolkit's (merged, never replacing them; the
+    # config has refused the ones the toolkit owns). submitit writes --a-b for a_b.
+    site = {k.replace("-", "_"): v for k, v in resolved.job.sbatch_options.items()}
+    params["slurm_additional_parameters"] = {**site, **params["slurm_additional_parameters"]}
     executor.update_parameters(**params)
     return executor.submit(run_supervisor, config_to_dict(resolved), list(command), job_dir)

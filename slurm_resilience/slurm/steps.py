@@ -59,9 +59,13 @@ class AttachedSrunStep:
 
 
 def srun_argv(*, job_id: str, name: str, nodes: Sequence[str], tasks_per_node: int = 1,
-              het_group: int | None = None, mpi: bool = False) -> list[str]:
+              het_group: int | None = None, mpi: bool = False, options: Sequence[str] = ()) -> list[str]:
     """Pure: the ``srun`` prefix of a job step on ``nodes`` (the one builder: a worker's
     step on one node, and the all-ranks step of relaunch mode). The command follows.
+
+    ``options``: the site's step options (``job.srun_options`` as argv, see
+    ``slurm.options.srun_args``), after the toolkit's own; with ``mpi`` an
+    ``--mpi=...`` among them replaces the default ``--mpi=pmix``.
 
     Raises:
         ValueError: invalid node name, no node, ``tasks_per_node`` < 1 or a negative ``het_group``.
@@ -79,8 +83,9 @@ def srun_argv(*, job_id: str, name: str, nodes: Sequence[str], tasks_per_node: i
         if het_group < 0:
             raise ValueError(f"het_group={het_group} must be >= 0")
         argv.append(f"--het-group={het_group}")
-    argv += [f"--job-name={name}", "--kill-on-bad-exit=0"]
-    return [*argv, "--mpi=pmix"] if mpi else argv
+    argv += [f"--job-name={name}", "--kill-on-bad-exit=0", *options]
+    own_mpi = any(o == "--mpi" or o.startswith("--mpi=") for o in options)
+    return [*argv, "--mpi=pmix"] if mpi and not own_mpi else argv
 
 
 def nodes_after_release(job: Mapping[str, str], node: str) -> list[str] | None:
@@ -106,15 +111,17 @@ class SrunLauncher:
 
     ``het_group``/``het_job_id``: in a heterogeneous job, the worker component every
     step runs on and that component's own job id; None for an ordinary job.
+    ``srun_options``: the site's step options as argv (``job.srun_options``).
     """
 
     def __init__(self, job_id: str, nodes: Sequence[str], het_group: int | None = None,
-                 het_job_id: str | None = None) -> None:
+                 het_job_id: str | None = None, srun_options: Sequence[str] = ()) -> None:
         if (het_group is None) != (het_job_id is None):
             raise ValueError("het_group and het_job_id go together (a hetjob's worker component)")
         self.job_id = job_id
         self.het_group = het_group
         self.het_job_id = het_job_id
+        self.srun_options = tuple(srun_options)
         self._steps_job = het_job_id or job_id  # the job record that holds our steps
         self._release_lock = threading.Lock()
         self._launched: list[SrunStep] = []  # srun clients still running (hetjob release ends them)
@@ -127,7 +134,8 @@ class SrunLauncher:
 
     def launch(self, *, name: str, node: str, argv: Sequence[str],
                env: Mapping[str, str], log_path: str) -> SrunStep:
-        srun = srun_argv(job_id=self.job_id, name=name, nodes=[node], het_group=self.het_group)
+        srun = srun_argv(job_id=self.job_id, name=name, nodes=[node], het_group=self.het_group,
+                         options=self.srun_options)
         fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         with os.fdopen(fd, "ab") as log:
             proc = subprocess.Popen([*srun, *argv], env={**os.environ, **env},
@@ -256,6 +264,24 @@ class SrunLauncher:
 
     def address(self, node: str) -> str:
         return self._addr[node][0]
+
+    def run_check(self, node: str, argv: Sequence[str], timeout_s: float) -> tuple[int | None, str]:
+        """A short step on ``node`` (the spare health check): (exit code, output), or
+        (None, why) when it did not end within ``timeout_s`` (the step is cancelled)."""
+        name = f"sr-health-{node}"
+        srun = srun_argv(job_id=self.job_id, name=name, nodes=[node], het_group=self.het_group)
+        try:
+            out = subprocess.run([*srun, *argv], capture_output=True, text=True, timeout=timeout_s,
+                                 stdin=subprocess.DEVNULL, check=False)
+        except subprocess.TimeoutExpired:
+            for step_id in self._step_ids(name):
+                try:
+                    commands.cancel_step(self._steps_job, step_id, signal="KILL")
+                except commands.SlurmCommandError:
+                    pass  # it ended meanwhile
+            return None, f"the health check step did not end within {timeout_s:g}s"
+        # the check prints its one line on stdout; srun's own complaints go to stderr
+        return out.returncode, out.stdout if out.stdout.strip() else out.stderr
 
     def requeue(self) -> None:
         """Job-level: put the whole job back in the queue (it resumes from checkpoints),

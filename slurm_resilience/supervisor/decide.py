@@ -9,7 +9,8 @@
                       ├─ Tick             a recovery past its deadline falls back (ladder, failed set)
                       ├─ AllDone          finish
                       ├─ Preempted        persist at one step, requeue
-                      ├─ NodeBack         scale back out (a standby first)
+                      ├─ NodeBack         scale back out (standbys and a health check first)
+                      ├─ SpareChecked     healthy spares only (spares.py)
                       └─ Straggler        report; migrate to a spare if configured
 
 No I/O and no clock (``now`` is given): executors (``online.py`` for ``Session``
@@ -23,11 +24,12 @@ from __future__ import annotations
 import dataclasses
 
 from ..lifecycle import JobPhase
+from ..model import Fault, FaultKind
 from ..protocol import EventKind, Plan, PlanAction, Role, WorkerEvent
-from . import recover
+from . import recover, spares
 from .messages import (
-    Action, AllDone, Connected, DrainEvents, Exit, NodeBack, Observation, Preempted, Published, Reap,
-    Relaunch, Say, ShutDownStandbys, Start, StepFaults, Straggler, Suspects, Tick, WorkerMark, emit,
+    Action, AllDone, Connected, DrainEvents, Exit, Isolate, Kill, NodeBack, Observation, Preempted, Published, Reap,
+    Relaunch, Say, ShutDownStandbys, SpareChecked, Start, StepFaults, Straggler, Suspects, Tick, WorkerMark, emit,
 )
 from .plans import EXIT_FAILED, EXIT_OK, EXIT_REQUEUED, Decision, launch, launch_standbys, move, publish, requeue
 from .ranktable import initial_table
@@ -52,7 +54,11 @@ def decide(state: SupervisorState, obs: Observation, now: float, policy: Policy)
     if isinstance(obs, WorkerMark):
         return _mark(state, obs)
     if isinstance(obs, Tick):
-        return recover.on_tick(state, now, policy)
+        state, acts = spares.recheck_due(state, now, policy)
+        state, more = recover.on_tick(state, now, policy)
+        return state, acts + more
+    if isinstance(obs, SpareChecked):
+        return _spare_checked(state, obs, now, policy)
     if isinstance(obs, AllDone):
         return _finish(state, policy)
     if isinstance(obs, Preempted):
@@ -99,8 +105,9 @@ def _connected(state: SupervisorState, obs: Connected, now: float, policy: Polic
         return state, []
     state = state.with_worker(dataclasses.replace(w, connected=True, pid=obs.pid))
     pool = state.standbys.get(w.node, ())
-    if w.node in state.returning and w.worker_id in pool and all(state.workers[x].connected for x in pool):
-        return recover.grow(state, w.node, now, policy)  # the node's G standbys are all up
+    if (w.node in state.returning and w.worker_id in pool and w.node in state.spare_passed
+            and all(state.workers[x].connected for x in pool)):
+        return recover.grow(state, w.node, now, policy)  # its G standbys are up and its check passed
     return state, []
 
 
@@ -170,3 +177,34 @@ def _node_back(state: SupervisorState, obs: NodeBack) -> Decision:
     return state, acts + [emit(EventKind.NODE_RETURNED, node=obs.node, state=obs.state),
                           Say(f"node {obs.node} is back in service ({obs.state}): starting "
                               f"{state.tasks_per_node} standby(s) to scale out")]
+
+
+def _spare_checked(state: SupervisorState, obs: SpareChecked, now: float, policy: Policy) -> Decision:
+    state = dataclasses.replace(state, checking=state.checking - {obs.node})
+    if obs.reason is None:
+        state = dataclasses.replace(state, spare_passed={**state.spare_passed, obs.node: obs.t})
+        acts: list[Action] = [emit(EventKind.SPARE_CHECKED, node=obs.node, duration_s=round(obs.duration_s, 3))]
+        pool = state.standbys.get(obs.node, ())
+        if obs.node in state.returning and pool and all(state.workers[w].connected for w in pool):
+            state, more = recover.grow(state, obs.node, now, policy)
+            acts += more
+        return state, acts
+    acts = [emit(EventKind.SPARE_CHECK_FAILED, node=obs.node, reason=obs.reason),
+            Say(f"spare {obs.node} failed its health check: {obs.reason}; not adopted")]
+    passed = {n: t for n, t in state.spare_passed.items() if n != obs.node}
+    pool = state.standbys.get(obs.node, ())
+    state = dataclasses.replace(state.with_dead(*pool), spare_passed=passed,
+                                standbys={n: w for n, w in state.standbys.items() if n != obs.node},
+                                returning=state.returning - {obs.node})
+    acts += [Kill(w) for w in pool]
+    ranks = state.table.ranks_on(obs.node)
+    if ranks:  # adopted before a stale re-check came back: its ranks move on
+        fault = Fault(kind=FaultKind.NODE_UNHEALTHY, rank=ranks[0], node=obs.node, time=now,
+                      detail=f"health check failed after adoption: {obs.reason}")
+        state = state.with_dead(*(state.table.slots[r].worker_id for r in ranks))
+        state, more = recover.incident(state, [fault], obs.t, now, policy, isolate_state="DRAIN")
+        return state, acts + more
+    if obs.node not in state.excluded:
+        state = dataclasses.replace(state, excluded=state.excluded | {obs.node})
+        acts.append(Isolate(obs.node, "DRAIN", f"slurm_resilience job {state.job_id}: health check: {obs.reason}"))
+    return state, acts

@@ -47,3 +47,7 @@ class Launcher(Protocol):
 
     def address(self, node: str) -> str:
         """Address other nodes use to reach ``node``."""
+
+    def run_check(self, node: str, argv: Sequence[str], timeout_s: float) -> tuple[int | None, str]:
+        """Run ``argv`` on ``node`` to its end (a short step); (exit code or None on a
+        time-out, its output)."""

@@ -116,6 +116,17 @@ class NodeBack:
 
 
 @dataclasses.dataclass(frozen=True)
+class SpareChecked:
+    """The health check ran on ``node`` (``health.py``, as a step there): ``reason`` says
+    what failed (None: passed)."""
+
+    node: str
+    reason: str | None
+    t: float
+    duration_s: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
 class Straggler:
     """A rank's own compute time per step is far above its peers'."""
 
@@ -125,7 +136,7 @@ class Straggler:
 
 
 Observation = (Start | Connected | Suspects | StepFaults | WorkerMark | Published | Tick | AllDone
-               | Preempted | NodeBack | Straggler)
+               | Preempted | NodeBack | Straggler | SpareChecked)
 
 
 # ---------------------------------------------------------------- actions
@@ -146,6 +157,13 @@ class Relaunch:
 
     table: RankTable
     attempt: int
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckSpare:
+    """Run the health check on ``node`` in the background; answered by :class:`SpareChecked`."""
+
+    node: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -223,7 +241,7 @@ class Exit:
     error: str | None = None
 
 
-Action = (Launch | Relaunch | Kill | Publish | Isolate | Emit | Say | Phase | ShutDownStandbys | Reap
+Action = (Launch | Relaunch | CheckSpare | Kill | Publish | Isolate | Emit | Say | Phase | ShutDownStandbys | Reap
           | DrainEvents | Requeue | Exit)
 
 

@@ -34,10 +34,12 @@ from ..protocol import EventKind, Plan, Role, StoreKey, WorkerEvent, WorkerEnv, 
 from . import loop, reattach
 from .classify import node_unhealthy
 from .detect import LivenessServer, NodeWatcher
+from ..health import health_argv
+from .checker import SpareChecker
 from .isolate import Isolator
 from .launcher import Launcher, StepHandle
 from .messages import (
-    Action, DrainEvents, Emit, Exit, Isolate, Kill, Launch, Observation, Phase, Publish, Published, Reap,
+    Action, CheckSpare, DrainEvents, Emit, Exit, Isolate, Kill, Launch, Observation, Phase, Publish, Published, Reap,
     Relaunch, Requeue, Say, ShutDownStandbys, Start,
 )
 from .metrics import Metrics
@@ -98,6 +100,10 @@ class Supervisor:
         self.liveness = LivenessServer(self.store_host, self.token, self.seen).start()
         self.store.set(StoreKey.LIVENESS_PORT.value, str(self.liveness.port))
         self.isolator = Isolator(self.launcher, self.events.emit, self.cfg.recovery, job_id=self.job_id, say=self._say)
+        self.checker = SpareChecker(
+            self.launcher.run_check,
+            lambda node: health_argv(self.cfg, job_id=self.job_id, job_dir=self.job_dir, node=node),
+            self.cfg.recovery.health_check_timeout_s)
 
     def run(self) -> int:
         """Run the job to its end. Returns the exit code (0 done, 3 failed, 4 requeued)."""
@@ -159,7 +165,7 @@ class Supervisor:
         self.state = state
         obs = self.watch.observe(state)
         self._write_status(state)
-        return obs
+        return [*self.checker.drain(), *obs]
 
     def changed(self, state: SupervisorState) -> None:
         self.state = state
@@ -178,6 +184,8 @@ class Supervisor:
                 return [Published(action.plan.generation, time.time())]
         elif isinstance(action, Isolate):
             self.isolator.start(action.node, action.state, action.reason)
+        elif isinstance(action, CheckSpare):
+            self.checker.start(action.node)
         elif isinstance(action, Emit):
             self.events.emit(action.kind, **action.fields)
         elif isinstance(action, Say):

@@ -11,7 +11,7 @@ from ..errors import RecoveryError
 from ..lifecycle import TRANSITIONS, JobPhase
 from ..protocol import EventKind, Plan, PlanAction, Role
 from .messages import (
-    Action, DrainEvents, Exit, Launch, Phase, Publish, Reap, Requeue, Say, ShutDownStandbys, emit,
+    Action, CheckSpare, DrainEvents, Exit, Launch, Phase, Publish, Reap, Requeue, Say, ShutDownStandbys, emit,
 )
 from .state import Mode, Policy, SupervisorState, WorkerRecord
 
@@ -46,14 +46,18 @@ def launch(state: SupervisorState, node: str, role: Role, generation: int,
 
 
 def launch_standbys(state: SupervisorState, node: str, generation: int) -> Decision:
-    """G warm standbys on ``node`` (one per local slot), added to the spare pool."""
+    """G warm standbys on ``node`` (one per local slot), added to the spare pool, and its
+    health check (the node is adopted only once it passed: ``spares.py``)."""
     acts: list[Action] = []
     ids = []
     for _ in range(state.tasks_per_node):
         state, act = launch(state, node, Role.STANDBY, generation)
         ids.append(act.worker_id)
         acts.append(act)
-    return dataclasses.replace(state, standbys={**state.standbys, node: tuple(ids)}), acts
+    state = dataclasses.replace(state, standbys={**state.standbys, node: tuple(ids)},
+                                spare_passed={n: t for n, t in state.spare_passed.items() if n != node},
+                                checking=state.checking | {node})
+    return state, acts + [CheckSpare(node)]
 
 
 def requeue(state: SupervisorState, reason: str, policy: Policy, *, persist: bool) -> Decision:

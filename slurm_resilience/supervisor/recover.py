@@ -21,6 +21,7 @@ from ..model import Fault, FaultKind
 from ..protocol import EventKind, Plan, PlanAction, Role
 from .classify import classify_fault, is_node_fault
 from .ladder import FaultCase, LadderInput, Level, RecoveryPlan, choose_level, plan_recovery
+from . import spares
 from .plans import abort, launch, move, publish, requeue
 from .messages import Action, Isolate, Kill, Relaunch, Say, StepFaults, Straggler, Suspects, emit
 from .ranktable import Replacement, grow as grow_table, in_node_order, regenerate, shrink
@@ -71,7 +72,7 @@ def on_suspects(state: SupervisorState, obs: Suspects, now: float, policy: Polic
         faults.append(fault)
     if not faults:
         return state, acts
-    state, more = _incident(state, faults, detected, now, policy)
+    state, more = incident(state, faults, detected, now, policy)
     return state, acts + more
 
 
@@ -84,12 +85,12 @@ def on_step_faults(state: SupervisorState, obs: StepFaults, now: float, policy: 
         slot = state.table.slot_for_node(f.node)
         faults.append(dataclasses.replace(f, rank=slot.rank if slot else None))
     acts: list[Action] = [emit(EventKind.FAULT_DETECTED, faults=[f.to_dict() for f in faults], step=obs.step)]
-    state, more = _incident(state, faults, obs.t, now, policy)
+    state, more = incident(state, faults, obs.t, now, policy)
     return state, acts + more
 
 
-def _incident(state: SupervisorState, faults: list[Fault], detected: float, now: float,
-              policy: Policy) -> Decision:
+def incident(state: SupervisorState, faults: list[Fault], detected: float, now: float,
+             policy: Policy, *, isolate_state: str | None = None) -> Decision:
     """One plan for every fault seen together. A node fault is one case for the whole
     node (its G ranks are lost together); a process fault is one case for its rank."""
     cases: list[FaultCase] = []
@@ -107,7 +108,8 @@ def _incident(state: SupervisorState, faults: list[Fault], detected: float, now:
                          requeues_used=state.requeue_count)
     acts: list[Action] = []
     for node in plan.isolate:
-        state, more = _isolate(state, node, next((f.kind for f in faults if f.node == node), faults[0].kind), policy)
+        state, more = _isolate(state, node, next((f.kind for f in faults if f.node == node), faults[0].kind), policy,
+                               state_override=isolate_state)
         acts += more
     acts.append(emit(EventKind.LADDER, level=plan.level.value, reason=plan.reason))
     state, more = carry_out(state, plan, tuple(cases), frozenset(), detected, now, policy, why=faults[0].detail)
@@ -125,9 +127,13 @@ def carry_out(state: SupervisorState, plan: RecoveryPlan, cases: tuple[FaultCase
         return _relaunch_all(state, cases, failed, detected, now, policy, reason=plan.reason)
     moves: list[Replacement] = []
     standbys = dict(state.standbys)
+    recheck: list[Action] = []
     for rank, spare in plan.spares:  # the lost node's G ranks move to the spare node together
         old = state.table.slots[rank].node
         warm = standbys.pop(spare, ())
+        if policy.mode is Mode.ONLINE and spares.stale(state, spare, now, policy):
+            state, more = spares.check(state, spare)  # in parallel: the recovery does not wait
+            recheck += more
         for r in state.table.ranks_on(old):
             local = state.table.slots[r].local_rank
             if local < len(warm):
@@ -160,7 +166,7 @@ def carry_out(state: SupervisorState, plan: RecoveryPlan, cases: tuple[FaultCase
         state, act = launch(state, m.new_node, Role.RANK, table.generation, m.new_worker_id)
         acts.append(act)
     state, more = begin(state, plan.level.value, cases, failed, detected, now, table.generation)
-    return state, acts + more
+    return state, acts + more + recheck
 
 
 def begin(state: SupervisorState, level: str, cases: tuple[FaultCase, ...], failed: frozenset[Level],
@@ -241,10 +247,12 @@ def _relaunch(state: SupervisorState, table, reason: str) -> Decision:
     return state, acts + more
 
 
-def _isolate(state: SupervisorState, node: str, kind: FaultKind, policy: Policy) -> Decision:
+def _isolate(state: SupervisorState, node: str, kind: FaultKind, policy: Policy, *,
+             state_override: str | None = None) -> Decision:
     """The node is excluded at once; Slurm is told in the background (off the critical path)."""
     state = dataclasses.replace(state, excluded=state.excluded | {node})
-    return state, [Isolate(node, policy.isolate_state, f"slurm_resilience job {state.job_id}: {kind.name.lower()}")]
+    return state, [Isolate(node, state_override or policy.isolate_state,
+                           f"slurm_resilience job {state.job_id}: {kind.name.lower()}")]
 
 
 def _fail_message(state: SupervisorState, cases, plan: RecoveryPlan, policy: Policy) -> str:

@@ -33,6 +33,7 @@ from ..events import EventLog
 from ..files import makedirs_private
 from ..lifecycle import JobPhase
 from ..model import RankTable
+from ..slurm.options import srun_args
 from ..slurm.steps import srun_argv
 from . import loop
 from .classify import find_faults, node_unhealthy
@@ -85,10 +86,12 @@ def master_node(nodes: Sequence[str], allocation: Sequence[str]) -> str:
 
 def step_argv(*, job_id: str, name: str, nodes: Sequence[str], command: Sequence[str], mpi: bool,
               master_addr: str, port: int, attempt: int, tasks_per_node: int = 1,
-              python: str = sys.executable) -> list[str]:
+              python: str = sys.executable, srun_options: Sequence[str] = ()) -> list[str]:
     """The all-ranks step's argv (never a shell): G tasks on each of ``nodes``; torch
-    mode wraps ``command`` in ``launch.rankenv`` (the torchrun environment per task)."""
-    argv = srun_argv(job_id=job_id, name=name, nodes=nodes, tasks_per_node=tasks_per_node, mpi=mpi)
+    mode wraps ``command`` in ``launch.rankenv`` (the torchrun environment per task).
+    ``srun_options``: the site's step options as argv (``job.srun_options``)."""
+    argv = srun_argv(job_id=job_id, name=name, nodes=nodes, tasks_per_node=tasks_per_node, mpi=mpi,
+                     options=srun_options)
     if mpi:
         return [*argv, "--", *command]
     return [*argv, "--", python, "-m", "slurm_resilience.launch.rankenv", "--master-addr", master_addr,
@@ -194,7 +197,8 @@ class RelaunchExecutor:
         master = master_node(nodes, self.allocation)
         argv = step_argv(job_id=self.job_id, name=name, nodes=nodes, command=self.command, mpi=self.mpi,
                          master_addr=self.launcher.address(master), port=master_port(self.job_id, attempt),
-                         attempt=attempt, tasks_per_node=table.tasks_per_node)
+                         attempt=attempt, tasks_per_node=table.tasks_per_node,
+                         srun_options=srun_args(self.cfg.job.srun_options))
         log_path = os.path.join(self.job_dir, f"step-{attempt:03d}.log")
         fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         with os.fdopen(fd, "ab") as log:

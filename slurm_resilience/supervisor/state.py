@@ -50,6 +50,7 @@ class Policy:
     ladder: LadderPolicy
     online_timeout_s: float
     fallback_timeout_s: float
+    spare_check_max_age_s: float = 300.0
     isolate_state: str
     migrate_stragglers: bool
 
@@ -66,6 +67,7 @@ class Policy:
                 # a relaunched program resumes from its own snapshots: no requeue there
                 max_requeues=rc.max_requeues if can_requeue and online else 0),
             online_timeout_s=rc.online_timeout_s, fallback_timeout_s=rc.fallback_timeout_s,
+            spare_check_max_age_s=rc.spare_check_max_age_s,
             isolate_state=rc.isolate_state, migrate_stragglers=rc.migrate_stragglers and online)
 
 
@@ -119,6 +121,8 @@ class SupervisorState:
     standbys: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)  # node -> G worker ids
     excluded: frozenset[str] = frozenset()
     returning: frozenset[str] = frozenset()
+    spare_passed: Mapping[str, float] = dataclasses.field(default_factory=dict)  # node -> last passed check
+    checking: frozenset[str] = frozenset()  # spare nodes with a health check in flight
     workers: Mapping[str, WorkerRecord] = dataclasses.field(default_factory=dict)
     fault_retries_used: int = 0
     requeue_count: int = 0
@@ -147,10 +151,12 @@ class SupervisorState:
         return sorted(n for n in set(self.table.nodes) | set(self.standbys) if n not in self.excluded)
 
     def free_spares(self, mode: Mode) -> list[str]:
-        """Spare nodes usable now: online, those with G warm standbys (adopting them costs
-        no process start); relaunch, any spare node not in use and not excluded."""
-        if mode is Mode.ONLINE:
-            return [n for n in self.standbys if n not in self.excluded]
+        """Spare nodes usable now: online, those whose G warm standbys are connected (adopting
+        them costs no process start) and whose health check passed; relaunch, any spare
+        node not in use and not excluded."""
+        if mode is Mode.ONLINE:  # passed its health check, and every standby is up
+            return [n for n, wids in self.standbys.items() if n not in self.excluded and n in self.spare_passed
+                    and all(self.workers[w].connected and not self.workers[w].dead for w in wids if w in self.workers)]
         used = set(self.table.nodes)
         return [n for n in self.spare_nodes if n not in used and n not in self.excluded]
 
@@ -176,7 +182,7 @@ class SupervisorState:
             "spare_nodes": list(self.spare_nodes), "addresses": dict(self.addresses),
             "tasks_per_node": self.tasks_per_node, "device": self.device,
             "standbys": {n: list(w) for n, w in self.standbys.items()}, "excluded": sorted(self.excluded),
-            "returning": sorted(self.returning),
+            "returning": sorted(self.returning), "spare_passed": dict(self.spare_passed),
             "workers": [dataclasses.asdict(w) | {"role": w.role.value} for w in self.workers.values()],
             "fault_retries_used": self.fault_retries_used, "requeue_count": self.requeue_count,
             "relaunches": self.relaunches, "recoveries": self.recoveries, "next_id": self.next_id,
@@ -199,6 +205,7 @@ class SupervisorState:
             tasks_per_node=int(d.get("tasks_per_node", 1)), device=str(d.get("device", "cpu")),
             standbys={n: tuple(w) for n, w in d["standbys"].items()}, excluded=frozenset(d["excluded"]),
             returning=frozenset(d["returning"]), workers=workers,
+            spare_passed={n: float(t) for n, t in d.get("spare_passed", {}).items()},
             fault_retries_used=int(d["fault_retries_used"]), requeue_count=int(d["requeue_count"]),
             relaunches=int(d.get("relaunches", 0)), recoveries=int(d["recoveries"]),
             next_id=int(d["next_id"]))

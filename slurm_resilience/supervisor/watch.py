@@ -114,8 +114,12 @@ class Watch:
             for rank in self.stragglers.observe(compute):
                 out.append(Straggler(rank, compute[rank], tuple(v for r, v in compute.items() if r != rank)))
         times = {wid: (b["t"] if b else None) for wid, b in beats.items()}
-        for wid in stale_workers(times, now, self.cfg.detect.heartbeat_timeout_s, self.connected_at):
-            suspects.setdefault(wid, {"t": now})["heartbeat_stale"] = True
+        ranks_t = {w: t for w, t in times.items() if w in ranks}
+        idle_t = {w: t for w, t in times.items() if w not in ranks}  # warm standbys
+        for group, timeout in ((ranks_t, self.cfg.detect.heartbeat_timeout_s),
+                               (idle_t, self.cfg.detect.standby_heartbeat_timeout_s)):
+            for wid in stale_workers(group, now, timeout, self.connected_at):
+                suspects.setdefault(wid, {"t": now})["heartbeat_stale"] = True
         return out
 
     def _probe(self, state: SupervisorState, suspects: dict[str, dict[str, Any]]) -> Suspects:

@@ -64,7 +64,7 @@ def test_unknown_key(tmp_path):
     p.write_text("detect:\n  heartbeat: 1\n")
     assert _err(p) == (
         "unknown key 'detect.heartbeat' in cfg.yaml; valid keys: heartbeat_period_s, heartbeat_timeout_s,"
-        " node_poll_s, probe_timeout_s, straggler_threshold, straggler_window"
+        " standby_heartbeat_timeout_s, node_poll_s, probe_timeout_s, straggler_threshold, straggler_window"
     )
 
 
@@ -96,6 +96,12 @@ def test_wrong_type(doc, want):
         ({"job": {"nodes": 0}}, "job.nodes=0 must be >= 1"),
         ({"job": {"spares": -1}}, "job.spares=-1 must be >= 0"),
         ({"job": {"tasks_per_node": 0}}, "job.tasks_per_node=0 must be >= 1: one rank per GPU of a node"),
+        ({"detect": {"standby_heartbeat_timeout_s": 1}},
+         "detect.standby_heartbeat_timeout_s=1.0 must be >= heartbeat_timeout_s=2.0"),
+        ({"recovery": {"health_check": "true"}},
+         "recovery.health_check must be a list of strings, got 'true'"),
+        ({"recovery": {"spare_check_max_age_s": 0}}, "recovery.spare_check_max_age_s=0.0 must be > 0"),
+        ({"checkpoint": {"local_min_free_gb": -1}}, "checkpoint.local_min_free_gb=-1.0 must be >= 0 (0 turns it off)"),
         ({"job": {"time_limit": "1h"}}, "job.time_limit='1h' is not a Slurm time"),
         ({"job": {"job_dir": ""}}, "job.job_dir is empty"),
         ({"detect": {"heartbeat_period_s": 0}}, "detect.heartbeat_period_s=0.0 must be > 0 and <= 0.5"),

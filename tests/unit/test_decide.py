@@ -28,10 +28,19 @@ def fresh(spares=SPARES, requeue_count=0):
                            requeue_count=requeue_count)
 
 
+def ready(state, p):
+    """Every standby connects and every spare passes its health check."""
+    for node, wids in state.standbys.items():
+        for w in wids:
+            state, _ = decide(state, m.Connected(w, 100, 0.1), 0.1, p)
+        state, _ = decide(state, m.SpareChecked(node, None, 0.2), 0.2, p)
+    return state
+
+
 def started(p=None, **kw):
     p = p or policy()
     state, acts = decide(fresh(**kw), m.Start(), 0.0, p)
-    return state, acts
+    return ready(state, p), acts
 
 
 def of(acts, cls):
@@ -223,7 +232,10 @@ def test_scale_back_out_when_a_node_returns():
     state, acts = decide(state, m.NodeBack("n3", "IDLE"), 4.0, p)
     standby = of(acts, m.Launch)[0]
     assert standby.role is Role.STANDBY and "n3" not in state.excluded
+    assert m.CheckSpare("n3") in acts  # a returning node is checked before it rejoins
     state, acts = decide(state, m.Connected(standby.worker_id, 99, 4.5), 4.5, p)
+    assert not of(acts, m.Publish)  # connected, but not yet checked
+    state, acts = decide(state, m.SpareChecked("n3", None, 4.6), 4.6, p)
     plan = of(acts, m.Publish)[0].plan
     assert plan.table.world_size == 3 and plan.table.slots[-1].node == "n3" and state.recovery.level == "scale-out"
 
@@ -345,7 +357,8 @@ def test_a_spare_whose_standby_died_is_not_handed_out_cold():
 def started_g2(p=None, spares=SPARES):
     p = p or policy()
     state = dataclasses.replace(fresh(spares=spares), tasks_per_node=2)
-    return decide(state, m.Start(), 0.0, p)
+    state, acts = decide(state, m.Start(), 0.0, p)
+    return ready(state, p), acts
 
 
 def test_g2_start_places_two_ranks_per_node_and_two_standbys_per_spare():
@@ -419,3 +432,53 @@ def test_g2_relaunch_node_loss_keeps_two_tasks_per_node():
     assert table.node_list == ("n2", "n4", "n5") and table.tasks_per_node == 2
     assert [(s.rank, s.node, s.local_rank) for s in table.slots[2:]] == [(2, "n4", 0), (3, "n4", 1), (4, "n5", 0),
                                                                         (5, "n5", 1)]
+
+
+# ---------------------------------------------------------------- healthy spares only
+
+def test_spares_are_checked_when_their_standbys_start_and_adopted_only_after_a_pass():
+    p = policy()
+    state, acts = decide(fresh(spares=("n5", "n6")), m.Start(), 0.0, p)
+    assert of(acts, m.CheckSpare) == [m.CheckSpare("n5"), m.CheckSpare("n6")]
+    for w in state.standbys["n5"] + state.standbys["n6"]:
+        state, _ = decide(state, m.Connected(w, 1, 0.1), 0.1, p)
+    state, _ = decide(state, m.SpareChecked("n6", None, 0.2), 0.2, p)
+    assert state.free_spares(Mode.ONLINE) == ["n6"]  # n5 not checked yet
+    state, acts = decide(state, lost(state, 1), 1.0, p)
+    assert of(acts, m.Publish)[0].plan.table.slots[1].node == "n6"
+
+
+def test_a_spare_that_fails_its_check_is_drained_with_the_reason_and_the_next_is_taken():
+    p = policy()
+    state, _ = decide(fresh(spares=("n5", "n6")), m.Start(), 0.0, p)
+    for w in state.standbys["n5"] + state.standbys["n6"]:
+        state, _ = decide(state, m.Connected(w, 1, 0.1), 0.1, p)
+    bad = state.standbys["n5"]
+    state, acts = decide(state, m.SpareChecked("n5", "health_check probe exited 1: gpu 3 sick", 0.2), 0.2, p)
+    assert m.Isolate("n5", "DRAIN", "slurm_resilience job 7: health check: health_check probe exited 1: gpu 3 sick") \
+        in acts
+    assert EventKind.SPARE_CHECK_FAILED in kinds(acts) and [a.worker_id for a in of(acts, m.Kill)] == list(bad)
+    assert "n5" not in state.standbys and "n5" in state.excluded
+    state, _ = decide(state, m.SpareChecked("n6", None, 0.3), 0.3, p)
+    state, acts = decide(state, lost(state, 0), 1.0, p)
+    assert of(acts, m.Publish)[0].plan.table.slots[0].node == "n6"
+
+
+def test_a_stale_spare_is_rechecked_on_tick_and_in_parallel_at_adoption():
+    p = policy(spare_check_max_age_s=10)
+    state, _ = started(p)
+    state, acts = decide(state, m.Tick(), 5.0, p)
+    assert not of(acts, m.CheckSpare)
+    state, acts = decide(state, m.Tick(), 11.0, p)
+    assert of(acts, m.CheckSpare) == [m.CheckSpare("n5")] and "n5" in state.checking
+    state, acts = decide(state, m.Tick(), 12.0, p)
+    assert not of(acts, m.CheckSpare)  # one at a time
+    state, _ = decide(state, m.SpareChecked("n5", None, 12.5), 12.5, p)
+    # old again when a node is lost: adopted at once, checked in parallel (no wait)
+    state, acts = decide(state, lost(state, 1), 30.0, p)
+    assert of(acts, m.Publish) and of(acts, m.CheckSpare) == [m.CheckSpare("n5")]
+    assert acts.index(of(acts, m.Publish)[0]) < acts.index(m.CheckSpare("n5"))
+    # the re-check fails after the adoption: the node's ranks move on (here: scale-in)
+    state, _ = decide(state, m.Published(1, 30.0), 30.0, p)
+    state, acts = decide(state, m.SpareChecked("n5", "disk full", 30.2), 30.2, p)
+    assert of(acts, m.Publish)[0].plan.table.nodes == ("n2", "n4") and of(acts, m.Isolate)[0].state == "DRAIN"

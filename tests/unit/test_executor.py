@@ -73,7 +73,14 @@ def test_base_config_file_is_overridden(submitted, tmp_path):
 
 
 @pytest.mark.parametrize("params,match", [
-    ({"gpus_per_node": 1}, "unknown parameter 'gpus_per_node'"),
+    ({"gpus_per_nod": 1}, "unknown parameter 'gpus_per_nod'"),
+    ({"slurm_additional_parameters": {"no_kill": False}}, "--no-kill is the toolkit's own"),
+    ({"slurm_additional_parameters": {"nodes": 9}}, "job.nodes and job.spares"),
+    ({"slurm_additional_parameters": {"requeue": False}}, "recovery.max_requeues"),
+    ({"slurm_time": 10}, "slurm_time is the toolkit's own: set it with timeout_min"),
+    ({"slurm_gres": "gpu:8\ntouch x"}, "line break"),
+    ({"slurm_srun_args": "--cpu-bind=none"}, "list of srun arguments"),
+    ({"slurm_srun_args": ["--ntasks=3"]}, "--ntasks is the toolkit's own"),
     ({"tasks_per_node": 0}, "job.tasks_per_node=0 must be >= 1"),
     ({"tasks_per_node": "2"}, "tasks_per_node"),
     ({"nodes": 0}, "job.nodes"),
