@@ -27,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 from typing import Callable, Sequence
+from .checkpoint.layout import current_user
 
 GIB = 1 << 30
 
@@ -106,7 +107,8 @@ def health_argv(cfg, *, job_id: str, job_dir: str, node: str, python: str = sys.
     0's; GPUs expected: one per rank on NCCL)."""
     local = next((t for t in cfg.checkpoint.tiers() if t.storage == "local"), None)
     path = local.path if local is not None else cfg.checkpoint.local_dir
-    local_dir = path.format_map({"job_id": job_id, "node": node, "rank": 0, "job_dir": job_dir})
+    local_dir = path.format_map({"job_id": job_id, "node": node, "rank": 0, "job_dir": job_dir,
+                                  "user": current_user()})
     gpus = cfg.job.tasks_per_node if cfg.reconnect.backend == "nccl" else 0
     argv = [python, "-m", "slurm_resilience.health", "--local-dir", local_dir,
             "--min-free-gb", str(cfg.checkpoint.local_min_free_gb), "--gpus", str(gpus),

@@ -83,14 +83,14 @@ def expand_path(spec: "TierSpec", **values: Any) -> str:
     if spec.path is None:
         raise ConfigError(f"tier {spec.name!r}: storage {spec.storage!r} has no path to expand")
     if "user" not in values:
-        values["user"] = _user()
+        values["user"] = current_user()
     try:
         return spec.path.format_map(values)
     except KeyError as exc:
         raise ConfigError(f"tier {spec.name!r}: path {spec.path!r} needs a value for {{{exc.args[0]}}}") from None
 
 
-def _user() -> str:
+def current_user() -> str:
     """The name of the user this process runs as (by uid: not from the environment)."""
     uid = os.getuid()
     try:
