@@ -30,7 +30,7 @@ from ..events import EventLog
 from ..files import makedirs_private, write_private
 from ..lifecycle import JobPhase
 from ..model import RankTable
-from ..protocol import EventKind, Plan, Role, StoreKey, WorkerEvent, WorkerEnv, plan_key, read_token, write_token
+from ..protocol import EventKind, Plan, StoreKey, WorkerEnv, plan_key, read_token, write_token
 from . import loop, reattach
 from .classify import node_unhealthy
 from .detect import LivenessServer, NodeWatcher
@@ -234,10 +234,7 @@ class Supervisor:
                 for wid, h in self.handles.items()}
         workers = {wid: w if w.pid or not pids.get(wid) else dataclasses.replace(w, pid=pids[wid])
                    for wid, w in state.workers.items()}
-        reattach.save(self.job_dir, dataclasses.replace(state, workers=workers), self.watch_events_seen())
-
-    def watch_events_seen(self) -> int:
-        return self.watch.events_seen if hasattr(self, "watch") else 0
+        reattach.save(self.job_dir, dataclasses.replace(state, workers=workers), self.watch.events_seen)
 
     def _write_status(self, state: SupervisorState, force: bool = False) -> None:
         now = time.time()
@@ -245,8 +242,7 @@ class Supervisor:
             return
         self._last_status = now
         self._save(state)
-        steps = self.watch.steps if hasattr(self, "watch") else {}
-        workers = {wid: dataclasses.replace(w, step=steps.get(wid, w.step)) for wid, w in state.workers.items()}
+        workers = {wid: dataclasses.replace(w, step=self.watch.steps.get(wid, w.step)) for wid, w in state.workers.items()}
         status = status_dict(dataclasses.replace(state, workers=workers), mode=Mode.ONLINE.value,
                              retry_budget=self.cfg.recovery.fault_retry_times,
                              endpoints={"host": self.store_host, "store_port": self._raw_store.port,
@@ -258,5 +254,3 @@ class Supervisor:
     def _say(self, text: str) -> None:
         print(f"[sr +{time.time() - self._t0:8.3f}s] {text}", file=self.out, flush=True)
 
-
-__all__ = ["Supervisor", "WorkerEvent", "Role"]
