@@ -40,7 +40,7 @@ Guarantees
 
 __version__ = "0.1.0"
 
-__all__ = ["Session", "Step", "ResumableSampler", "load_config", "ResilienceError", "ResilientExecutor",
+__all__ = ["Session", "Step", "ResumableSampler", "ResumableLoader", "load_config", "ResilienceError", "ResilientExecutor",
            "shard_range", "JobEnded"]
 
 
@@ -50,9 +50,13 @@ def __getattr__(name):  # lazy: the supervisor CLI must not pay for torch on imp
 
         return getattr(session, name)
     if name == "ResumableSampler":
-        from .worker.rollback import ResumableSampler
+        from .data.sampler import ResumableSampler
 
         return ResumableSampler
+    if name == "ResumableLoader":
+        from .data.loader import ResumableLoader
+
+        return ResumableLoader
     if name == "shard_range":
         from .worker.reshard import shard_range
 

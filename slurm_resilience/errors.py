@@ -18,6 +18,7 @@ __all__ = [
     "CheckpointError",
     "ProtocolError",
     "JobEnded",
+    "DataError",
 ]
 
 
@@ -80,6 +81,11 @@ class CheckpointError(ResilienceError):
 
 class ProtocolError(ResilienceError):
     """A supervisor/worker message is malformed or carries the wrong token."""
+
+
+class DataError(ResilienceError, ValueError):
+    """Data loading was given bad input: a sampler or loader argument, a position, a rank
+    outside the world, an iterable-style dataset. Also a ValueError, as argument errors are."""
 
 
 class IncompleteRunError(ResilienceError):

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING, Any
 
 from ..errors import StepAborted
 from .rollback import ResumableSampler
+
+if TYPE_CHECKING:
+    from ..data.loader import ResumableLoader
 
 
 class Step:
@@ -29,6 +33,13 @@ class Step:
         """This rank's sample indices for this step (from the exact global sample position)."""
         self.consumed = sampler.batch_size(self.world_size)
         return sampler.indices_at(self.position, self.rank)
+
+    def batch(self, loader: "ResumableLoader") -> Any:
+        """This rank's collated batch for this step (``loader.batch_at`` at this step's
+        global sample position); like ``samples``, it sets how many samples the step consumes."""
+        out = loader.batch_at(self.position, self.rank, self.world_size)
+        self.consumed = loader.sampler.batch_size(self.world_size)
+        return out
 
     def __enter__(self) -> "Step":
         self.entered = True
