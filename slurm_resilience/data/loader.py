@@ -64,26 +64,34 @@ class _PositionBatches:
 class _SeededItems(Dataset):
     """``dataset[index]`` with the RNGs seeded from (seed, global position) first.
 
-    In the main process (``num_workers=0``) the global RNG states are restored after
-    each item, so the training loop's own randomness is untouched."""
+    The DataLoader's fetcher calls ``__getitems__`` with a whole batch of keys. In the
+    main process (``num_workers=0``) the global RNG states are saved before the batch
+    and restored after it, so the training loop's own randomness is untouched."""
 
     def __init__(self, dataset: Any, seed: int) -> None:
         self.dataset = dataset
         self.seed = seed
 
     def __getitem__(self, key: tuple[int, int]) -> Any:
-        position, index = key
+        return self.__getitems__([key])[0]
+
+    def __getitems__(self, keys: list[tuple[int, int]]) -> list[Any]:
         if get_worker_info() is not None:  # a worker process: its RNGs are ours
-            _seed_all(sample_seed(self.seed, position))
-            return self.dataset[index]
+            return self._items(keys)
         saved = torch.get_rng_state(), random.getstate(), np.random.get_state()
         try:
-            _seed_all(sample_seed(self.seed, position))
-            return self.dataset[index]
+            return self._items(keys)
         finally:
             torch.set_rng_state(saved[0])
             random.setstate(saved[1])
             np.random.set_state(saved[2])
+
+    def _items(self, keys: list[tuple[int, int]]) -> list[Any]:
+        out = []
+        for position, index in keys:
+            _seed_all(sample_seed(self.seed, position))
+            out.append(self.dataset[index])
+        return out
 
 
 def _seed_all(s: int) -> None:
