@@ -189,7 +189,7 @@ def _check(dataset: Any, sampler: Any, num_workers: int, prefetch_factor: int | 
                         "map-style dataset")
     if hasattr(dataset, "__len__") and len(dataset) < sampler.num_samples:
         raise DataError(f"the dataset has {len(dataset)} samples but sampler.num_samples="
-                        f"{sampler.num_samples}")
+                        f"{sampler.num_samples}: it would read indices past the end")
     if not isinstance(num_workers, int) or num_workers < 0:
         raise DataError(f"num_workers={num_workers!r} must be an integer >= 0")
     if prefetch_factor is not None and (num_workers == 0 or prefetch_factor < 1):
