@@ -61,9 +61,10 @@ def test_batch_holds_the_samplers_indices(continuous):
         assert batch[:, 0].long().tolist() == s.indices_at(k * 12, 1)
 
 
-def test_two_workers_give_the_same_bits_and_resume_anywhere(continuous):
+@pytest.mark.parametrize("persistent", [False, True])
+def test_two_workers_give_the_same_bits_and_resume_anywhere(continuous, persistent):
     s = ResumableSampler(N, 4, seed=11)
-    with ResumableLoader(Augmented(), s, num_workers=2, prefetch_factor=3) as loader:
+    with ResumableLoader(Augmented(), s, num_workers=2, prefetch_factor=3, persistent_workers=persistent) as loader:
         live = _steps(loader, 3, 1, 12)
         assert loader.restarts == 1  # consecutive steps came from the live iterator
         assert all(torch.equal(a, b) for a, b in zip(live, continuous))
