@@ -58,7 +58,7 @@ def main() -> int:
         print(f"demo: the faulty run failed with exit code {code}", file=sys.stderr)
         return 1
 
-    diffs = lab.compare_states(ref.job_dir / "final.pt", run.job_dir / "final.pt")
+    diffs = lab.compare_runs(ref.job_dir / "final.pt", run.job_dir / "final.pt")
     ref_ranks, run_ranks = lab.rank_digests(ref.job_dir), lab.rank_digests(run.job_dir)
     differing_ranks = sorted(r for r in set(ref_ranks) | set(run_ranks) if ref_ranks.get(r) != run_ranks.get(r))
     if len(run_ranks) != 4 * g:

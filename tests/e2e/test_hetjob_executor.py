@@ -57,7 +57,7 @@ def test_hetjob_node_loss_finishes_on_spare_bit_identical(cluster, jobs_root, re
     victim = ranks[1]
     lab.kill_node(victim)
     assert run.wait() == 0, run.output()
-    assert lab.compare_states(reference3, run.job_dir / "final.pt") == []
+    assert lab.compare_runs(reference3, run.job_dir / "final.pt") == []
     assert [d["level"] for d in _events(run.job_dir, "recovery_done")] == ["node-replacement"]
     plans = _events(run.job_dir, "plan")
     assert plans[-1]["nodes"][1] == spare and victim not in plans[-1]["nodes"]
@@ -79,5 +79,5 @@ def test_executor_node_loss_result_zero_bit_identical(cluster, jobs_root, refere
     lab.kill_node(status["ranks"][1]["node"])
     assert job.result(timeout_s=240) == 0
     assert job.done() and job.paths.result_pickle.exists()
-    assert lab.compare_states(reference3, job.folder / "final.pt") == []
+    assert lab.compare_runs(reference3, job.folder / "final.pt") == []
     assert [d["level"] for d in _events(job.folder, "recovery_done")] == ["node-replacement"]

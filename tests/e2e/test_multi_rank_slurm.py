@@ -58,7 +58,7 @@ def reference_g2(slurm_cluster, jobs_root, tmp_path_factory):
 
 def _same_as(run, reference):
     final, digests = reference
-    assert lab.compare_states(final, run.job_dir / "final.pt") == []
+    assert lab.compare_runs(final, run.job_dir / "final.pt") == []
     assert lab.rank_digests(run.job_dir) == digests
 
 
@@ -133,7 +133,7 @@ def test_g2_no_spare_scales_in_by_a_node_and_reshards_8_to_6(cluster, jobs_root,
     b = lab.submit(b_dir, nodes=3, spares=0, tasks_per_node=G, steps=STEPS, config=cfg, script=lab.ZERO_EXAMPLE)
     assert b.wait() == 0, b.output()
     assert {e["step"] for e in _events(b.job_dir, "rank_restored") if e.get("resharded")} == {step}
-    assert lab.compare_states(a.job_dir / "final.pt", b.job_dir / "final.pt") == []
+    assert lab.compare_runs(a.job_dir / "final.pt", b.job_dir / "final.pt") == []
     assert lab.rank_digests(a.job_dir) == lab.rank_digests(b.job_dir)  # every rank's slice
     assert torch.load(a.job_dir / "final.pt", weights_only=False)["step"] == STEPS
 
@@ -153,5 +153,5 @@ def test_g2_xor_only_redundancy_with_a_node_lost(cluster, jobs_root, tmp_path):
     assert _levels(run) == ["node-replacement"]
     rebuilt = sorted(r for e in _events(run.job_dir, "rank_checkpoint_rebuilt") for r in e["ranks"])
     assert rebuilt == [2, 3], _events(run.job_dir, "rank_checkpoint_rebuilt")
-    assert lab.compare_states(ref.job_dir / "final.pt", run.job_dir / "final.pt") == []
+    assert lab.compare_runs(ref.job_dir / "final.pt", run.job_dir / "final.pt") == []
     assert lab.rank_digests(run.job_dir) == lab.rank_digests(ref.job_dir)

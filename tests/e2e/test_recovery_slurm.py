@@ -42,7 +42,7 @@ def test_node_loss_finishes_on_spare_bit_identical(cluster, jobs_root, reference
     spare = status["spares"][0]["node"]
     fault_at = lab.kill_node(victim)
     assert run.wait() == 0, run.output()
-    assert lab.compare_states(reference, run.job_dir / "final.pt") == []
+    assert lab.compare_runs(reference, run.job_dir / "final.pt") == []
     done = _events(run.job_dir, "recovery_done")
     assert [d["level"] for d in done] == ["node-replacement"]
     plans = _events(run.job_dir, "plan")
@@ -59,7 +59,7 @@ def test_rank_killed_on_healthy_node_restarts_in_place(cluster, jobs_root, refer
     victim = status["ranks"][2]
     os.kill(victim["pid"], signal.SIGKILL)  # a process this test's job started
     assert run.wait() == 0, run.output()
-    assert lab.compare_states(reference, run.job_dir / "final.pt") == []
+    assert lab.compare_runs(reference, run.job_dir / "final.pt") == []
     assert [d["level"] for d in _events(run.job_dir, "recovery_done")] == ["online"]
     assert _events(run.job_dir, "plan")[-1]["nodes"][2] == victim["node"]
     assert "DOWN" not in commands.show_nodes([victim["node"]])[victim["node"]]["State"]
@@ -77,7 +77,7 @@ def test_hung_rank_is_detected_by_heartbeat_and_replaced(cluster, jobs_root, ref
             os.kill(victim["pid"], signal.SIGKILL)
         except ProcessLookupError:
             pass
-    assert lab.compare_states(reference, run.job_dir / "final.pt") == []
+    assert lab.compare_runs(reference, run.job_dir / "final.pt") == []
     faults = _events(run.job_dir, "fault_detected")
     assert faults[0]["fault"]["kind"] == "process_hung"
 
@@ -115,7 +115,7 @@ def test_online_timeout_falls_back_to_relaunch_from_snapshots(cluster, jobs_root
     assert run.wait() == 0, run.output()
     assert _events(run.job_dir, "fallback")
     assert [d["level"] for d in _events(run.job_dir, "recovery_done")] == ["process-restart"]
-    assert lab.compare_states(reference, run.job_dir / "final.pt") == []
+    assert lab.compare_runs(reference, run.job_dir / "final.pt") == []
 
 
 def test_submitit_path_survives_node_loss(cluster, jobs_root, reference):
@@ -130,7 +130,7 @@ def test_submitit_path_survives_node_loss(cluster, jobs_root, reference):
     status = _wait_status(run)
     lab.kill_node(status["ranks"][1]["node"])
     assert job.result() == 0
-    assert lab.compare_states(reference, job_dir / "final.pt") == []
+    assert lab.compare_runs(reference, job_dir / "final.pt") == []
     assert [d["level"] for d in _events(job_dir, "recovery_done")] == ["node-replacement"]
 
 
@@ -176,7 +176,7 @@ def test_no_spare_no_scale_in_requeues_and_resumes_bit_identical(cluster, jobs_r
     assert _events(run.job_dir, "requeue")
     restored = [e for e in _events(run.job_dir, "rank_restored") if e.get("tier")]
     assert restored and restored[-1]["step"] >= 10  # resumed from a committed checkpoint
-    assert lab.compare_states(reference, run.job_dir / "final.pt") == []
+    assert lab.compare_runs(reference, run.job_dir / "final.pt") == []
 
 
 @pytest.mark.slow
@@ -194,7 +194,7 @@ def test_online_then_process_restart_time_out_and_the_job_requeues(cluster, jobs
     assert _events(run.job_dir, "ladder")[0]["level"] == "online"
     restored = [e for e in _events(run.job_dir, "rank_restored") if e.get("tier")]
     assert restored and restored[-1]["step"] >= 10  # the requeued job resumed from a checkpoint
-    assert lab.compare_states(reference, run.job_dir / "final.pt") == []
+    assert lab.compare_runs(reference, run.job_dir / "final.pt") == []
 
 
 @pytest.mark.slow
@@ -209,7 +209,7 @@ def test_preemption_signal_checkpoints_requeues_and_resumes_exactly(cluster, job
     step = persisted[0]["step"]
     restored = [e for e in _events(run.job_dir, "rank_restored") if e.get("tier")]
     assert restored[-1]["step"] == step  # exact resume: nothing lost
-    assert lab.compare_states(reference, run.job_dir / "final.pt") == []
+    assert lab.compare_runs(reference, run.job_dir / "final.pt") == []
 
 
 @pytest.mark.slow
@@ -256,7 +256,7 @@ def test_submitit_preemption_requeues_and_resumes_exactly(cluster, jobs_root, re
     assert all(e["committed"] for e in persisted), persisted
     restored = [e for e in _events(job_dir, "rank_restored") if e.get("tier")]
     assert restored[-1]["step"] == persisted[0]["step"]
-    assert lab.compare_states(reference, job_dir / "final.pt") == []
+    assert lab.compare_runs(reference, job_dir / "final.pt") == []
 
 
 @pytest.mark.slow

@@ -110,7 +110,7 @@ def test_node_loss_as_ordinary_user_isolates_without_marking_and_finishes_bit_id
     victim = status["ranks"][1]["node"]
     lab.kill_node(victim)
     assert run.wait() == 0, run.output()
-    assert lab.compare_states(reference, job_dir / "final.pt") == []
+    assert lab.compare_runs(reference, job_dir / "final.pt") == []
     assert [d["level"] for d in _events(job_dir, "recovery_done")] == ["node-replacement"]
     iso, = _events(job_dir, "isolated")
     assert iso["node"] == victim and iso["state"] == "none", iso
@@ -131,7 +131,7 @@ def test_rank_kill_as_ordinary_user_restarts_in_place_bit_identical(cluster, ord
     victim = run.wait_for_step(KILL_AT)["ranks"][2]
     os.kill(victim["pid"], signal.SIGKILL)  # a process this test's job started
     assert run.wait() == 0, run.output()
-    assert lab.compare_states(reference, job_dir / "final.pt") == []
+    assert lab.compare_runs(reference, job_dir / "final.pt") == []
     assert [d["level"] for d in _events(job_dir, "recovery_done")] == ["online"]
 
 
@@ -153,7 +153,7 @@ def test_requeue_as_ordinary_user_resumes_bit_identical_and_excludes_or_reports_
     assert excluded or f"excluding {victim} failed" in run.output(), run.output()
     restored = [e for e in _events(job_dir, "rank_restored") if e.get("tier")]
     assert restored and restored[-1]["step"] >= 10
-    assert lab.compare_states(reference, job_dir / "final.pt") == []
+    assert lab.compare_runs(reference, job_dir / "final.pt") == []
 
 
 def test_preemption_as_ordinary_user_checkpoints_requeues_and_resumes_exactly(
@@ -169,4 +169,4 @@ def test_preemption_as_ordinary_user_checkpoints_requeues_and_resumes_exactly(
     assert len(persisted) == 4 and len({e["step"] for e in persisted}) == 1
     restored = [e for e in _events(job_dir, "rank_restored") if e.get("tier")]
     assert restored[-1]["step"] == persisted[0]["step"]
-    assert lab.compare_states(reference, job_dir / "final.pt") == []
+    assert lab.compare_runs(reference, job_dir / "final.pt") == []
