@@ -11,8 +11,9 @@ killed; the user resubmits the same script by hand and it resumes from its snaps
                        is set DOWN and the job cancelled at once, then resubmitted
 
 MTTR = kill → the resubmitted job's first completed step (rank 0's progress file);
-``catch_up_s`` = kill → the step that was running at the kill is done again (the
-snapshot's lost steps are recomputed). Nothing else is in the window: the killed node
+``catch_up_s`` = kill → the step in flight at the kill is done (the steps since the
+snapshot are recomputed first; for the toolkit's cases this is their MTTR: they lose at
+most the step in flight). Nothing else is in the window: the killed node
 stays dead (the job does not need it; the next case's ``reset`` revives it).
 """
 
@@ -52,13 +53,15 @@ def _submit(root: Path, args, tag: str) -> str:
     script = root / f"{tag}.sbatch"
     script.write_text(BATCH.format(port=_free_port(), python=sys.executable, script=SCRIPT, steps=args.steps,
                                    step_time=args.step_time, ckpt=root / "ckpt", out=root / "final.pt",
-                                   progress=root / "progress.txt"))
+                                   progress=root / f"progress-{tag}.txt"))
     return commands.sbatch(str(script), ["--nodes", str(NODES), "--ntasks-per-node", str(args.tasks_per_node),
                                          "--no-requeue", "--output", str(root / f"{tag}-%j.out")])
 
 
-def _progress(root: Path) -> list[tuple[int, float]]:
-    path = root / "progress.txt"
+def _progress(root: Path, tag: str) -> list[tuple[int, float]]:
+    """Rank 0's (step, time) lines of one submission (each job has its own file: the
+    first job's survivors may still finish the step in flight after the kill)."""
+    path = root / f"progress-{tag}.txt"
     if not path.exists():
         return []
     rows = [line.split() for line in path.read_text().splitlines()]
@@ -85,9 +88,9 @@ def run_baseline(name: str, root: Path, args) -> dict:
     root.mkdir(parents=True, exist_ok=True)
     lab.cluster("reset")  # outside the window: every node healthy, as for every case
     job = _submit(root, args, "first")
-    _wait(lambda: any(s >= args.kill_at for s, _ in _progress(root)), f"step {args.kill_at}", 180)
+    _wait(lambda: any(s >= args.kill_at for s, _ in _progress(root, "first")), f"step {args.kill_at}", 180)
     victim = _nodes_of(job)[1]
-    at_kill = max(s for s, _ in _progress(root))
+    in_flight = max(s for s, _ in _progress(root, "first")) + 1
     t_fault = lab.kill_node(victim)  # ---- the timed window starts here
     if instant:
         commands.set_node_state(victim, "down", "mttr baseline: instant detection")
@@ -95,14 +98,14 @@ def run_baseline(name: str, root: Path, args) -> dict:
     _wait(lambda: commands.job_state(job) is None, f"job {job} to end", 120)
     t_ended = time.time()
     second = _submit(root, args, "second")
-    t_first = _wait(lambda: next((t for s, t in _progress(root) if t > t_fault), None), "a step after the kill", 180)
-    t_caught = _wait(lambda: next((t for s, t in _progress(root) if t > t_fault and s >= at_kill), None),
-                     "the step at the kill, again", 180)
+    t_first = _wait(lambda: next((t for s, t in _progress(root, "second")), None), "the resubmitted job's first step", 180)
+    t_caught = _wait(lambda: next((t for s, t in _progress(root, "second") if s >= in_flight), None),
+                     "the step in flight at the kill, again", 180)
     _wait(lambda: commands.job_state(second) is None, f"job {second} to end", 180)
-    resumed = next(s for s, t in _progress(root) if t > t_fault) - 1
+    resumed = _progress(root, "second")[0][0] - 1
     final_ok = (root / "final.pt").exists()
     return {"mttr_s": round(t_first - t_fault, 3), "catch_up_s": round(t_caught - t_fault, 3),
-            "job_ended_after_s": round(t_ended - t_fault, 3), "step_at_kill": at_kill, "resumed_from_step": resumed,
+            "job_ended_after_s": round(t_ended - t_fault, 3), "step_in_flight": in_flight, "resumed_from_step": resumed,
             "finished": final_ok, "victim": victim, "level": "sbatch + resubmit by hand + own snapshot"
             + (" (instant detection)" if instant else " (Slurm detection)"), "tasks_per_node": args.tasks_per_node}
 
