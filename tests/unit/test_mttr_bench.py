@@ -48,3 +48,24 @@ def test_first_step_after_is_the_last_rank_of_the_new_world():
           {"kind": "rank_first_step", "t": 9.0, "generation": 2}]
     assert mttr_cases.first_step_after(ev, 2.0) == 5.2
     assert mttr_cases.first_step_after(ev, 10.0) is None
+
+
+def test_goodput_inputs_come_from_the_benchmarks_json():
+    import goodput_inputs as gi
+
+    mttr_doc = {"args": {"tasks_per_node": 2}, "results": {
+        "kill-node": {"runs": [{"mttr_s": 0.2, "detect_s": 0.01, "phases_ms": {"reconnect": 20.0, "restore": 5.0}},
+                               {"mttr_s": 0.4, "detect_s": 0.03, "phases_ms": {"reconnect": 40.0, "restore": 7.0}},
+                               {"error": "boom"}]},
+        "freeze-node": {"runs": [{"mttr_s": 2.1}, {"mttr_s": 2.3}, {"mttr_s": 2.2}]}}}
+    ph = gi.phases_ms(mttr_doc)
+    assert ph == {"detect": 20.0, "reconnect": 30.0, "restore": 6.0}
+    assert gi.case_mttr_s(mttr_doc, "freeze-node") == 2.2 and gi.case_mttr_s(mttr_doc, "hang-rank") is None
+    assert gi.ranks_per_node(mttr_doc) == 2
+    ck = {"bytes": 2e9, "figures": {"ours_stall": {"median_s": 0.1}, "torch_save_write": {"median_s": 3.0}}}
+    c = gi.checkpoint_costs(ck, state_gb_per_rank=4.0)
+    assert (c["toolkit_s"], c["baseline_s"], c["scale"]) == (0.2, 6.0, 2.0)
+    import pytest
+
+    with pytest.raises(ValueError, match="kill-node"):
+        gi.phases_ms({"results": {}})
