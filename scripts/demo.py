@@ -79,6 +79,16 @@ def main() -> int:
           " to the fault-free run (model + optimizer state, torch.equal)")
     print(f"== every rank's final state ({len(run_ranks)} ranks, SHA-256 of each): "
           f"{'identical' if not differing_ranks else 'DIFFER: ' + ', '.join(map(str, differing_ranks[:8]))}")
+    try:  # the picture needs matplotlib (the test/plot extras): optional
+        from slurm_resilience.events import read_events
+        from slurm_resilience.timeline_plot import plot_timeline
+
+        png = plot_timeline(read_events(str(run.job_dir / "events.jsonl")), str(out / "timeline.png"),
+                            fault_times={1: fault_at})
+        summary["timeline_png"] = png
+        print(f"== timeline picture: {png}")
+    except ImportError as exc:
+        print(f"== no timeline picture ({exc}): pip install matplotlib")
     (out / "demo-summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(f"summary: {out / 'demo-summary.json'}")
     return 0 if not diffs and not differing_ranks else 1
