@@ -12,7 +12,7 @@ from slurm_resilience.events import read_events
 from slurm_resilience.slurm import commands
 from slurm_resilience.slurm.parse import expand_hostlist
 
-from .conftest import STEPS
+from .conftest import FAULT_STEP_TIME, STEPS
 
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(300)]
 
@@ -46,7 +46,7 @@ def _het_components(job_id):
 
 
 def test_hetjob_node_loss_finishes_on_spare_bit_identical(cluster, jobs_root, reference3):
-    run = lab.submit(jobs_root / "hetjob-node-loss", nodes=NODES, spares=SPARES, steps=STEPS, hetjob=True)
+    run = lab.submit(jobs_root / "hetjob-node-loss", nodes=NODES, spares=SPARES, steps=STEPS, hetjob=True, step_time=FAULT_STEP_TIME)
     status = run.wait_for_step(KILL_AT)
     comps = _het_components(status["job_id"])
     assert sorted(comps) == [0, 1] and len(comps[0]) == 1 and len(comps[1]) == NODES + SPARES, comps

@@ -15,7 +15,7 @@ from slurm_resilience import lab
 from slurm_resilience.events import read_events
 from slurm_resilience.slurm import commands
 
-from .conftest import STEPS
+from .conftest import FAULT_STEP_TIME, STEPS
 
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(300)]
 
@@ -36,7 +36,7 @@ def test_fault_free_run_completes(reference):
 
 
 def test_node_loss_finishes_on_spare_bit_identical(cluster, jobs_root, reference):
-    run = lab.submit(jobs_root / "node-loss", steps=STEPS)
+    run = lab.submit(jobs_root / "node-loss", steps=STEPS, step_time=FAULT_STEP_TIME)
     status = run.wait_for_step(KILL_AT)
     victim = status["ranks"][1]["node"]
     spare = status["spares"][0]["node"]
@@ -54,7 +54,7 @@ def test_node_loss_finishes_on_spare_bit_identical(cluster, jobs_root, reference
 
 
 def test_rank_killed_on_healthy_node_restarts_in_place(cluster, jobs_root, reference):
-    run = lab.submit(jobs_root / "rank-kill", steps=STEPS)
+    run = lab.submit(jobs_root / "rank-kill", steps=STEPS, step_time=FAULT_STEP_TIME)
     status = run.wait_for_step(KILL_AT)
     victim = status["ranks"][2]
     os.kill(victim["pid"], signal.SIGKILL)  # a process this test's job started
@@ -66,7 +66,7 @@ def test_rank_killed_on_healthy_node_restarts_in_place(cluster, jobs_root, refer
 
 
 def test_hung_rank_is_detected_by_heartbeat_and_replaced(cluster, jobs_root, reference):
-    run = lab.submit(jobs_root / "rank-hang", steps=STEPS)
+    run = lab.submit(jobs_root / "rank-hang", steps=STEPS, step_time=FAULT_STEP_TIME)
     status = run.wait_for_step(KILL_AT)
     victim = status["ranks"][3]
     os.kill(victim["pid"], signal.SIGSTOP)
@@ -85,7 +85,7 @@ def test_hung_rank_is_detected_by_heartbeat_and_replaced(cluster, jobs_root, ref
 def test_no_spare_left_fails_cleanly_and_keeps_state(cluster, jobs_root, tmp_path):
     cfg = tmp_path / "no-ladder.yaml"
     cfg.write_text(lab.LOCAL_CONFIG.read_text() + "recovery:\n  scale_in: false\n  max_requeues: 0\n")
-    run = lab.submit(jobs_root / "no-spare", spares=0, steps=STEPS, config=cfg)
+    run = lab.submit(jobs_root / "no-spare", spares=0, steps=STEPS, config=cfg, step_time=FAULT_STEP_TIME)
     status = run.wait_for_step(KILL_AT)
     victim = status["ranks"][1]["node"]
     lab.kill_node(victim)
@@ -109,7 +109,7 @@ def test_no_spare_left_fails_cleanly_and_keeps_state(cluster, jobs_root, tmp_pat
 def test_online_timeout_falls_back_to_relaunch_from_snapshots(cluster, jobs_root, reference, tmp_path):
     cfg = tmp_path / "fallback.yaml"
     cfg.write_text(lab.LOCAL_CONFIG.read_text() + "recovery:\n  online_timeout_s: 0.005\n")
-    run = lab.submit(jobs_root / "fallback", steps=STEPS, config=cfg)
+    run = lab.submit(jobs_root / "fallback", steps=STEPS, config=cfg, step_time=FAULT_STEP_TIME)
     status = run.wait_for_step(KILL_AT)
     lab.kill_node(status["ranks"][1]["node"])
     assert run.wait() == 0, run.output()
@@ -153,7 +153,7 @@ def _config(tmp_path, name, extra):
 
 
 def test_no_spare_scales_in_and_finishes(cluster, jobs_root):
-    run = lab.submit(jobs_root / "scale-in", spares=0, steps=STEPS)
+    run = lab.submit(jobs_root / "scale-in", spares=0, steps=STEPS, step_time=FAULT_STEP_TIME)
     status = run.wait_for_step(KILL_AT)
     victim = status["ranks"][1]["node"]
     lab.kill_node(victim)
@@ -169,7 +169,7 @@ def test_no_spare_scales_in_and_finishes(cluster, jobs_root):
 @pytest.mark.slow
 def test_no_spare_no_scale_in_requeues_and_resumes_bit_identical(cluster, jobs_root, reference, tmp_path):
     cfg = _config(tmp_path, "requeue", "recovery:\n  scale_in: false\n  max_requeues: 1\n")
-    run = lab.submit(jobs_root / "requeue", spares=0, steps=STEPS, config=cfg)
+    run = lab.submit(jobs_root / "requeue", spares=0, steps=STEPS, config=cfg, step_time=FAULT_STEP_TIME)
     status = run.wait_for_step(KILL_AT)
     lab.kill_node(status["ranks"][1]["node"])
     assert run.wait() == 0, run.output()
@@ -185,7 +185,7 @@ def test_online_then_process_restart_time_out_and_the_job_requeues(cluster, jobs
     coarser one takes over: online → process restart (all relaunched) → job requeue."""
     cfg = _config(tmp_path, "fallbacks", "recovery:\n  online_timeout_s: 0.005\n"
                   "  fallback_timeout_s: 0.005\n  max_requeues: 1\n")
-    run = lab.submit(jobs_root / "fallbacks", steps=STEPS, config=cfg)
+    run = lab.submit(jobs_root / "fallbacks", steps=STEPS, config=cfg, step_time=FAULT_STEP_TIME)
     status = run.wait_for_step(KILL_AT)
     os.kill(status["ranks"][1]["pid"], signal.SIGKILL)
     assert run.wait() == 0, run.output()
@@ -199,7 +199,7 @@ def test_online_then_process_restart_time_out_and_the_job_requeues(cluster, jobs
 
 @pytest.mark.slow
 def test_preemption_signal_checkpoints_requeues_and_resumes_exactly(cluster, jobs_root, reference):
-    run = lab.submit(jobs_root / "preempt", steps=STEPS)
+    run = lab.submit(jobs_root / "preempt", steps=STEPS, step_time=FAULT_STEP_TIME)
     status = run.wait_for_step(KILL_AT)
     commands.run(["scancel", "--signal=USR2", "--batch", status["job_id"]])
     assert run.wait() == 0, run.output()

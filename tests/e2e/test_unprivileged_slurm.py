@@ -26,7 +26,7 @@ from slurm_resilience.events import read_events
 from slurm_resilience.slurm import commands
 from slurm_resilience.slurm.rights import uses_slurmdbd
 
-from .conftest import STEPS
+from .conftest import FAULT_STEP_TIME, STEPS
 
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(300)]
 
@@ -105,7 +105,7 @@ def test_node_loss_as_ordinary_user_isolates_without_marking_and_finishes_bit_id
     job_dir, _ = _job(ordinary_user, "node-loss")
     cfg = job_dir.parent / "config.yaml"
     cfg.write_text(cfg.read_text() + "recovery:\n" + _hook(job_dir.parent))
-    run = lab.submit(job_dir, steps=STEPS, config=cfg, as_user=prefix)
+    run = lab.submit(job_dir, steps=STEPS, config=cfg, as_user=prefix, step_time=FAULT_STEP_TIME)
     status = run.wait_for_step(KILL_AT)
     victim = status["ranks"][1]["node"]
     lab.kill_node(victim)
@@ -127,7 +127,7 @@ def test_node_loss_as_ordinary_user_isolates_without_marking_and_finishes_bit_id
 
 def test_rank_kill_as_ordinary_user_restarts_in_place_bit_identical(cluster, ordinary_user, reference):
     job_dir, cfg = _job(ordinary_user, "rank-kill")
-    run = lab.submit(job_dir, steps=STEPS, config=cfg, as_user=ordinary_user[0])
+    run = lab.submit(job_dir, steps=STEPS, config=cfg, as_user=ordinary_user[0], step_time=FAULT_STEP_TIME)
     victim = run.wait_for_step(KILL_AT)["ranks"][2]
     os.kill(victim["pid"], signal.SIGKILL)  # a process this test's job started
     assert run.wait() == 0, run.output()
@@ -138,7 +138,7 @@ def test_rank_kill_as_ordinary_user_restarts_in_place_bit_identical(cluster, ord
 def test_requeue_as_ordinary_user_resumes_bit_identical_and_excludes_or_reports_the_node(
         cluster, ordinary_user, reference):
     job_dir, cfg = _job(ordinary_user, "requeue", "recovery:\n  scale_in: false\n  max_requeues: 1\n")
-    run = lab.submit(job_dir, spares=0, steps=STEPS, config=cfg, as_user=ordinary_user[0])
+    run = lab.submit(job_dir, spares=0, steps=STEPS, config=cfg, as_user=ordinary_user[0], step_time=FAULT_STEP_TIME)
     status = run.wait_for_step(KILL_AT)
     victim = status["ranks"][1]["node"]
     lab.kill_node(victim)
@@ -160,7 +160,7 @@ def test_preemption_as_ordinary_user_checkpoints_requeues_and_resumes_exactly(
         cluster, ordinary_user, reference):
     prefix = ordinary_user[0]
     job_dir, cfg = _job(ordinary_user, "preempt")
-    run = lab.submit(job_dir, steps=STEPS, config=cfg, as_user=prefix)
+    run = lab.submit(job_dir, steps=STEPS, config=cfg, as_user=prefix, step_time=FAULT_STEP_TIME)
     status = run.wait_for_step(KILL_AT)
     ok, out = _as(prefix, ["scancel", "--signal=USR2", "--batch", status["job_id"]])  # the owner's own signal
     assert ok, out
