@@ -173,8 +173,9 @@ def main() -> int:
     args = ap.parse_args()
     if args.repeat < 1:
         ap.error(f"--repeat={args.repeat} must be >= 1")
+    started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     r = run(args)
-    r.update({"started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    r.update({"started": started, "finished": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "machine": platform.node(), "cpus": os.cpu_count(), "args": vars(args)})
     print(report(r))
     Path(args.json).write_text(json.dumps(r, indent=2))
