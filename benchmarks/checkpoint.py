@@ -1,37 +1,50 @@
 #!/usr/bin/env python3
-"""Checkpoint benchmark: ours vs raw disk, torch.save and torch.distributed.checkpoint.
+"""Checkpoint benchmark: ours vs raw disk, torch.save and torch.distributed.checkpoint, like for like.
 
-Same process, same machine, same state (a dict of fp32 tensors of --size-gib in all).
-Not a test: prints a table and ratios; --json writes them. Page cache: on a box
-where caches cannot be dropped, read figures are cache-warm for every contender alike.
-Raw parallel I/O and ours run --repeat times, alternating, and report medians: a
-shared disk's speed changes from one second to the next.
+Same process, same state (a dict of fp32 tensors of --size-gib in all), and for every
+contender (benchmarks/checkpoint_contenders.py) the same: one untimed warm-up write and
+read, then --repeat timed rounds interleaved (raw, torch.save, DCP, ours, raw, ...), so a
+disk or a neighbour that changes speed mid-run hits all alike. Writes are timed from the
+outside, from the save call to durable (fsync'd); reads start from the same cache state
+for all: cold (page cache dropped before every read) where /proc/sys/vm/drop_caches is
+writable, else warm (each contender reads its own file right after writing it).
+Medians, min and max are printed with each ratio next to its target; --json (default
+checkpoint.json) gets every run.
 
-    python3 benchmarks/checkpoint.py --size-gib 1 --dir /tmp/ckbench
-    python3 benchmarks/checkpoint.py --size-mb 512 --repeat 5 --skip-others --cpu
+    python3 benchmarks/checkpoint.py --size-mb 512 --repeat 3 --cpu
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
+import platform
 import shutil
+import statistics
 import sys
 import tempfile
-import threading
 import time
-from datetime import timedelta
 from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from slurm_resilience.checkpoint import layout  # noqa: E402
-from slurm_resilience.checkpoint.engine import CheckpointEngine  # noqa: E402
-from slurm_resilience.checkpoint.hdf5_format import verify_shard  # noqa: E402
+from checkpoint_contenders import DCP, Ours, Raw, TorchSave  # noqa: E402
 from slurm_resilience.checkpoint.shard_io import CRC32_IMPL, IO_THREADS  # noqa: E402
-from slurm_resilience.checkpoint.tiers import TierSpec  # noqa: E402
+
+DROP = "/proc/sys/vm/drop_caches"
+# (label, numerator, denominator, target, how to read it): ratio = numerator / denominator
+TARGETS = [
+    ("L1 persist vs raw parallel write", "raw_write", "ours_write", 0.85, ">= 0.85 of the disk's own speed"),
+    ("L1 persist vs DCP save", "dcp_write", "ours_write", 1.0, "> 1: faster than DCP save"),
+    ("L1 persist vs torch.save", "torch_save_write", "ours_write", 1.0, "> 1: faster than torch.save"),
+    ("restore vs raw parallel read", "raw_read", "ours_read", 0.85, ">= 0.85 of the raw read"),
+    ("restore vs DCP load", "dcp_read", "ours_read", 1.0, "> 1: faster than DCP load"),
+    ("host copy / training stall", "host_copy", "ours_stall", 1 / 1.5, "stall <= 1.5x the host copy"),
+]
 
 
 def make_state(size_gib: float, n_tensors: int, device: str) -> dict:
@@ -40,189 +53,109 @@ def make_state(size_gib: float, n_tensors: int, device: str) -> dict:
     return {f"layer{i}.weight": torch.randn(per, generator=g).to(device) for i in range(n_tensors)}
 
 
-def nbytes(state: dict) -> int:
-    return sum(t.numel() * t.element_size() for t in state.values())
-
-
-def timed(fn):
-    os.sync()  # every contender starts with no dirty pages of the previous one
-    t0 = time.perf_counter()
-    out = fn()
-    return time.perf_counter() - t0, out
-
-
-def fsync_file(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def raw_parallel_write(state: dict, d: Path, threads: int) -> float:
-    d.mkdir(parents=True, exist_ok=True)
-    items = list(state.items())
-
-    def work(chunk):
-        for name, t in chunk:
-            p = d / f"{name}.bin"
-            with open(p, "wb") as f:
-                f.write(t.cpu().numpy().tobytes() if t.is_cuda else memoryview(t.numpy()))
-                f.flush()
-                os.fsync(f.fileno())
-
-    chunks = [items[i::threads] for i in range(threads)]
+def drop_caches() -> bool:
+    """Drop the page cache (clean pages only: sync first); False where not allowed."""
     os.sync()
+    try:
+        with open(DROP, "w") as f:
+            f.write("1\n")
+        return True
+    except OSError:
+        return False
+
+
+def stats(xs: list[float]) -> dict:
+    return {"median_s": statistics.median(xs), "min_s": min(xs), "max_s": max(xs), "runs": xs}
+
+
+def host_copy_s(state: dict, device: str) -> float:
+    """A plain device->host copy into preallocated (pinned with CUDA) buffers: the stall's floor."""
+    bufs = {k: torch.empty(v.shape, dtype=v.dtype, pin_memory=device == "cuda") for k, v in state.items()}
+
+    def copy() -> None:
+        for k, v in state.items():
+            bufs[k].copy_(v, non_blocking=device == "cuda")
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    copy()
     t0 = time.perf_counter()
-    ts = [threading.Thread(target=work, args=(c,)) for c in chunks]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
+    copy()
     return time.perf_counter() - t0
-
-
-def raw_parallel_read(d: Path, threads: int) -> float:
-    files = sorted(d.glob("*.bin"))
-
-    def work(chunk):
-        for p in chunk:
-            with open(p, "rb") as f:
-                while f.read(64 << 20):
-                    pass
-
-    t0 = time.perf_counter()
-    ts = [threading.Thread(target=work, args=(files[i::threads],)) for i in range(threads)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
-    return time.perf_counter() - t0
-
-
-def _median(xs: list[float]) -> float:
-    xs = sorted(xs)
-    mid = len(xs) // 2
-    return xs[mid] if len(xs) % 2 else (xs[mid - 1] + xs[mid]) / 2
 
 
 def run(args) -> dict:
     device = "cuda" if torch.cuda.is_available() and not args.cpu else "cpu"
     size_gib = args.size_mb / 1024 if args.size_mb else args.size_gib
     state = make_state(size_gib, args.tensors, device)
-    size = nbytes(state)
     root = Path(tempfile.mkdtemp(prefix="ckbench-", dir=args.dir))
-    res: dict = {"bytes": size, "device": device, "repeat": args.repeat, "crc32": CRC32_IMPL,
-                 "io_threads": IO_THREADS}
+    cold = drop_caches()
+    contenders = [Raw(state, root, args.threads)]
+    if not args.skip_others:
+        contenders += [TorchSave(state, root), DCP(state, root)]
+    contenders.append(Ours(state, root))
+    times: dict[str, list[float]] = {}
     try:
-        if not args.skip_others:
-            p = root / "torch_save.pt"
-            res["torch_save_s"], _ = timed(lambda: (torch.save(state, p), fsync_file(str(p))))
-            res["torch_load_s"], _ = timed(lambda: torch.load(p, map_location="cpu"))
-            p.unlink()
-            res.update(dcp_figures(state, root))
-
-        spec = (TierSpec(name="L0", storage="memory", interval_steps=1),
-                TierSpec(name="L1", storage="local", interval_steps=1, path=str(root / "ours")))
-        eng = CheckpointEngine(spec, job_id="bench", job_dir=str(root), node="n0")
-        for warm in (0, 1):  # warm-up: allocates both reused host-buffer sets
-            eng.save(warm, state)
-            eng.wait()
-        # Raw and ours alternate, so a disk or a neighbour that changes speed
-        # mid-run affects both alike; the medians are compared.
-        runs: dict[str, list[float]] = {k: [] for k in (
-            "raw_write_s", "raw_read_s", "ours_stall_s", "ours_l1_persist_s", "ours_wait_after_stall_s",
-            "ours_verify_s", "ours_restore_s")}
-        for i in range(args.repeat):
-            runs["raw_write_s"].append(raw_parallel_write(state, root / "raw", args.threads))
-            runs["raw_read_s"].append(raw_parallel_read(root / "raw", args.threads))
-            shutil.rmtree(root / "raw")
-            os.sync()
-            step = 2 + i
-            stall = eng.save(step, state)
-            t0 = time.perf_counter()
-            eng.wait()
-            runs["ours_wait_after_stall_s"].append(time.perf_counter() - t0)
-            runs["ours_stall_s"].append(stall)
-            runs["ours_l1_persist_s"].append(
-                [s["seconds"] for s in eng.stats if s["step"] == step and s["tier"] == "L1"][0])
-            cand = (step, "L1", layout.shard_path(str(root / "ours"), step, 0))
-            runs["ours_verify_s"].append(timed(lambda: verify_shard(cand[2]))[0])
-            runs["ours_restore_s"].append(timed(lambda: eng.load(cand))[0])
-        eng.close()
-        res["runs"] = runs
-        res.update({k: _median(v) for k, v in runs.items()})
-        # A plain device->host copy into preallocated (pinned with CUDA) buffers: the floor for the stall.
-        bufs = {k: torch.empty(v.shape, dtype=v.dtype, pin_memory=device == "cuda") for k, v in state.items()}
-        def copy():
-            for k, v in state.items():
-                bufs[k].copy_(v, non_blocking=device == "cuda")
-            if device == "cuda":
-                torch.cuda.synchronize()
-        copy()
-        res["host_copy_s"], _ = timed(copy)
+        for c in contenders:  # the same untimed warm-up for every contender: one write, one read
+            handle = c.write(0)
+            c.read(handle)
+            c.remove(handle)
+        for i in range(1, args.repeat + 1):
+            for c in contenders:
+                os.sync()  # no dirty pages of the previous contender in this one's window
+                t0 = time.perf_counter()
+                handle = c.write(i)
+                times.setdefault(f"{c.name}_write", []).append(time.perf_counter() - t0)
+                if cold:
+                    drop_caches()
+                t0 = time.perf_counter()
+                c.read(handle)
+                times.setdefault(f"{c.name}_read", []).append(time.perf_counter() - t0)
+                c.remove(handle)
+        ours = contenders[-1]
+        times["ours_stall"] = ours.stalls[-args.repeat:]
+        times["host_copy"] = [host_copy_s(state, device) for _ in range(args.repeat)]
     finally:
+        for c in contenders:
+            c.close()
         shutil.rmtree(root, ignore_errors=True)
-    return res
+    figures = {k: stats(v) for k, v in times.items()}
+    ratios = {}
+    for label, num, den, target, _ in TARGETS:
+        if num in figures and den in figures:
+            per_run = [a / b for a, b in zip(figures[num]["runs"], figures[den]["runs"])]
+            med = figures[num]["median_s"] / figures[den]["median_s"]
+            ratios[label] = {"median": med, "per_run": per_run, "target": target,
+                             "met_in_every_run": all(r >= target for r in per_run)}
+    return {"benchmark": "checkpoint", "bytes": sum(t.numel() * t.element_size() for t in state.values()),
+            "device": device, "repeat": args.repeat, "reads": "cold (page cache dropped)" if cold else
+            "warm (read right after its own write)", "crc32": CRC32_IMPL, "io_threads": IO_THREADS,
+            "raw_threads": args.threads, "figures": figures, "ratios": ratios}
 
 
-def dcp_figures(state: dict, root: Path) -> dict:
-    import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
-
-    res = {}
-    store = dist.TCPStore("127.0.0.1", 0, 1, True, timedelta(seconds=30))
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    try:
-        res["dcp_save_s"], _ = timed(lambda: dcp.save(state, checkpoint_id=str(root / "dcp")))
-        target = {k: torch.empty_like(v) for k, v in state.items()}
-        res["dcp_load_s"], _ = timed(lambda: dcp.load(target, checkpoint_id=str(root / "dcp")))
-        shutil.rmtree(root / "dcp")
-        t0 = time.perf_counter()
-        fut = dcp.async_save(state, checkpoint_id=str(root / "dcp_async"))
-        res["dcp_async_blocked_s"] = time.perf_counter() - t0
-        fut.result()
-        res["dcp_async_total_s"] = time.perf_counter() - t0
-        shutil.rmtree(root / "dcp_async")
-    finally:
-        dist.destroy_process_group()
-    return res
+LABELS = {"raw_write": Raw.write_label, "raw_read": Raw.read_label, "torch_save_write": TorchSave.write_label,
+          "torch_save_read": TorchSave.read_label, "dcp_write": DCP.write_label, "dcp_read": DCP.read_label,
+          "ours_write": Ours.write_label, "ours_read": Ours.read_label,
+          "ours_stall": "ours: training stall (save() returns)", "host_copy": "host copy (floor for the stall)"}
 
 
 def report(r: dict) -> str:
     gb = r["bytes"] / 1e9
-    bw = lambda s: f"{gb / s:7.2f} GB/s"  # noqa: E731
-    rows = [("raw parallel write+fsync", "raw_write_s"), ("raw parallel read", "raw_read_s"),
-            ("torch.save (+fsync)", "torch_save_s"), ("torch.load", "torch_load_s"),
-            ("DCP save", "dcp_save_s"), ("DCP load", "dcp_load_s"),
-            ("DCP async_save: blocked", "dcp_async_blocked_s"), ("DCP async_save: total", "dcp_async_total_s"),
-            ("host copy (floor for the stall)", "host_copy_s"),
-            ("ours: training stall (L0 copy)", "ours_stall_s"),
-            ("ours: L1 persist (HDF5+fsync+commit)", "ours_l1_persist_s"),
-            ("ours: verify (best(): read+CRC)", "ours_verify_s"),
-            ("ours: restore (load: read+verify)", "ours_restore_s")]
-    lines = [f"state: {gb:.2f} GB on {r['device']}; raw and ours: median of {r['repeat']} alternating runs; "
-             f"ours: CRC32 from {r['crc32']}, {r['io_threads']} I/O threads",
-             f"{'what':<40}{'seconds':>10}{'bandwidth':>16}"]
-    lines += [f"{n:<40}{r[k]:>10.3f}{bw(r[k]):>16}" for n, k in rows if k in r]
-    lines += [
-        "ratios:",
-        f"  stall / host copy                 {r['ours_stall_s'] / r['host_copy_s']:6.2f}   (target <= 1.5)",
-        f"  L1 persist / raw parallel write   {r['raw_write_s'] / r['ours_l1_persist_s']:6.2f}   (target >= 0.85)",
-        f"  restore / raw parallel read       {r['raw_read_s'] / r['ours_restore_s']:6.2f}   (target >= 0.85)",
-    ]
-    if "dcp_async_blocked_s" in r:
-        lines += [
-            f"  stall vs DCP async_save blocked   {r['dcp_async_blocked_s'] / r['ours_stall_s']:6.1f}x shorter",
-            f"  L1 persist vs torch.save          {r['torch_save_s'] / r['ours_l1_persist_s']:6.2f}x",
-            f"  L1 persist vs DCP save            {r['dcp_save_s'] / r['ours_l1_persist_s']:6.2f}x",
-        ]
-    if r["repeat"] > 1:
-        runs = r["runs"]
-        w = [a / b for a, b in zip(runs["raw_write_s"], runs["ours_l1_persist_s"])]
-        rd = [a / b for a, b in zip(runs["raw_read_s"], runs["ours_restore_s"])]
-        lines += [f"  per run, persist/raw write: {' '.join(f'{x:.2f}' for x in w)}",
-                  f"  per run, restore/raw read:  {' '.join(f'{x:.2f}' for x in rd)}"]
+    lines = [f"state: {gb:.2f} GB on {r['device']}; {r['repeat']} interleaved rounds after one warm-up each; "
+             f"reads {r['reads']}; ours: CRC32 from {r['crc32']}, {r['io_threads']} I/O threads",
+             f"{'what':<44}{'median s':>10}{'min':>8}{'max':>8}{'GB/s':>8}"]
+    for key, label in LABELS.items():
+        if key in r["figures"]:
+            f = r["figures"][key]
+            lines.append(f"{label:<44}{f['median_s']:>10.3f}{f['min_s']:>8.3f}{f['max_s']:>8.3f}"
+                         f"{gb / f['median_s']:>8.2f}")
+    lines.append(f"{'ratio (median)':<44}{'value':>10}{'target':>8}   per run; every run meets it?")
+    for label, *_, how in TARGETS:
+        if label in r["ratios"]:
+            x = r["ratios"][label]
+            lines.append(f"{label:<44}{x['median']:>10.2f}{x['target']:>8.2f}   "
+                         f"{' '.join(f'{v:.2f}' for v in x['per_run'])}; {'yes' if x['met_in_every_run'] else 'NO'}"
+                         f"  ({how})")
     return "\n".join(lines)
 
 
@@ -230,18 +163,23 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--size-gib", type=float, default=1.0)
     ap.add_argument("--size-mb", type=float, default=None, help="state size in MiB (overrides --size-gib)")
-    ap.add_argument("--repeat", type=int, default=3, help="alternating raw/ours runs; medians are reported")
+    ap.add_argument("--repeat", type=int, default=3, help="timed rounds of every contender (interleaved)")
     ap.add_argument("--skip-others", action="store_true", help="skip torch.save and DCP")
     ap.add_argument("--tensors", type=int, default=32)
-    ap.add_argument("--threads", type=int, default=8)
+    ap.add_argument("--threads", type=int, default=IO_THREADS, help="raw write/read threads (default: ours)")
     ap.add_argument("--dir", default=None, help="where to write (default: system temp)")
     ap.add_argument("--cpu", action="store_true", help="keep the state on the CPU even with CUDA")
-    ap.add_argument("--json", help="also write the raw figures here")
+    ap.add_argument("--json", default="checkpoint.json", help="write every figure here (default: %(default)s)")
     args = ap.parse_args()
+    if args.repeat < 1:
+        ap.error(f"--repeat={args.repeat} must be >= 1")
+    started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     r = run(args)
+    r.update({"started": started, "finished": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "machine": platform.node(), "cpus": os.cpu_count(), "args": vars(args)})
     print(report(r))
-    if args.json:
-        Path(args.json).write_text(json.dumps(r, indent=2))
+    Path(args.json).write_text(json.dumps(r, indent=2))
+    print(f"wrote {args.json}")
     return 0
 
 

@@ -1,14 +1,21 @@
 #!/usr/bin/env python3
 """Predicted ETTR per recovery strategy at Llama-3 scale (simulation, not a measurement).
 
-16,384 GPUs (8 per node: 2,048 worker nodes + spares), Llama 3 failure rates
-(419 unexpected interruptions in 54 days), several seeds, mean ± std. The toolkit's
-MTTR components default to the README demo's measured phases; --phase-json
-overrides them with a JSON of measured phase times in ms (detect, classify,
-replace, ranktable, reconnect, restore, first_step).
+16,384 GPUs (G=8 per node: 2,048 worker nodes + spares; one node fault takes all G
+ranks of its node, and one spare node replaces them), failure rates from Dubey et
+al. 2024, "The Llama 3 Herd of Models", Table 5 (419 unexpected interruptions in a
+54-day snapshot; slurm_resilience/simulate/failures.py), several seeds, mean ± std.
 
-    python3 benchmarks/goodput.py --seeds 10
-    python3 benchmarks/goodput.py --phase-json demo-out/phases.json --json out.json
+Inputs come from what was measured (benchmarks/goodput_inputs.py): --mttr-json (the
+JSON benchmarks/mttr.py writes: online phases from the kill-node case, process and
+hang downtimes from kill-rank and hang-rank, the silent-loss downtime from
+freeze-node) and --checkpoint-json (benchmarks/checkpoint.py: the toolkit's stall and
+torch.save's synchronous write, scaled to --state-gb-per-rank). Without them the
+built-in defaults are used and the output says so. The toolkit is reported twice:
+with the kill MTTR for node faults, and with the silent-loss MTTR (a node that loses
+power or hangs sends nothing; --silent-mttr-s when mttr.json has no freeze-node case).
+
+    python3 benchmarks/goodput.py --mttr-json mttr.json --checkpoint-json checkpoint.json
 """
 
 from __future__ import annotations
@@ -20,6 +27,8 @@ from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import goodput_inputs as inputs  # noqa: E402
 from slurm_resilience.simulate.goodput import (  # noqa: E402
     DAY_S, PHASE_NAMES, CheckpointSpec, Cluster, FailureModel, PhaseTimes, Strategy,
     in_job_restart, requeue_baseline, simulate, summarize, toolkit_default,
@@ -45,8 +54,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--requeue-s", type=float, default=600.0, help="requeue: detect + relaunch + init + load")
     p.add_argument("--queue-wait-s", type=float, default=0.0)
     p.add_argument("--in-job-restart-s", type=float, default=300.0)
-    p.add_argument("--phase-json", type=Path, help="measured toolkit phase times in ms")
-    p.add_argument("--json", type=Path, help="write the results here")
+    p.add_argument("--phase-json", type=Path, help="measured toolkit phase times in ms ({phase: ms})")
+    p.add_argument("--mttr-json", type=Path, help="the JSON benchmarks/mttr.py wrote")
+    p.add_argument("--checkpoint-json", type=Path, help="the JSON benchmarks/checkpoint.py wrote")
+    p.add_argument("--state-gb-per-rank", type=float, default=4.0,
+                   help="checkpointed state per rank (Llama 3 405B: 1 MB to 4 GB per GPU)")
+    p.add_argument("--silent-mttr-s", type=float, help="silent node loss MTTR (default: mttr.json's freeze-node)")
+    p.add_argument("--json", type=Path, default=Path("goodput.json"), help="write the results here")
     return p.parse_args(argv)
 
 
@@ -87,23 +101,63 @@ def print_table(title: str, rows: list[tuple[str, dict]]) -> None:
               f" {r['failures_mean']:6.1f} ± {r['failures_std']:4.1f}")
 
 
+def measured(a: argparse.Namespace) -> tuple[PhaseTimes, dict]:
+    """Phase times and the other measured inputs; ``used`` says where each came from."""
+    used: dict = {"phases": "built-in defaults (README demo)"}
+    phases = PhaseTimes()
+    mttr = json.loads(a.mttr_json.read_text()) if a.mttr_json else None
+    if a.phase_json:
+        phases, used["phases"] = PhaseTimes.from_ms(json.loads(a.phase_json.read_text())), str(a.phase_json)
+    elif mttr:
+        phases = PhaseTimes.from_ms(inputs.phases_ms(mttr))
+        used["phases"] = f"{a.mttr_json} (kill-node medians, G={inputs.ranks_per_node(mttr)} in the lab)"
+    if mttr:
+        for case in ("kill-rank", "hang-rank", "freeze-node"):
+            used[case] = inputs.case_mttr_s(mttr, case)
+    if a.silent_mttr_s is not None:
+        used["freeze-node"] = a.silent_mttr_s
+    if a.checkpoint_json:
+        c = inputs.checkpoint_costs(json.loads(a.checkpoint_json.read_text()), a.state_gb_per_rank)
+        a.toolkit_ckpt_cost_s = c["toolkit_s"]
+        a.baseline_ckpt_cost_s = c.get("baseline_s", a.baseline_ckpt_cost_s)
+        used["checkpoint"] = {**c, "from": str(a.checkpoint_json), "state_gb_per_rank": a.state_gb_per_rank}
+    return phases, used
+
+
+def with_measured(tk: Strategy, used: dict) -> Strategy:
+    """The toolkit strategy with the measured process-fault and hang downtimes."""
+    if used.get("kill-rank"):
+        tk = replace(tk, on_process=replace(tk.on_process, downtime_s=used["kill-rank"]))
+    if used.get("hang-rank"):
+        tk = replace(tk, on_hang=replace(tk.on_hang, downtime_s=used["hang-rank"]))
+    return tk
+
+
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
-    phases = PhaseTimes.from_ms(json.loads(a.phase_json.read_text())) if a.phase_json else PhaseTimes()
+    phases, used = measured(a)
     cluster = Cluster(gpus=a.gpus, gpus_per_node=a.gpus_per_node)
     model = FailureModel(rate_scale=a.rate_scale)
     horizon = a.days * DAY_S
     strats = strategies(a, phases)
+    strats[0] = with_measured(strats[0], used)
+    silent = used.get("freeze-node")
+    if silent:
+        strats.insert(1, replace(strats[0], name="toolkit, silent node loss",
+                                 on_node=replace(strats[0].on_node, downtime_s=silent)))
 
     print("Assumptions (simulation; see slurm_resilience/simulate/goodput.py):")
     print(f"  cluster: {cluster.gpus} GPUs, {cluster.gpus_per_node}/node = {cluster.nodes} worker nodes;"
           f" toolkit adds {a.spares} spare nodes, failed nodes return as spares after {a.repair_h:g} h")
-    print(f"  failures: Llama 3 (Table 5 as recalled, normalised to 419 / 54 days / 16,384 GPUs) x {a.rate_scale:g},"
+    print(f"  failures: Llama 3 (Dubey et al. 2024, Table 5: 419 in 54 days on 16,384 GPUs) x {a.rate_scale:g},"
           f" linear in GPUs: expected {model.expected_failures(cluster.gpus, horizon):.1f} in {a.days:g} days;"
           " node faults need a new node, software bug/dependency are process faults, NCCL watchdog a hang")
     print(f"  step {a.step_time_s:g} s; a failure during a recovery restarts it; requeue = {a.queue_wait_s:g} s queue"
           f" + {a.requeue_s:g} s restart, from the last persistent checkpoint")
-    print(f"  toolkit phases ({'from ' + str(a.phase_json) if a.phase_json else 'README demo, 4 ranks on loopback'}): "
+    print(f"  inputs: {json.dumps(used)}")
+    if not silent:
+        print("  silent node loss: NOT modelled (no freeze-node case in --mttr-json and no --silent-mttr-s)")
+    print(f"  toolkit phases ({used['phases']}): "
           + ", ".join(f"{n} {1000 * getattr(phases, n):.1f} ms" for n in PHASE_NAMES)
           + f" -> online MTTR {phases.online_s * 1000:.1f} ms")
     for s in strats:
@@ -133,7 +187,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nTarget: toolkit default predicted ETTR >= {100 * TARGET:.0f}%:"
           f" {'met' if ettr >= TARGET else 'NOT met'} ({100 * ettr:.3f}%)")
     if a.json:
-        a.json.write_text(json.dumps({"main": dict(rows), "sensitivity": dict(sens_rows)}, indent=2))
+        a.json.write_text(json.dumps({"benchmark": "goodput", "inputs": used, "args": {k: str(v) for k, v in vars(a).items()},
+                                      "main": dict(rows), "sensitivity": dict(sens_rows)}, indent=2))
     return 0 if ettr >= TARGET else 1
 
 

@@ -1,22 +1,28 @@
 #!/usr/bin/env python3
-"""MTTR per recovery level on the local cluster, against a job-level baseline.
+"""MTTR per fault and recovery level on the local cluster, against two baselines measured in the same run.
 
-Each case submits examples/train_mlp.py (4 worker nodes x --tasks-per-node ranks),
-injects one fault once every rank has done --kill-at steps, and reads the job's
-event log (every case, the baseline included, runs with the same G, steps and
-kill step; a killed node takes all G ranks of rank 1's node with it):
-MTTR = fault injection → first completed step after recovery (the last rank's).
+Each case (benchmarks/mttr_cases.py) submits examples/train_mlp.py (4 worker nodes
+x --tasks-per-node ranks), injects one fault once every rank has done --kill-at
+steps, and reads the job's event log. MTTR = fault injection → first completed step
+after recovery (the last rank's). Cases:
 
-    online            rank SIGKILLed on a healthy node → restarted in place
-    node-replacement  node killed, warm spare adopts the rank
-    scale-in          node killed, no spare: 3 ranks continue
+    kill-node         a worker node killed (rank 1's), warm spare adopts its ranks
+    rank0-node        rank 0's node killed
+    kill-rank         the last rank SIGKILLed on a healthy node → restarted in place (online)
+    hang-rank         the last rank SIGSTOPped → heartbeat stale → recovered
+    scale-in          node killed, no spare: the others continue
     process-restart   node killed, online recovery forced to time out → all relaunched
     requeue           node killed, no spare, scale-in off → scontrol requeue
-    supervisor        the supervisor SIGKILLed → the batch step restarts it and it
-                      re-attaches (MTTR = kill → re-attached; training never pauses)
-    baseline          node killed → scancel + sbatch a new job that restores from the
-                      last L2 checkpoint (what a job without this toolkit does, with
-                      instant detection granted to it)
+    supervisor        the supervisor SIGKILLed → restarted, re-attaches (training never pauses)
+    freeze-node       (when lab.freeze_node exists) a node stopped silently
+
+Baselines (benchmarks/mttr_baseline.py): the ordinary torchrun-style script
+examples/train_torchrun.py under a plain sbatch, resubmitted by hand after the kill,
+resuming from its own snapshot; with Slurm's own detection, and with instant detection.
+
+Every case runs --repeats times (interleaved: a slow spell of the box hits all alike);
+median, min and max are printed with the ratio of each baseline's median to the case's
+median, and everything goes to --json (default mttr.json).
 
 Needs the cluster: scripts/local-cluster start; eval "$(scripts/local-cluster env)".
 """
@@ -24,143 +30,103 @@ Needs the cluster: scripts/local-cluster start; eval "$(scripts/local-cluster en
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
-import os
-import signal
+import platform
 import statistics
 import sys
 import tempfile
-import time
+import traceback
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from slurm_resilience import lab  # noqa: E402
-from slurm_resilience.events import read_events  # noqa: E402
-from slurm_resilience.protocol import EventKind, WorkerEvent  # noqa: E402
-from slurm_resilience.slurm import commands  # noqa: E402
-
-CASES = {
-    "online": ("", "rank", 1),
-    "node-replacement": ("", "node", 1),
-    "scale-in": ("", "node", 0),
-    "process-restart": ("recovery:\n  online_timeout_s: 0.005\n", "node", 1),
-    "requeue": ("recovery:\n  scale_in: false\n  max_requeues: 1\n", "node", 0),
-    "supervisor": ("", "supervisor", 1),
-}
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from mttr_baseline import BASELINES, config_note, run_baseline  # noqa: E402
+from mttr_cases import CASES, run_case  # noqa: E402
 
 
-def config(tmp: Path, name: str, extra: str) -> Path:
-    p = tmp / f"{name}.yaml"
-    p.write_text(lab.LOCAL_CONFIG.read_text() + extra)
-    return p
+def stats(values: list[float]) -> dict:
+    v = sorted(values)
+    return {"median_s": round(statistics.median(v), 3), "min_s": v[0], "max_s": v[-1], "n": len(v)} if v else \
+        {"median_s": None, "min_s": None, "max_s": None, "n": 0}
 
 
-def first_step_after(events: list[dict], t: float) -> float | None:
-    """When the last rank of the first world formed after ``t`` completed its first step."""
-    after = [e for e in events if e["kind"] == WorkerEvent.FIRST_STEP.logged and e["t"] > t]
-    if not after:
-        return None
-    first = min(after, key=lambda e: e["t"])
-    same = [e["t"] for e in after if e.get("generation") == first.get("generation")
-            and abs(e["t"] - first["t"]) < 60]
-    return max(same)
-
-
-def run_case(name: str, root: Path, args) -> dict:
-    extra, fault, spares = CASES[name]
-    lab.cluster("reset")
-    run = lab.submit(root / name, spares=spares, tasks_per_node=args.tasks_per_node, steps=args.steps,
-                     config=config(root, name, extra))
-    status = run.wait_for_step(args.kill_at)
-    if fault in ("rank", "supervisor"):
-        t_fault = time.time()
-        os.kill(status["ranks"][1]["pid"] if fault == "rank" else status["supervisor_pid"], signal.SIGKILL)
-    else:
-        t_fault = lab.kill_node(status["ranks"][1]["node"])
-    code = run.wait()
-    events = read_events(str(run.job_dir / "events.jsonl"))
-    done = [e for e in events if e["kind"] == EventKind.RECOVERY_DONE]
-    out = {"exit_code": code, "tasks_per_node": args.tasks_per_node}
-    back = [e for e in events if e["kind"] == EventKind.SUPERVISOR_REATTACHED]
-    if fault == "supervisor" and back:
-        out["mttr_s"] = round(back[0]["t"] - t_fault, 3)
-        out["level"] = "supervisor re-attach"
-        out["recoveries"] = len(done)
-    elif done:
-        out["mttr_s"] = round(done[0]["first_step"] - t_fault, 3)
-        out["level"] = done[0]["level"]
-        out["phases_ms"] = {e["phase"]: e["duration_ms"] for e in events
-                            if e["kind"] == EventKind.PHASE and e["recovery"] == done[0]["recovery"]}
-    else:  # requeue: the restarted job's first step
-        t_first = first_step_after(events, t_fault)
-        out["mttr_s"] = round(t_first - t_fault, 3) if t_first else None
-        out["level"] = "requeue" if any(e["kind"] == EventKind.REQUEUE for e in events) else "?"
+def summarize(runs: dict[str, list[dict]]) -> dict[str, dict]:
+    """Per case: median/min/max of MTTR (and of catch-up for the baselines); the ratio of
+    each baseline's median to the case's median ("baseline takes Nx as long")."""
+    out = {name: {**stats([r["mttr_s"] for r in rs if r.get("mttr_s") is not None]), "runs": rs}
+           for name, rs in runs.items()}
+    for name in BASELINES:
+        if name in out:
+            out[name]["catch_up"] = stats([r["catch_up_s"] for r in runs[name] if r.get("catch_up_s") is not None])
+    for name, r in out.items():
+        r["ratio"] = {b: round(out[b]["median_s"] / r["median_s"], 2)
+                      for b in BASELINES if b in out and out[b]["median_s"] and r["median_s"]}
     return out
 
 
-def baseline(root: Path, args) -> dict:
-    """Kill a node, cancel the job at once, resubmit, restore from the shared checkpoint."""
-    lab.cluster("reset")
-    shared = root / "baseline-shared"
-    cfg = config(root, "baseline", f"  shared_dir: {shared}\nrecovery:\n  scale_in: false\n  max_requeues: 0\n")
-    run = lab.submit(root / "baseline-1", spares=0, tasks_per_node=args.tasks_per_node, steps=args.steps,
-                     config=cfg)
-    status = run.wait_for_step(args.kill_at)
-    t_fault = lab.kill_node(status["ranks"][1]["node"])
-    commands.run(["scancel", status["job_id"]])
-    run.wait()
-    lab.cluster("reset")
-    second = lab.submit(root / "baseline-2", spares=0, tasks_per_node=args.tasks_per_node, steps=args.steps,
-                        config=cfg)
-    assert second.wait() == 0, second.output()
-    events = read_events(str(second.job_dir / "events.jsonl"))
-    t_first = first_step_after(events, t_fault)
-    restored = [e for e in events if e["kind"] == WorkerEvent.RESTORED.logged and e.get("tier")]
-    return {"mttr_s": round(t_first - t_fault, 3), "restored_step": restored[0]["step"] if restored else None,
-            "level": "cancel + resubmit + restore (L2)", "tasks_per_node": args.tasks_per_node}
+def table(results: dict[str, dict], args) -> str:
+    nan = float("nan")
+    lines = [f"{'case':<28}{'median (s)':>11}{'min':>8}{'max':>8}{'n':>3}   "
+             + "   ".join(f"{b.removeprefix('baseline-')} / case" for b in BASELINES)
+             + f"   (G={args.tasks_per_node}, {args.repeats} repeat(s))"]
+    for name, r in results.items():
+        ratios = "".join(f"{r['ratio'].get(b, nan):>22.1f}x" for b in BASELINES)
+        lines.append(f"{name:<28}{r['median_s'] if r['median_s'] is not None else nan:>11.3f}"
+                     f"{r['min_s'] if r['min_s'] is not None else nan:>8.3f}"
+                     f"{r['max_s'] if r['max_s'] is not None else nan:>8.3f}{r['n']:>3}{ratios}")
+    for b in BASELINES:
+        if b in results and results[b]["catch_up"]["n"]:
+            c = results[b]["catch_up"]
+            lines.append(f"  {b}: back at the step of the fault after {c['median_s']:.3f} s "
+                         f"(min {c['min_s']:.3f}, max {c['max_s']:.3f}): the steps since its snapshot are redone")
+    return "\n".join(lines)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--kill-at", type=int, default=25)
-    ap.add_argument("--cases", default=",".join([*CASES, "baseline"]))
+    ap.add_argument("--step-time", type=float, default=0.05, help="emulated compute per step (s), all cases alike")
+    ap.add_argument("--cases", default=",".join([*CASES, *BASELINES]),
+                    help=f"comma-separated, of: {', '.join([*CASES, *BASELINES])}")
     ap.add_argument("--tasks-per-node", type=int, default=1, metavar="G",
                     help="ranks per worker node, for every case alike (G <= the local cluster's CPUs per node)")
-    ap.add_argument("--repeats", type=int, default=1, metavar="N",
-                    help="runs of every case alike (interleaved: case a, b, ..., then again); median/min/max")
-    ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--repeats", type=int, default=5, metavar="N", help="runs of every case (interleaved)")
+    ap.add_argument("--json", default="mttr.json", help="write the results here (default: %(default)s)")
     args = ap.parse_args()
-    if args.tasks_per_node < 1:
-        ap.error(f"--tasks-per-node={args.tasks_per_node} must be >= 1")
-    if args.repeats < 1:
-        ap.error(f"--repeats={args.repeats} must be >= 1")
+    names = [n for n in args.cases.split(",") if n]
+    unknown = [n for n in names if n not in CASES and n not in BASELINES]
+    if unknown:
+        ap.error(f"unknown case(s) {', '.join(unknown)}: choose from {', '.join([*CASES, *BASELINES])}")
+    if args.tasks_per_node < 1 or args.repeats < 1 or not 0 < args.kill_at < args.steps:
+        ap.error("need --tasks-per-node >= 1, --repeats >= 1 and 0 < --kill-at < --steps")
     root = Path(tempfile.mkdtemp(prefix="mttr-"))
+    started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     runs: dict[str, list[dict]] = {}
     for rep in range(args.repeats):  # interleaved, so a slow spell of the box hits every case alike
-        for name in args.cases.split(","):
-            case_root = root / f"r{rep}"
-            case_root.mkdir(exist_ok=True)
-            r = baseline(case_root, args) if name == "baseline" else run_case(name, case_root, args)
+        for name in names:
+            case_root = root / f"r{rep}" / name
+            case_root.mkdir(parents=True, exist_ok=True)
+            try:
+                r = run_baseline(name, case_root, args) if name in BASELINES else run_case(CASES[name], case_root, args)
+            except Exception as exc:  # one failed run is reported, the others still run
+                r = {"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc(limit=3)}
             runs.setdefault(name, []).append(r)
-            print(f"{name:<18} run {rep + 1}/{args.repeats} {json.dumps(r)}", flush=True)
-    results = {}
-    for name, rs in runs.items():
-        ms = sorted(r["mttr_s"] for r in rs if r.get("mttr_s") is not None)
-        results[name] = {**rs[-1], "runs": rs, "mttr_s": statistics.median(ms) if ms else None,
-                         "mttr_min_s": ms[0] if ms else None, "mttr_max_s": ms[-1] if ms else None}
-    base = results.get("baseline", {}).get("mttr_s")
-    print(f"\n{'level':<18}{'median (s)':>11}{'min':>8}{'max':>8}{'vs baseline':>14}   (G={args.tasks_per_node}, "
-          f"{args.repeats} run(s) each)")
-    for name, r in results.items():
-        m = r.get("mttr_s")
-        ratio = f"{base / m:10.1f}x" if base and m else ""
-        nan = float("nan")
-        print(f"{name:<18}{m if m is not None else nan:>11.3f}{r['mttr_min_s'] or nan:>8.3f}"
-              f"{r['mttr_max_s'] or nan:>8.3f}{ratio:>14}")
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2))
+            print(f"{name:<28} run {rep + 1}/{args.repeats} {json.dumps({k: v for k, v in r.items() if k != 'trace'})}",
+                  flush=True)
+    results = summarize(runs)
+    print("\n" + table(results, args))
+    doc = {"benchmark": "mttr", "started": started, "machine": platform.node(), "cpus": _cpus(),
+           "args": vars(args), "slurm": config_note(), "work_dir": str(root), "results": results}
+    Path(args.json).write_text(json.dumps(doc, indent=2))
+    print(f"\nwrote {args.json}")
     return 0
+
+
+def _cpus() -> int | None:
+    import os
+
+    return os.cpu_count()
 
 
 if __name__ == "__main__":

@@ -48,6 +48,7 @@ def main() -> None:
     ap.add_argument("--ckpt", required=True, help="directory of the snapshot (shared by all ranks)")
     ap.add_argument("--out", required=True,
                     help="final state, written by rank 0; with {rank} in it, by every rank")
+    ap.add_argument("--progress", help="benchmarks: rank 0 appends 'STEP UNIX_TIME' here after each step")
     args = ap.parse_args()
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -83,6 +84,9 @@ def main() -> None:
             offset += p.numel()
         opt.step()
         time.sleep(args.step_time)
+        if rank == 0 and args.progress:
+            with open(args.progress, "a") as f:
+                f.write(f"{step + 1} {time.time():.6f}\n")
         if rank == 0 and (step + 1) % SNAPSHOT_EVERY == 0:
             os.makedirs(args.ckpt, exist_ok=True)
             save_atomic({"step": step + 1, "model": model.state_dict(), "optimizer": opt.state_dict()},

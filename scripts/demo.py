@@ -58,7 +58,7 @@ def main() -> int:
         print(f"demo: the faulty run failed with exit code {code}", file=sys.stderr)
         return 1
 
-    diffs = lab.compare_states(ref.job_dir / "final.pt", run.job_dir / "final.pt")
+    diffs = lab.compare_runs(ref.job_dir / "final.pt", run.job_dir / "final.pt")
     ref_ranks, run_ranks = lab.rank_digests(ref.job_dir), lab.rank_digests(run.job_dir)
     differing_ranks = sorted(r for r in set(ref_ranks) | set(run_ranks) if ref_ranks.get(r) != run_ranks.get(r))
     if len(run_ranks) != 4 * g:
@@ -79,6 +79,16 @@ def main() -> int:
           " to the fault-free run (model + optimizer state, torch.equal)")
     print(f"== every rank's final state ({len(run_ranks)} ranks, SHA-256 of each): "
           f"{'identical' if not differing_ranks else 'DIFFER: ' + ', '.join(map(str, differing_ranks[:8]))}")
+    try:  # the picture needs matplotlib (the test/plot extras): optional
+        from slurm_resilience.events import read_events
+        from slurm_resilience.timeline_plot import plot_timeline
+
+        png = plot_timeline(read_events(str(run.job_dir / "events.jsonl")), str(out / "timeline.png"),
+                            fault_times={1: fault_at})
+        summary["timeline_png"] = png
+        print(f"== timeline picture: {png}")
+    except ImportError as exc:
+        print(f"== no timeline picture ({exc}): pip install matplotlib")
     (out / "demo-summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(f"summary: {out / 'demo-summary.json'}")
     return 0 if not diffs and not differing_ranks else 1

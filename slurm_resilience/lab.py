@@ -104,19 +104,58 @@ def submit(job_dir: Path, *, nodes: int = 4, spares: int = 1, tasks_per_node: in
 
 
 def compare_states(a: Path, b: Path) -> list[str]:
-    """Names of the tensors/values that differ between two final states (empty: bit-identical)."""
+    """Names of the tensors/values that differ between two final states (empty: bit-identical).
+
+    A state with no tensors at all is a difference (two empty states are not a proof of
+    anything); the torch (and CUDA) RNG state is compared with the weights: a recovery
+    that restored the weights but not the generator would diverge at the next dropout."""
     import torch
 
     sa = torch.load(a, weights_only=False)
     sb = torch.load(b, weights_only=False)
     diffs: list[str] = []
+    if not _has_tensor(sa.get("objects")) or not _has_tensor(sb.get("objects")):
+        diffs.append("objects: a state holds no tensor to compare")
     _compare(sa["objects"], sb["objects"], "state", diffs)
     _compare(sa.get("extras", {}), sb.get("extras", {}), "extras", diffs)
+    rng_a, rng_b = sa.get("rng", {}), sb.get("rng", {})
+    if "torch" not in rng_a or "torch" not in rng_b:
+        diffs.append("rng: a state has no torch RNG state")
+    for key in ("torch", "cuda"):
+        _compare(rng_a.get(key), rng_b.get(key), f"rng.{key}", diffs)
     if sa.get("position") != sb.get("position"):
         diffs.append(f"position {sa.get('position')} != {sb.get('position')}")
     if sa["step"] != sb["step"]:
         diffs.append(f"step {sa['step']} != {sb['step']}")
     return diffs
+
+
+def compare_runs(a: Path, b: Path) -> list[str]:
+    """Two runs' final states, every rank's: rank 0's ``final.pt`` tensor by tensor
+    (:func:`compare_states`) and each rank's final-state digest (its ``done`` event).
+
+    ``a``, ``b``: job directories, or their ``final.pt``. Both runs must report a digest
+    for every rank 0..N-1 of the same world."""
+    dir_a, dir_b = (Path(p).parent if Path(p).suffix == ".pt" else Path(p) for p in (a, b))
+    diffs = compare_states(dir_a / "final.pt", dir_b / "final.pt")
+    da, db = rank_digests(dir_a), rank_digests(dir_b)
+    for where, d in (("first", da), ("second", db)):
+        if not d or sorted(d) != list(range(len(d))):
+            diffs.append(f"digests: the {where} run has digests of ranks {sorted(d)}, not of every rank")
+    diffs += [f"rank {r}: final state differs" for r in sorted(set(da) | set(db)) if da.get(r) != db.get(r)]
+    return diffs
+
+
+def _has_tensor(x: Any) -> bool:
+    import torch
+
+    if isinstance(x, torch.Tensor):
+        return x.numel() > 0
+    if isinstance(x, dict):
+        return any(_has_tensor(v) for v in x.values())
+    if isinstance(x, (list, tuple)):
+        return any(_has_tensor(v) for v in x)
+    return False
 
 
 def rank_digests(job_dir: Path) -> dict[int, str]:

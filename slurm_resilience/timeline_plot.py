@@ -1,51 +1,88 @@
-"""`slurm-resilience timeline JOBDIR --png out.png`: a Gantt chart of a job's recoveries.
+"""`slurm-resilience timeline JOBDIR --png out.png`: what an operator asks after a fault.
 
-One row per recovery (its phases as coloured bars, from the event log) and one row
-of rank 0's checkpoint stalls; faults are marked. Times are seconds since the job
-started. Needs matplotlib (in the ``test`` and ``plot`` extras).
+Top: one lane per rank (and per warm spare), coloured by state — training,
+checkpoint stall, recovering, lost, standby — with the nodes each rank ran on.
+Middle: steps completed over time per rank (the pause and the catch-up show).
+Bottom: one zoomed panel per recovery, its axis in milliseconds from the fault:
+detection and each phase as a labelled bar, with the fault, the detection and the
+first step after recovery marked. What is drawn is computed in
+:mod:`slurm_resilience.timeline_lanes`. Needs matplotlib (``test``/``plot`` extras).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from .protocol import EventKind, RecoveryPhase, WorkerEvent
+from .timeline_lanes import lanes, recoveries, step_series
 
-PHASE_COLOURS = {RecoveryPhase.CLASSIFY: "#4e79a7", RecoveryPhase.REPLACE: "#f28e2b",
-                 RecoveryPhase.RANKTABLE: "#e15759", RecoveryPhase.RECONNECT: "#76b7b2",
-                 RecoveryPhase.RESTORE: "#59a14f", RecoveryPhase.FIRST_STEP: "#edc948"}
+STATE_COLOURS = {"starting": "#d9d9d9", "training": "#59a14f", "checkpoint": "#4e79a7",
+                 "recovering": "#f28e2b", "lost": "#e15759", "standby": "#bab0ac"}
+PHASE_COLOURS = {"detect": "#e15759", "classify": "#4e79a7", "replace": "#f28e2b", "ranktable": "#b07aa1",
+                 "reconnect": "#76b7b2", "restore": "#59a14f", "first_step": "#edc948"}
+MAX_PANELS = 4  # recoveries zoomed (the first ones); the lanes show all
 
 
-def plot_timeline(events: list[dict[str, Any]], path: str) -> str:
+def plot_timeline(events: list[dict[str, Any]], path: str, fault_times: dict[int, float] | None = None) -> str:
+    """Write the picture to ``path``; ``fault_times``: {recovery: injection time}, when known."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
 
     t0 = min(e["t"] for e in events)
-    recs = sorted({e["recovery"] for e in events if e["kind"] == EventKind.PHASE})
-    rows = [f"recovery {r}" for r in recs] + ["checkpoint stalls (rank 0)"]
-    fig, ax = plt.subplots(figsize=(11, 1.2 + 0.6 * len(rows)))
-    for y, r in enumerate(recs):
-        for e in (e for e in events if e["kind"] == EventKind.PHASE and e["recovery"] == r):
-            ax.barh(y, max(e["end"] - e["start"], 1e-4), left=e["start"] - t0, height=0.5,
-                    color=PHASE_COLOURS.get(e["phase"], "grey"), label=e["phase"])
-    y = len(recs)
-    for e in events:
-        if e["kind"] == WorkerEvent.CHECKPOINT_SAVED.logged and e.get("rank") == 0:
-            ax.barh(y, e["stall_ms"] / 1000, left=e["t"] - t0 - e["stall_ms"] / 1000, height=0.5, color="black")
-    for e in events:
-        if e["kind"] == EventKind.FAULT_DETECTED:
-            ax.axvline(e["observed_at"] - t0, color="red", linestyle="--", linewidth=0.8)
-    handles, labels = ax.get_legend_handles_labels()
-    uniq = dict(zip(labels, handles))
-    if uniq:
-        ax.legend(uniq.values(), uniq.keys(), loc="upper right", fontsize=7, ncol=3)
-    ax.set_xlim(0, max(e["t"] for e in events) - t0)
-    ax.set_yticks(range(len(rows)), rows)
-    ax.set_xlabel("seconds since job start (red: fault detected)")
-    ax.set_title("slurm_resilience timeline")
+    ls = lanes(events, fault_times)
+    every = recoveries(events, fault_times)
+    recs = every[:MAX_PANELS]
+    n_panels = max(1, len(recs))
+    fig = plt.figure(figsize=(12, 2.0 + 0.35 * len(ls) + 2.4 + (2.6 if recs else 0)))
+    grid = fig.add_gridspec(3 if recs else 2, n_panels,
+                            height_ratios=[max(1.0, 0.35 * len(ls)), 2.2] + ([2.4] if recs else []))
+    ax_l = fig.add_subplot(grid[0, :])
+    for y, lane in enumerate(ls):
+        for a, b, state in lane.spans:
+            ax_l.barh(y, b - a, left=a - t0, height=0.6, color=STATE_COLOURS[state], linewidth=0)
+    ax_l.set_yticks(range(len(ls)), [lane.label for lane in ls], fontsize=8)
+    ax_l.invert_yaxis()
+    for rec in every:
+        ax_l.axvline(rec.fault_at - t0, color="#e15759", linestyle=":", linewidth=0.8)
+    ax_l.legend(handles=[Patch(color=c, label=s) for s, c in STATE_COLOURS.items()], fontsize=7, ncol=6,
+                loc="lower center", bbox_to_anchor=(0.5, 1.0), frameon=False)
+    ax_s = fig.add_subplot(grid[1, :], sharex=ax_l)
+    for rank, pts in sorted(step_series(events).items()):
+        ax_s.plot([t - t0 for t, _ in pts], [s for _, s in pts], marker=".", markersize=3, linewidth=1,
+                  label=f"rank {rank}")
+    for rec in every:
+        ax_s.axvspan(rec.fault_at - t0, rec.first_step - t0, color="#f28e2b", alpha=0.25)
+    ax_s.set_ylabel("steps done", fontsize=8)
+    ax_s.set_xlabel("seconds since the job's first event", fontsize=8)
+    ax_s.legend(fontsize=7, ncol=8, loc="upper left")
+    for i, rec in enumerate(recs):
+        _recovery_panel(fig.add_subplot(grid[2, i]), rec)
+    fig.suptitle("slurm_resilience timeline", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def _recovery_panel(ax, rec) -> None:
+    """One recovery in ms from the fault (its injection time when given, else its first sign)."""
+    base = rec.fault_at
+    bars = [("detect", rec.fault_at, rec.detected)] + list(rec.phases)
+    for y, (name, a, b) in enumerate(bars):
+        ms = (b - a) * 1000
+        ax.barh(y, max(ms, 0.05), left=(a - base) * 1000, height=0.6, color=PHASE_COLOURS.get(name, "grey"))
+        ax.text((max(a, b) - base) * 1000, y, f" {ms:.1f} ms", va="center", fontsize=7)
+    ax.set_yticks(range(len(bars)), [b[0] for b in bars], fontsize=7)
+    ax.invert_yaxis()
+    end = (rec.first_step - base) * 1000
+    fault = "fault injected" if rec.injected else "fault first seen"
+    for x, colour, what, y in ((0.0, "#e15759", fault, -1.3), ((rec.detected - base) * 1000, "#f28e2b", "detected", -0.7),
+                               (end, "#59a14f", "first step", -1.0)):
+        ax.axvline(x, color=colour, linestyle="--", linewidth=0.9)
+        ax.text(x, y, what, color=colour, fontsize=7, ha="left")
+    ax.set_xlim(-0.03 * end - 0.5, end * 1.3 + 1)
+    where = f"rank {rec.rank} on {rec.node}" if rec.node else "fault"
+    ax.set_title(f"recovery {rec.number}: {rec.level} ({where}) — {end:.0f} ms to the first step", fontsize=8, pad=14)
+    ax.set_xlabel(f"ms since the {fault}", fontsize=7)

@@ -39,7 +39,7 @@ tests use).
 from __future__ import annotations
 
 from .engine import SimResult, simulate, summarize
-from .failures import DAY_S, LLAMA3_CATEGORIES, Cluster, FailureCategory, FailureModel, FaultClass
+from .failures import DAY_S, LLAMA3_CATEGORIES, LLAMA3_INTERRUPTIONS, LLAMA3_TABLE5, Cluster, FailureCategory, FailureModel, FaultClass
 from .strategies import (
     PHASE_NAMES, CheckpointSpec, PhaseTimes, RecoveryPath, Rollback, Strategy,
     in_job_restart, requeue_baseline, toolkit_default,
@@ -47,7 +47,7 @@ from .strategies import (
 from .validate import expected_ettr, validate_against_run
 
 __all__ = [
-    "FaultClass", "FailureCategory", "LLAMA3_CATEGORIES", "FailureModel", "Cluster",
+    "FaultClass", "FailureCategory", "LLAMA3_CATEGORIES", "LLAMA3_TABLE5", "LLAMA3_INTERRUPTIONS", "FailureModel", "Cluster",
     "Rollback", "RecoveryPath", "CheckpointSpec", "Strategy", "PhaseTimes", "PHASE_NAMES",
     "toolkit_default", "requeue_baseline", "in_job_restart", "SimResult",
     "simulate", "summarize", "expected_ettr", "validate_against_run", "DAY_S",

@@ -12,7 +12,7 @@ from slurm_resilience import lab
 from slurm_resilience.events import read_events
 from slurm_resilience.slurm import commands
 
-from .conftest import STEPS
+from .conftest import FAULT_STEP_TIME, STEPS
 
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(420)]
 
@@ -30,7 +30,7 @@ def test_a_spare_failing_its_health_check_is_drained_and_the_other_adopted(clust
              "print('probe: ' + str(n) + ' is sick') if n == 'n5' else None; sys.exit(n == 'n5')"]
     cfg = tmp_path / "hc.yaml"
     cfg.write_text(lab.LOCAL_CONFIG.read_text() + "recovery:\n  health_check: " + json.dumps(probe) + "\n")
-    run = lab.submit(jobs_root / "hc", nodes=3, spares=2, steps=STEPS, config=cfg)
+    run = lab.submit(jobs_root / "hc", nodes=3, spares=2, steps=STEPS, config=cfg, step_time=FAULT_STEP_TIME)
     st = run.wait_for_step(12)
     failed = _events(run.job_dir, "spare_check_failed")
     assert [e["node"] for e in failed] == ["n5"] and "probe: n5 is sick" in failed[0]["reason"], failed
@@ -41,4 +41,4 @@ def test_a_spare_failing_its_health_check_is_drained_and_the_other_adopted(clust
     assert run.wait() == 0, run.output()
     assert [e["level"] for e in _events(run.job_dir, "recovery_done")] == ["node-replacement"]
     assert _events(run.job_dir, "plan")[-1]["nodes"][1] == "n6"
-    assert lab.compare_states(ref.job_dir / "final.pt", run.job_dir / "final.pt") == []
+    assert lab.compare_runs(ref.job_dir / "final.pt", run.job_dir / "final.pt") == []

@@ -12,7 +12,7 @@ from slurm_resilience.events import read_events
 from slurm_resilience.slurm import commands
 from slurm_resilience.slurm.parse import expand_hostlist
 
-from .conftest import STEPS
+from .conftest import FAULT_STEP_TIME, STEPS
 
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(300)]
 
@@ -46,7 +46,7 @@ def _het_components(job_id):
 
 
 def test_hetjob_node_loss_finishes_on_spare_bit_identical(cluster, jobs_root, reference3):
-    run = lab.submit(jobs_root / "hetjob-node-loss", nodes=NODES, spares=SPARES, steps=STEPS, hetjob=True)
+    run = lab.submit(jobs_root / "hetjob-node-loss", nodes=NODES, spares=SPARES, steps=STEPS, hetjob=True, step_time=FAULT_STEP_TIME)
     status = run.wait_for_step(KILL_AT)
     comps = _het_components(status["job_id"])
     assert sorted(comps) == [0, 1] and len(comps[0]) == 1 and len(comps[1]) == NODES + SPARES, comps
@@ -54,10 +54,10 @@ def test_hetjob_node_loss_finishes_on_spare_bit_identical(cluster, jobs_root, re
     spare = status["spares"][0]["node"]
     assert set(ranks) | {spare} == set(comps[1])  # every step on component 1 ...
     assert comps[0][0] not in ranks + [spare]  # ... none on the supervisor's node
-    victim = ranks[1]
+    victim = ranks[1]  # (rank 0's node here did not finish within 300 s on 2026-11-26: see issue 13)
     lab.kill_node(victim)
     assert run.wait() == 0, run.output()
-    assert lab.compare_states(reference3, run.job_dir / "final.pt") == []
+    assert lab.compare_runs(reference3, run.job_dir / "final.pt") == []
     assert [d["level"] for d in _events(run.job_dir, "recovery_done")] == ["node-replacement"]
     plans = _events(run.job_dir, "plan")
     assert plans[-1]["nodes"][1] == spare and victim not in plans[-1]["nodes"]
@@ -79,5 +79,5 @@ def test_executor_node_loss_result_zero_bit_identical(cluster, jobs_root, refere
     lab.kill_node(status["ranks"][1]["node"])
     assert job.result(timeout_s=240) == 0
     assert job.done() and job.paths.result_pickle.exists()
-    assert lab.compare_states(reference3, job.folder / "final.pt") == []
+    assert lab.compare_runs(reference3, job.folder / "final.pt") == []
     assert [d["level"] for d in _events(job.folder, "recovery_done")] == ["node-replacement"]

@@ -14,7 +14,7 @@ from slurm_resilience.checkpoint import layout
 from slurm_resilience.checkpoint import manifest as mf
 from slurm_resilience.events import read_events
 
-from .conftest import STEPS
+from .conftest import FAULT_STEP_TIME, STEPS
 
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(420)]
 
@@ -58,12 +58,12 @@ def reference_g2(slurm_cluster, jobs_root, tmp_path_factory):
 
 def _same_as(run, reference):
     final, digests = reference
-    assert lab.compare_states(final, run.job_dir / "final.pt") == []
+    assert lab.compare_runs(final, run.job_dir / "final.pt") == []
     assert lab.rank_digests(run.job_dir) == digests
 
 
 def test_g2_node_killed_finishes_on_the_spare_bit_identical(cluster, jobs_root, reference_g2, tmp_path):
-    run = lab.submit(jobs_root / "g2-node-loss", tasks_per_node=G, steps=STEPS, config=_cfg(tmp_path, "g2"))
+    run = lab.submit(jobs_root / "g2-node-loss", tasks_per_node=G, steps=STEPS, config=_cfg(tmp_path, "g2"), step_time=FAULT_STEP_TIME)
     st = run.wait_for_step(KILL_AT)
     victim = st["ranks"][2]["node"]  # ranks 2 and 3
     spare = st["spares"][0]["node"]
@@ -78,7 +78,7 @@ def test_g2_node_killed_finishes_on_the_spare_bit_identical(cluster, jobs_root, 
 
 
 def test_g2_one_local_rank_killed_only_it_restarts(cluster, jobs_root, reference_g2, tmp_path):
-    run = lab.submit(jobs_root / "g2-rank-kill", tasks_per_node=G, steps=STEPS, config=_cfg(tmp_path, "g2"))
+    run = lab.submit(jobs_root / "g2-rank-kill", tasks_per_node=G, steps=STEPS, config=_cfg(tmp_path, "g2"), step_time=FAULT_STEP_TIME)
     st = run.wait_for_step(KILL_AT)
     victim = st["ranks"][5]  # local rank 1 of node index 2
     others = {r["rank"]: r["pid"] for r in st["ranks"] if r["rank"] != 5}
@@ -92,7 +92,7 @@ def test_g2_one_local_rank_killed_only_it_restarts(cluster, jobs_root, reference
 
 
 def test_g2_hung_local_rank_is_recovered(cluster, jobs_root, reference_g2, tmp_path):
-    run = lab.submit(jobs_root / "g2-rank-hang", tasks_per_node=G, steps=STEPS, config=_cfg(tmp_path, "g2"))
+    run = lab.submit(jobs_root / "g2-rank-hang", tasks_per_node=G, steps=STEPS, config=_cfg(tmp_path, "g2"), step_time=FAULT_STEP_TIME)
     st = run.wait_for_step(KILL_AT)
     victim = st["ranks"][6]
     os.kill(victim["pid"], signal.SIGSTOP)
@@ -133,7 +133,7 @@ def test_g2_no_spare_scales_in_by_a_node_and_reshards_8_to_6(cluster, jobs_root,
     b = lab.submit(b_dir, nodes=3, spares=0, tasks_per_node=G, steps=STEPS, config=cfg, script=lab.ZERO_EXAMPLE)
     assert b.wait() == 0, b.output()
     assert {e["step"] for e in _events(b.job_dir, "rank_restored") if e.get("resharded")} == {step}
-    assert lab.compare_states(a.job_dir / "final.pt", b.job_dir / "final.pt") == []
+    assert lab.compare_runs(a.job_dir / "final.pt", b.job_dir / "final.pt") == []
     assert lab.rank_digests(a.job_dir) == lab.rank_digests(b.job_dir)  # every rank's slice
     assert torch.load(a.job_dir / "final.pt", weights_only=False)["step"] == STEPS
 
@@ -146,12 +146,12 @@ def test_g2_xor_only_redundancy_with_a_node_lost(cluster, jobs_root, tmp_path):
                + "  local_redundancy: xor\n  local_xor_group_size: 4\n")
     ref = lab.submit(jobs_root / "g2-xor-ref", tasks_per_node=G, steps=STEPS, config=cfg, script=lab.ZERO_EXAMPLE)
     assert ref.wait() == 0, ref.output()
-    run = lab.submit(jobs_root / "g2-xor", tasks_per_node=G, steps=STEPS, config=cfg, script=lab.ZERO_EXAMPLE)
+    run = lab.submit(jobs_root / "g2-xor", tasks_per_node=G, steps=STEPS, config=cfg, script=lab.ZERO_EXAMPLE, step_time=FAULT_STEP_TIME)
     st = run.wait_for_step(KILL_AT)
     lab.kill_node(st["ranks"][2]["node"])
     assert run.wait() == 0, run.output()
     assert _levels(run) == ["node-replacement"]
     rebuilt = sorted(r for e in _events(run.job_dir, "rank_checkpoint_rebuilt") for r in e["ranks"])
     assert rebuilt == [2, 3], _events(run.job_dir, "rank_checkpoint_rebuilt")
-    assert lab.compare_states(ref.job_dir / "final.pt", run.job_dir / "final.pt") == []
+    assert lab.compare_runs(ref.job_dir / "final.pt", run.job_dir / "final.pt") == []
     assert lab.rank_digests(run.job_dir) == lab.rank_digests(ref.job_dir)

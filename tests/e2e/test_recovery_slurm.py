@@ -15,7 +15,7 @@ from slurm_resilience import lab
 from slurm_resilience.events import read_events
 from slurm_resilience.slurm import commands
 
-from .conftest import STEPS
+from .conftest import FAULT_STEP_TIME, STEPS
 
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(300)]
 
@@ -36,13 +36,13 @@ def test_fault_free_run_completes(reference):
 
 
 def test_node_loss_finishes_on_spare_bit_identical(cluster, jobs_root, reference):
-    run = lab.submit(jobs_root / "node-loss", steps=STEPS)
+    run = lab.submit(jobs_root / "node-loss", steps=STEPS, step_time=FAULT_STEP_TIME)
     status = run.wait_for_step(KILL_AT)
     victim = status["ranks"][1]["node"]
     spare = status["spares"][0]["node"]
     fault_at = lab.kill_node(victim)
     assert run.wait() == 0, run.output()
-    assert lab.compare_states(reference, run.job_dir / "final.pt") == []
+    assert lab.compare_runs(reference, run.job_dir / "final.pt") == []
     done = _events(run.job_dir, "recovery_done")
     assert [d["level"] for d in done] == ["node-replacement"]
     plans = _events(run.job_dir, "plan")
@@ -54,19 +54,19 @@ def test_node_loss_finishes_on_spare_bit_identical(cluster, jobs_root, reference
 
 
 def test_rank_killed_on_healthy_node_restarts_in_place(cluster, jobs_root, reference):
-    run = lab.submit(jobs_root / "rank-kill", steps=STEPS)
+    run = lab.submit(jobs_root / "rank-kill", steps=STEPS, step_time=FAULT_STEP_TIME)
     status = run.wait_for_step(KILL_AT)
     victim = status["ranks"][2]
     os.kill(victim["pid"], signal.SIGKILL)  # a process this test's job started
     assert run.wait() == 0, run.output()
-    assert lab.compare_states(reference, run.job_dir / "final.pt") == []
+    assert lab.compare_runs(reference, run.job_dir / "final.pt") == []
     assert [d["level"] for d in _events(run.job_dir, "recovery_done")] == ["online"]
     assert _events(run.job_dir, "plan")[-1]["nodes"][2] == victim["node"]
     assert "DOWN" not in commands.show_nodes([victim["node"]])[victim["node"]]["State"]
 
 
 def test_hung_rank_is_detected_by_heartbeat_and_replaced(cluster, jobs_root, reference):
-    run = lab.submit(jobs_root / "rank-hang", steps=STEPS)
+    run = lab.submit(jobs_root / "rank-hang", steps=STEPS, step_time=FAULT_STEP_TIME)
     status = run.wait_for_step(KILL_AT)
     victim = status["ranks"][3]
     os.kill(victim["pid"], signal.SIGSTOP)
@@ -77,7 +77,7 @@ def test_hung_rank_is_detected_by_heartbeat_and_replaced(cluster, jobs_root, ref
             os.kill(victim["pid"], signal.SIGKILL)
         except ProcessLookupError:
             pass
-    assert lab.compare_states(reference, run.job_dir / "final.pt") == []
+    assert lab.compare_runs(reference, run.job_dir / "final.pt") == []
     faults = _events(run.job_dir, "fault_detected")
     assert faults[0]["fault"]["kind"] == "process_hung"
 
@@ -85,7 +85,7 @@ def test_hung_rank_is_detected_by_heartbeat_and_replaced(cluster, jobs_root, ref
 def test_no_spare_left_fails_cleanly_and_keeps_state(cluster, jobs_root, tmp_path):
     cfg = tmp_path / "no-ladder.yaml"
     cfg.write_text(lab.LOCAL_CONFIG.read_text() + "recovery:\n  scale_in: false\n  max_requeues: 0\n")
-    run = lab.submit(jobs_root / "no-spare", spares=0, steps=STEPS, config=cfg)
+    run = lab.submit(jobs_root / "no-spare", spares=0, steps=STEPS, config=cfg, step_time=FAULT_STEP_TIME)
     status = run.wait_for_step(KILL_AT)
     victim = status["ranks"][1]["node"]
     lab.kill_node(victim)
@@ -109,13 +109,13 @@ def test_no_spare_left_fails_cleanly_and_keeps_state(cluster, jobs_root, tmp_pat
 def test_online_timeout_falls_back_to_relaunch_from_snapshots(cluster, jobs_root, reference, tmp_path):
     cfg = tmp_path / "fallback.yaml"
     cfg.write_text(lab.LOCAL_CONFIG.read_text() + "recovery:\n  online_timeout_s: 0.005\n")
-    run = lab.submit(jobs_root / "fallback", steps=STEPS, config=cfg)
+    run = lab.submit(jobs_root / "fallback", steps=STEPS, config=cfg, step_time=FAULT_STEP_TIME)
     status = run.wait_for_step(KILL_AT)
     lab.kill_node(status["ranks"][1]["node"])
     assert run.wait() == 0, run.output()
     assert _events(run.job_dir, "fallback")
     assert [d["level"] for d in _events(run.job_dir, "recovery_done")] == ["process-restart"]
-    assert lab.compare_states(reference, run.job_dir / "final.pt") == []
+    assert lab.compare_runs(reference, run.job_dir / "final.pt") == []
 
 
 def test_submitit_path_survives_node_loss(cluster, jobs_root, reference):
@@ -130,7 +130,7 @@ def test_submitit_path_survives_node_loss(cluster, jobs_root, reference):
     status = _wait_status(run)
     lab.kill_node(status["ranks"][1]["node"])
     assert job.result() == 0
-    assert lab.compare_states(reference, job_dir / "final.pt") == []
+    assert lab.compare_runs(reference, job_dir / "final.pt") == []
     assert [d["level"] for d in _events(job_dir, "recovery_done")] == ["node-replacement"]
 
 
@@ -153,7 +153,7 @@ def _config(tmp_path, name, extra):
 
 
 def test_no_spare_scales_in_and_finishes(cluster, jobs_root):
-    run = lab.submit(jobs_root / "scale-in", spares=0, steps=STEPS)
+    run = lab.submit(jobs_root / "scale-in", spares=0, steps=STEPS, step_time=FAULT_STEP_TIME)
     status = run.wait_for_step(KILL_AT)
     victim = status["ranks"][1]["node"]
     lab.kill_node(victim)
@@ -169,14 +169,14 @@ def test_no_spare_scales_in_and_finishes(cluster, jobs_root):
 @pytest.mark.slow
 def test_no_spare_no_scale_in_requeues_and_resumes_bit_identical(cluster, jobs_root, reference, tmp_path):
     cfg = _config(tmp_path, "requeue", "recovery:\n  scale_in: false\n  max_requeues: 1\n")
-    run = lab.submit(jobs_root / "requeue", spares=0, steps=STEPS, config=cfg)
+    run = lab.submit(jobs_root / "requeue", spares=0, steps=STEPS, config=cfg, step_time=FAULT_STEP_TIME)
     status = run.wait_for_step(KILL_AT)
     lab.kill_node(status["ranks"][1]["node"])
     assert run.wait() == 0, run.output()
     assert _events(run.job_dir, "requeue")
     restored = [e for e in _events(run.job_dir, "rank_restored") if e.get("tier")]
     assert restored and restored[-1]["step"] >= 10  # resumed from a committed checkpoint
-    assert lab.compare_states(reference, run.job_dir / "final.pt") == []
+    assert lab.compare_runs(reference, run.job_dir / "final.pt") == []
 
 
 @pytest.mark.slow
@@ -185,7 +185,7 @@ def test_online_then_process_restart_time_out_and_the_job_requeues(cluster, jobs
     coarser one takes over: online → process restart (all relaunched) → job requeue."""
     cfg = _config(tmp_path, "fallbacks", "recovery:\n  online_timeout_s: 0.005\n"
                   "  fallback_timeout_s: 0.005\n  max_requeues: 1\n")
-    run = lab.submit(jobs_root / "fallbacks", steps=STEPS, config=cfg)
+    run = lab.submit(jobs_root / "fallbacks", steps=STEPS, config=cfg, step_time=FAULT_STEP_TIME)
     status = run.wait_for_step(KILL_AT)
     os.kill(status["ranks"][1]["pid"], signal.SIGKILL)
     assert run.wait() == 0, run.output()
@@ -194,12 +194,12 @@ def test_online_then_process_restart_time_out_and_the_job_requeues(cluster, jobs
     assert _events(run.job_dir, "ladder")[0]["level"] == "online"
     restored = [e for e in _events(run.job_dir, "rank_restored") if e.get("tier")]
     assert restored and restored[-1]["step"] >= 10  # the requeued job resumed from a checkpoint
-    assert lab.compare_states(reference, run.job_dir / "final.pt") == []
+    assert lab.compare_runs(reference, run.job_dir / "final.pt") == []
 
 
 @pytest.mark.slow
 def test_preemption_signal_checkpoints_requeues_and_resumes_exactly(cluster, jobs_root, reference):
-    run = lab.submit(jobs_root / "preempt", steps=STEPS)
+    run = lab.submit(jobs_root / "preempt", steps=STEPS, step_time=FAULT_STEP_TIME)
     status = run.wait_for_step(KILL_AT)
     commands.run(["scancel", "--signal=USR2", "--batch", status["job_id"]])
     assert run.wait() == 0, run.output()
@@ -209,7 +209,7 @@ def test_preemption_signal_checkpoints_requeues_and_resumes_exactly(cluster, job
     step = persisted[0]["step"]
     restored = [e for e in _events(run.job_dir, "rank_restored") if e.get("tier")]
     assert restored[-1]["step"] == step  # exact resume: nothing lost
-    assert lab.compare_states(reference, run.job_dir / "final.pt") == []
+    assert lab.compare_runs(reference, run.job_dir / "final.pt") == []
 
 
 @pytest.mark.slow
@@ -256,7 +256,7 @@ def test_submitit_preemption_requeues_and_resumes_exactly(cluster, jobs_root, re
     assert all(e["committed"] for e in persisted), persisted
     restored = [e for e in _events(job_dir, "rank_restored") if e.get("tier")]
     assert restored[-1]["step"] == persisted[0]["step"]
-    assert lab.compare_states(reference, job_dir / "final.pt") == []
+    assert lab.compare_runs(reference, job_dir / "final.pt") == []
 
 
 @pytest.mark.slow

@@ -26,7 +26,7 @@ from slurm_resilience.events import read_events
 from slurm_resilience.slurm import commands
 from slurm_resilience.slurm.rights import uses_slurmdbd
 
-from .conftest import STEPS
+from .conftest import FAULT_STEP_TIME, STEPS
 
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(300)]
 
@@ -105,12 +105,12 @@ def test_node_loss_as_ordinary_user_isolates_without_marking_and_finishes_bit_id
     job_dir, _ = _job(ordinary_user, "node-loss")
     cfg = job_dir.parent / "config.yaml"
     cfg.write_text(cfg.read_text() + "recovery:\n" + _hook(job_dir.parent))
-    run = lab.submit(job_dir, steps=STEPS, config=cfg, as_user=prefix)
+    run = lab.submit(job_dir, steps=STEPS, config=cfg, as_user=prefix, step_time=FAULT_STEP_TIME)
     status = run.wait_for_step(KILL_AT)
     victim = status["ranks"][1]["node"]
     lab.kill_node(victim)
     assert run.wait() == 0, run.output()
-    assert lab.compare_states(reference, job_dir / "final.pt") == []
+    assert lab.compare_runs(reference, job_dir / "final.pt") == []
     assert [d["level"] for d in _events(job_dir, "recovery_done")] == ["node-replacement"]
     iso, = _events(job_dir, "isolated")
     assert iso["node"] == victim and iso["state"] == "none", iso
@@ -127,18 +127,18 @@ def test_node_loss_as_ordinary_user_isolates_without_marking_and_finishes_bit_id
 
 def test_rank_kill_as_ordinary_user_restarts_in_place_bit_identical(cluster, ordinary_user, reference):
     job_dir, cfg = _job(ordinary_user, "rank-kill")
-    run = lab.submit(job_dir, steps=STEPS, config=cfg, as_user=ordinary_user[0])
+    run = lab.submit(job_dir, steps=STEPS, config=cfg, as_user=ordinary_user[0], step_time=FAULT_STEP_TIME)
     victim = run.wait_for_step(KILL_AT)["ranks"][2]
     os.kill(victim["pid"], signal.SIGKILL)  # a process this test's job started
     assert run.wait() == 0, run.output()
-    assert lab.compare_states(reference, job_dir / "final.pt") == []
+    assert lab.compare_runs(reference, job_dir / "final.pt") == []
     assert [d["level"] for d in _events(job_dir, "recovery_done")] == ["online"]
 
 
 def test_requeue_as_ordinary_user_resumes_bit_identical_and_excludes_or_reports_the_node(
         cluster, ordinary_user, reference):
     job_dir, cfg = _job(ordinary_user, "requeue", "recovery:\n  scale_in: false\n  max_requeues: 1\n")
-    run = lab.submit(job_dir, spares=0, steps=STEPS, config=cfg, as_user=ordinary_user[0])
+    run = lab.submit(job_dir, spares=0, steps=STEPS, config=cfg, as_user=ordinary_user[0], step_time=FAULT_STEP_TIME)
     status = run.wait_for_step(KILL_AT)
     victim = status["ranks"][1]["node"]
     lab.kill_node(victim)
@@ -153,14 +153,14 @@ def test_requeue_as_ordinary_user_resumes_bit_identical_and_excludes_or_reports_
     assert excluded or f"excluding {victim} failed" in run.output(), run.output()
     restored = [e for e in _events(job_dir, "rank_restored") if e.get("tier")]
     assert restored and restored[-1]["step"] >= 10
-    assert lab.compare_states(reference, job_dir / "final.pt") == []
+    assert lab.compare_runs(reference, job_dir / "final.pt") == []
 
 
 def test_preemption_as_ordinary_user_checkpoints_requeues_and_resumes_exactly(
         cluster, ordinary_user, reference):
     prefix = ordinary_user[0]
     job_dir, cfg = _job(ordinary_user, "preempt")
-    run = lab.submit(job_dir, steps=STEPS, config=cfg, as_user=prefix)
+    run = lab.submit(job_dir, steps=STEPS, config=cfg, as_user=prefix, step_time=FAULT_STEP_TIME)
     status = run.wait_for_step(KILL_AT)
     ok, out = _as(prefix, ["scancel", "--signal=USR2", "--batch", status["job_id"]])  # the owner's own signal
     assert ok, out
@@ -169,4 +169,4 @@ def test_preemption_as_ordinary_user_checkpoints_requeues_and_resumes_exactly(
     assert len(persisted) == 4 and len({e["step"] for e in persisted}) == 1
     restored = [e for e in _events(job_dir, "rank_restored") if e.get("tier")]
     assert restored[-1]["step"] == persisted[0]["step"]
-    assert lab.compare_states(reference, job_dir / "final.pt") == []
+    assert lab.compare_runs(reference, job_dir / "final.pt") == []

@@ -26,10 +26,10 @@ class LocalJob:
     def __init__(self, root: Path, *, nodes: int = 3, spares: int = 1, steps: int = STEPS,
                  step_time: float = STEP_TIME, checkpoint: dict | None = None,
                  job_name: str = "job", local_dir: Path | None = None,
-                 recovery: dict | None = None, detect: dict | None = None,
+                 recovery: dict | None = None, detect: dict | None = None, reconnect: dict | None = None,
                  extra_args: tuple[str, ...] = (), script: Path = TRAIN, tasks_per_node: int = 1) -> None:
         cfg = load_config({
-            "reconnect": {"gloo_ifname": "lo"},
+            "reconnect": {"gloo_ifname": "lo", **(reconnect or {})},
             "job": {"nodes": nodes, "spares": spares, "tasks_per_node": tasks_per_node},
             "checkpoint": {"local_dir": str((local_dir or root / "local") / "{node}/ckpt"),
                            **(checkpoint or {})},
@@ -108,7 +108,10 @@ def rank_digests(job: LocalJob) -> dict[int, str]:
 
 
 def final_state(job: LocalJob) -> dict:
-    return torch.load(job.job_dir / "final.pt", weights_only=False)
+    """Rank 0's ``final.pt``, with every rank's final-state digest under ``"digests"``."""
+    state = torch.load(job.job_dir / "final.pt", weights_only=False)
+    state["digests"] = rank_digests(job)
+    return state
 
 
 def assert_bit_identical(a, b, where="state") -> None:
@@ -134,3 +137,7 @@ def assert_same_training(got: dict, ref: dict) -> None:
     assert got["objects"]["scheduler"] == ref["objects"]["scheduler"], "LR scheduler"
     assert got["extras"] == ref["extras"] and ref["extras"]["lr_sum"] > 0, "user extras"
     assert got["position"] == ref["position"]
+    assert torch.equal(got["rng"]["torch"], ref["rng"]["torch"]), "torch RNG state"
+    # every rank's final state, not only rank 0's: one digest per rank of the same world
+    assert sorted(ref["digests"]) == list(range(len(ref["digests"]))) and ref["digests"], ref["digests"]
+    assert got["digests"] == ref["digests"], "a rank's final state differs from the reference"

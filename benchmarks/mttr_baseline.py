@@ -1,0 +1,120 @@
+"""The two baselines of benchmarks/mttr.py: what a user without this toolkit does today.
+
+An ordinary torchrun-style script (examples/train_torchrun.py: its own snapshot every
+10 steps, resumes from it) is submitted with a plain ``sbatch``; one worker node is
+killed; the user resubmits the same script by hand and it resumes from its snapshot.
+
+    slurm-detection    the job ends when Slurm itself declares the node DOWN
+                       (SlurmdTimeout; 5 s in the lab) and the job fails; the user
+                       resubmits at that instant (a person watching never does better)
+    instant-detection  the same, with detection granted for free: at the kill the node
+                       is set DOWN and the job cancelled at once, then resubmitted
+
+MTTR = kill → the resubmitted job's first completed step (rank 0's progress file);
+``catch_up_s`` = kill → the step in flight at the kill is done (the steps since the
+snapshot are recomputed first; for the toolkit's cases this is their MTTR: they lose at
+most the step in flight). Nothing else is in the window: the killed node
+stays dead (the job does not need it; the next case's ``reset`` revives it).
+"""
+
+from __future__ import annotations
+
+import socket
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from slurm_resilience import lab  # noqa: E402
+from slurm_resilience.slurm import commands  # noqa: E402
+
+SCRIPT = lab.REPO / "examples" / "train_torchrun.py"
+NODES = 4
+BASELINES = ("baseline-slurm-detection", "baseline-instant-detection")
+
+# The lab's nodes all sit on 127.0.0.1 (MASTER_ADDR and gloo on loopback); on a real
+# cluster MASTER_ADDR would be the first host of $SLURM_JOB_NODELIST.
+BATCH = """#!/bin/bash
+#SBATCH --job-name=mttr-baseline
+export MASTER_ADDR=127.0.0.1 MASTER_PORT={port} GLOO_SOCKET_IFNAME=lo
+srun --kill-on-bad-exit=1 bash -c 'RANK=$SLURM_PROCID WORLD_SIZE=$SLURM_NTASKS LOCAL_RANK=$SLURM_LOCALID \\
+  exec "$0" "$@"' {python} {script} --steps {steps} --step-time {step_time} \\
+  --ckpt {ckpt} --out {out} --progress {progress}
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _submit(root: Path, args, tag: str) -> str:
+    script = root / f"{tag}.sbatch"
+    script.write_text(BATCH.format(port=_free_port(), python=sys.executable, script=SCRIPT, steps=args.steps,
+                                   step_time=args.step_time, ckpt=root / "ckpt", out=root / "final.pt",
+                                   progress=root / f"progress-{tag}.txt"))
+    return commands.sbatch(str(script), ["--nodes", str(NODES), "--ntasks-per-node", str(args.tasks_per_node),
+                                         "--no-requeue", "--output", str(root / f"{tag}-%j.out")])
+
+
+def _progress(root: Path, tag: str) -> list[tuple[int, float]]:
+    """Rank 0's (step, time) lines of one submission (each job has its own file: the
+    first job's survivors may still finish the step in flight after the kill)."""
+    path = root / f"progress-{tag}.txt"
+    if not path.exists():
+        return []
+    rows = [line.split() for line in path.read_text().splitlines()]
+    return [(int(r[0]), float(r[1])) for r in rows if len(r) == 2]
+
+
+def _wait(pred, what: str, timeout: float, poll: float = 0.02):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        got = pred()
+        if got:
+            return got
+        time.sleep(poll)
+    raise TimeoutError(f"baseline: {what} not within {timeout:.0f}s")
+
+
+def _nodes_of(job_id: str) -> list[str]:
+    return commands.hostnames(commands.show_job(job_id)["NodeList"])
+
+
+def run_baseline(name: str, root: Path, args) -> dict:
+    """One run of baseline ``name``; ``root``: an empty directory for this run."""
+    instant = name == "baseline-instant-detection"
+    root.mkdir(parents=True, exist_ok=True)
+    lab.cluster("reset")  # outside the window: every node healthy, as for every case
+    job = _submit(root, args, "first")
+    _wait(lambda: any(s >= args.kill_at for s, _ in _progress(root, "first")), f"step {args.kill_at}", 180)
+    victim = _nodes_of(job)[1]
+    in_flight = max(s for s, _ in _progress(root, "first")) + 1
+    t_fault = lab.kill_node(victim)  # ---- the timed window starts here
+    if instant:
+        commands.set_node_state(victim, "down", "mttr baseline: instant detection")
+        commands.run(["scancel", job])
+    _wait(lambda: commands.job_state(job) is None, f"job {job} to end", 120)
+    t_ended = time.time()
+    second = _submit(root, args, "second")
+    t_first = _wait(lambda: next((t for s, t in _progress(root, "second")), None), "the resubmitted job's first step", 180)
+    t_caught = _wait(lambda: next((t for s, t in _progress(root, "second") if s >= in_flight), None),
+                     "the step in flight at the kill, again", 180)
+    _wait(lambda: commands.job_state(second) is None, f"job {second} to end", 180)
+    resumed = _progress(root, "second")[0][0] - 1
+    final_ok = (root / "final.pt").exists()
+    return {"mttr_s": round(t_first - t_fault, 3), "catch_up_s": round(t_caught - t_fault, 3),
+            "job_ended_after_s": round(t_ended - t_fault, 3), "step_in_flight": in_flight, "resumed_from_step": resumed,
+            "finished": final_ok, "victim": victim, "level": "sbatch + resubmit by hand + own snapshot"
+            + (" (instant detection)" if instant else " (Slurm detection)"), "tasks_per_node": args.tasks_per_node}
+
+
+def config_note() -> dict:
+    """Slurm's detection settings the slurm-detection baseline ran under."""
+    try:
+        conf = commands.slurm_config()
+    except Exception as exc:  # reported, not fatal: the figures stand without it
+        return {"error": str(exc)}
+    return {k: conf.get(k) for k in ("SlurmdTimeout", "MessageTimeout", "KillWait")}
+

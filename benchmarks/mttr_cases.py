@@ -1,0 +1,132 @@
+"""The fault cases of benchmarks/mttr.py: one :class:`Case` per fault, run by :func:`run_case`.
+
+A case is data: the YAML it appends to the lab config, the spares it needs, how it
+injects its fault into a running job (``inject(status) -> fault wall time``), how it
+cleans up after the job (``cleanup``), and what ends its window (``measure``):
+
+    recovery   the first ``recovery_done``'s first step (the last rank's)
+    reattach   the supervisor's re-attachment (training never pauses)
+    restart    the first step of the world formed after the fault (requeue)
+
+Another fault plugs in as one more :func:`register` call, e.g. the freeze-node case
+(registered below when ``lab.freeze_node``/``lab.thaw_node`` exist)::
+
+    register(Case("freeze-node", inject=lambda st: lab.freeze_node(st["ranks"][1]["node"]),
+                  cleanup=lambda st: lab.thaw_node(st["ranks"][1]["node"])))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from slurm_resilience import lab  # noqa: E402
+from slurm_resilience.events import read_events  # noqa: E402
+from slurm_resilience.protocol import EventKind, WorkerEvent  # noqa: E402
+
+Status = dict[str, Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    name: str
+    inject: Callable[[Status], float]
+    config: str = ""
+    spares: int = 1
+    cleanup: Callable[[Status], None] | None = None
+    measure: str = "recovery"
+    expect: str | None = None  # the ladder level this case must reach (checked, reported)
+
+
+CASES: dict[str, Case] = {}
+
+
+def register(case: Case) -> Case:
+    CASES[case.name] = case
+    return case
+
+
+def _kill_pid(pid: int, sig: int = signal.SIGKILL) -> float:
+    t = time.time()
+    os.kill(pid, sig)  # a process of the job this benchmark started
+    return t
+
+
+def _reap(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def _last(st: Status) -> dict:
+    return st["ranks"][-1]
+
+
+register(Case("kill-node", inject=lambda st: lab.kill_node(st["ranks"][1]["node"]), expect="node-replacement"))
+register(Case("rank0-node", inject=lambda st: lab.kill_node(st["ranks"][0]["node"]), expect="node-replacement"))
+register(Case("kill-rank", inject=lambda st: _kill_pid(_last(st)["pid"]), expect="online"))
+register(Case("hang-rank", inject=lambda st: _kill_pid(_last(st)["pid"], signal.SIGSTOP),
+              cleanup=lambda st: _reap(_last(st)["pid"])))
+# the ladder's other levels, each forced by its configuration
+register(Case("scale-in", inject=lambda st: lab.kill_node(st["ranks"][1]["node"]), spares=0, expect="scale-in"))
+register(Case("process-restart", inject=lambda st: lab.kill_node(st["ranks"][1]["node"]),
+              config="recovery:\n  online_timeout_s: 0.005\n", expect="process-restart"))
+register(Case("requeue", inject=lambda st: lab.kill_node(st["ranks"][1]["node"]), spares=0,
+              config="recovery:\n  scale_in: false\n  max_requeues: 1\n", measure="restart"))
+register(Case("supervisor", inject=lambda st: _kill_pid(st["supervisor_pid"]), measure="reattach"))
+if hasattr(lab, "freeze_node") and hasattr(lab, "thaw_node"):  # the silent node loss (branch freeze-node)
+    register(Case("freeze-node", inject=lambda st: lab.freeze_node(st["ranks"][1]["node"]),
+                  cleanup=lambda st: lab.thaw_node(st["ranks"][1]["node"]), expect="node-replacement"))
+
+
+def first_step_after(events: list[dict], t: float) -> float | None:
+    """When the last rank of the first world formed after ``t`` completed its first step."""
+    after = [e for e in events if e["kind"] == WorkerEvent.FIRST_STEP.logged and e["t"] > t]
+    if not after:
+        return None
+    first = min(after, key=lambda e: e["t"])
+    return max(e["t"] for e in after if e.get("generation") == first.get("generation")
+               and abs(e["t"] - first["t"]) < 60)
+
+
+def run_case(case: Case, root: Path, args) -> dict:
+    """One run: reset the lab (outside the window), submit, wait for --kill-at, inject,
+    wait for the job, read its event log."""
+    cfg = root / f"{case.name}.yaml"
+    cfg.write_text(lab.LOCAL_CONFIG.read_text() + case.config)
+    lab.cluster("reset")
+    run = lab.submit(root / case.name, spares=case.spares, tasks_per_node=args.tasks_per_node, steps=args.steps,
+                     step_time=args.step_time, config=cfg)
+    status = run.wait_for_step(args.kill_at)
+    t_fault = case.inject(status)  # ---- the timed window starts here
+    try:
+        code = run.wait()
+    finally:
+        if case.cleanup:
+            case.cleanup(status)
+    events = read_events(str(run.job_dir / "events.jsonl"))
+    done = [e for e in events if e["kind"] == EventKind.RECOVERY_DONE]
+    out: dict[str, Any] = {"exit_code": code, "tasks_per_node": args.tasks_per_node, "recoveries": len(done)}
+    t_end = None
+    if case.measure == "reattach":
+        back = [e for e in events if e["kind"] == EventKind.SUPERVISOR_REATTACHED]
+        t_end, out["level"] = (back[0]["t"] if back else None), "supervisor re-attach"
+    elif case.measure == "restart":
+        t_end = first_step_after(events, t_fault)
+        out["level"] = "requeue" if any(e["kind"] == EventKind.REQUEUE for e in events) else "?"
+    elif done:
+        t_end, out["level"] = done[0]["first_step"], done[0]["level"]
+        out["detect_s"] = round(done[0]["detected"] - t_fault, 3)
+        out["phases_ms"] = {e["phase"]: e["duration_ms"] for e in events
+                            if e["kind"] == EventKind.PHASE and e["recovery"] == done[0]["recovery"]}
+    out["mttr_s"] = round(t_end - t_fault, 3) if t_end else None
+    if case.expect and out.get("level") != case.expect:
+        out["unexpected_level"] = f"expected {case.expect}"
+    return out
