@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from ..errors import ResilienceError, StepAborted
 from ..protocol import Plan, WorkerEvent
-from . import reshard
+from . import replay, reshard
 from .reconnect import Generation
 from .restore import broadcast_state, choose_source
 
@@ -38,6 +38,7 @@ class TrainingState:
         self.extras: dict[str, Any] = {}
         self.step = 0
         self.position = 0  # global samples consumed by completed steps: the rollback point
+        self.high_water = 0  # the most steps the job is known to have completed (replay.py)
         # Every process starts holding a valid state: the (seeded) step-0 state. A
         # relaunch with no checkpoint yet therefore restarts from step 0 instead of
         # failing; survivors and checkpoints always offer a newer step.
@@ -65,6 +66,7 @@ class TrainingState:
             "objects": {n: o.state_dict() for n, o in self.objects.items()},
             "rng": rng,
             "extras": dict(self.extras),
+            "high_water": max(self.high_water, self.step),
             **({"shard_totals": self.shard_totals} if self.sharded else {}),
         }
 
@@ -79,14 +81,16 @@ class TrainingState:
         self.extras = dict(state.get("extras", {}))
         self.step = int(state["step"])
         self.position = int(state.get("position", 0))
+        self.high_water = max(self.high_water, int(state.get("high_water", 0)))
 
 
 class StateSync:
     """Brings a new generation's ranks to one state, once per generation joined."""
 
     def __init__(self, state: TrainingState, checkpoints, store: dist.Store, *,
-                 emit: Callable[..., None], heartbeat) -> None:
+                 emit: Callable[..., None], heartbeat, job_dir: str = "") -> None:
         self._state = state
+        self._job_dir = job_dir
         self._checkpoints = checkpoints
         self._store = store
         self._emit = emit
@@ -110,6 +114,9 @@ class StateSync:
         else:
             source, offers, tier = self._sync_replicated(group)
         self._state.live = True
+        st = self._state  # the job's high-water step: any one rank, the state or the mark file
+        st.high_water = max(group.all_gather_ints(
+            replay.high_water(st.high_water, st.step, replay.read_mark(self._job_dir))))
         self._synced = plan.generation
         self._prev_world = group.world_size
         self._hb.update(step=self._state.step)
