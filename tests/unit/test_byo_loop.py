@@ -154,3 +154,41 @@ def test_generation_hooks_run_once_per_generation_in_order():
     assert calls == ["a", "b", "late", "a", "b", "late"]
     with pytest.raises(ResilienceError):
         hooks.add("not callable")
+
+
+def test_session_ddp_bad_input_is_one_line():
+    import torch
+
+    from slurm_resilience.worker.rebind import RebuiltDDP
+
+    hooks = GenerationHooks()
+    with pytest.raises(ResilienceError, match="find_unused_parameters=True is not supported"):
+        RebuiltDDP(torch.nn.Linear(2, 2), hooks, lambda x: None, find_unused_parameters=True)
+    with pytest.raises(ResilienceError, match="needs a torch.nn.Module, got dict"):
+        RebuiltDDP({}, hooks, lambda x: None)
+    wrapped = RebuiltDDP(torch.nn.Linear(2, 2), hooks, lambda x: None)
+    with pytest.raises(ResilienceError, match="usable inside the steps loop"):
+        wrapped(torch.ones(2))
+
+
+def test_unsupervised_single_process_session_runs_a_ddp_loop(monkeypatch, capsys):
+    """python train.py: a world of one on a local store, DDP built once, replay False."""
+    import torch
+
+    from slurm_resilience import Session
+
+    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "SR_WORKER_ID"):
+        monkeypatch.delenv(var, raising=False)
+    model = torch.nn.Linear(3, 1)
+    with Session(environ={}) as session:
+        session.register(model=model)
+        ddp = session.ddp(model)
+        built = []
+        session.on_generation(lambda: built.append(session.generation))
+        for step in session.steps(3):
+            with step:
+                ddp(torch.ones(2, 3)).sum().backward()
+                assert not step.replay and session.is_logger
+        assert session.step == 3 and ddp.builds == 1 and built == [0]
+    assert "running unsupervised (single process, 1 rank(s))" in capsys.readouterr().err
+    assert not torch.distributed.is_initialized()
