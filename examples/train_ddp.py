@@ -71,19 +71,7 @@ def main() -> None:
         with ResumableLoader(data, sampler, num_workers=2) as loader:
             for step in session.steps(args.steps):
                 with step:  # a fault (a DDP or dist.* collective included) aborts the step; it is redone
-                    x, y = step.batch(loader)
-                    x, y = x.to(device), y.to(device)
-                    opt.zero_grad(set_to_none=True)
-                    for i, (xs, ys) in enumerate(zip(x.chunk(args.accum), y.chunk(args.accum))):
-                        last = i == args.accum - 1
-                        with ddp.no_sync() if not last else contextlib.nullcontext():  # all-reduce once
-                            with torch.autocast(device, dtype=amp_dtype):
-                                loss = F.mse_loss(ddp(xs), ys) / args.accum
-                            scaler.scale(loss).backward()
-                    scaler.step(opt)
-                    scaler.update()
-                    sched.step()
-                    if (step.index + 1) % args.eval_every == 0:
+                    if step.index and step.index % args.eval_every == 0:  # eval the model of the step before
                         model.eval()
                         with torch.no_grad():
                             mine = evaluation.x[session.rank :: session.world_size].to(device)
@@ -93,7 +81,19 @@ def main() -> None:
                             dist.all_reduce(total)
                         model.train()
                         if session.is_logger and not step.replay:  # a redone step was logged already
-                            print(f"step {step.index + 1} eval loss {(total[0] / total[1]).item():.5f}", flush=True)
+                            print(f"after step {step.index - 1} eval loss {total[0] / total[1]:.5f}", flush=True)
+                    x, y = step.batch(loader)
+                    x, y = x.to(device), y.to(device)
+                    opt.zero_grad(set_to_none=True)
+                    for i, (xs, ys) in enumerate(zip(x.chunk(args.accum), y.chunk(args.accum))):
+                        last = i == args.accum - 1
+                        with ddp.no_sync() if not last else contextlib.nullcontext():  # all-reduce once
+                            with torch.autocast(device, dtype=amp_dtype):
+                                loss = F.mse_loss(ddp(xs), ys) / args.accum
+                            scaler.scale(loss).backward()
+                    scaler.step(opt)  # collectives first (eval, DDP's all-reduce), the update last
+                    scaler.update()
+                    sched.step()
                     if session.is_logger and not step.replay and step.index % 10 == 0:
                         print(f"step {step.index} loss {loss.item() * args.accum:.5f}", flush=True)
                 if args.step_time:

@@ -76,6 +76,17 @@ def main() -> None:
     loader = DataLoader(data, batch_size=args.batch, sampler=sampler, num_workers=2, drop_last=True)
     stream = batches(loader, sampler)
     for index in range(args.steps):
+        if index and index % args.eval_every == 0:  # eval the model of the step before
+            model.eval()
+            with torch.no_grad():
+                mine = evaluation.x[rank::world_size].to(device)
+                want = evaluation.y[rank::world_size].to(device)
+                total = torch.stack([F.mse_loss(model(mine), want, reduction="sum"),
+                                     torch.tensor(float(want.numel()), device=device)])
+                dist.all_reduce(total)
+            model.train()
+            if rank == 0:
+                print(f"after step {index - 1} eval loss {total[0] / total[1]:.5f}", flush=True)
         x, y = next(stream)
         x, y = x.to(device), y.to(device)
         opt.zero_grad(set_to_none=True)
@@ -88,17 +99,6 @@ def main() -> None:
         scaler.step(opt)
         scaler.update()
         sched.step()
-        if (index + 1) % args.eval_every == 0:
-            model.eval()
-            with torch.no_grad():
-                mine = evaluation.x[rank::world_size].to(device)
-                want = evaluation.y[rank::world_size].to(device)
-                total = torch.stack([F.mse_loss(model(mine), want, reduction="sum"),
-                                     torch.tensor(float(want.numel()), device=device)])
-                dist.all_reduce(total)
-            model.train()
-            if rank == 0:
-                print(f"step {index + 1} eval loss {(total[0] / total[1]).item():.5f}", flush=True)
         if rank == 0 and index % 10 == 0:
             print(f"step {index} loss {loss.item() * args.accum:.5f}", flush=True)
         if args.step_time:
