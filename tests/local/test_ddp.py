@@ -75,7 +75,7 @@ def _logged_steps(job) -> list[str]:
     log = (job.job_dir / "logs")
     lines = []
     for p in sorted(log.glob("*.log")):
-        lines += [ln for ln in p.read_text().splitlines() if ln.startswith("step ")]
+        lines += [ln for ln in p.read_text().splitlines() if ln.startswith(("step ", "after step "))]
     return lines
 
 
@@ -171,5 +171,26 @@ def test_ddp_scale_in_continues_at_the_exact_data_position(tmp_path):
         # every global sample position consumed exactly once: the loader restarted at k's position
         finals = {r: torch.load(job.job_dir / f"final-rank{r}.pt", weights_only=False) for r in range(2)}
         _equal(finals[0]["model"], finals[1]["model"], "replicas after scale-in")
+    finally:
+        job.kill_leftovers()
+
+
+@pytest.mark.timeout(300)
+def test_ddp_relaunch_from_checkpoint_marks_redone_steps_as_replays(tmp_path, ddp_reference):
+    """Online recovery given no time: every rank is relaunched and restores step 10 from
+    the checkpoint tiers while the job had passed step 13. Steps 10.. are redone: the
+    result is still bit-identical, and the logger logs no step twice (step.replay)."""
+    job = _job(tmp_path, checkpoint={"shared_every_kth": 1}, recovery={"online_timeout_s": 0.005})
+    try:
+        st = job.wait_for_step(13)
+        job.launcher.fail_node(st["ranks"][1]["node"])  # forces a relaunch that restores from disk
+        assert job.wait(240) == 0, job.diag()
+        assert [e["level"] for e in job.events() if e["kind"] == "recovery_done"] == ["process-restart"], job.diag()
+        restored = {e["step"] for e in job.events() if e["kind"] == "rank_restored" and e["generation"] > 0}
+        assert restored and max(restored) < 13, restored  # a real rollback
+        _same_as_reference(job, ddp_reference)
+        lines = _logged_steps(job)
+        assert "step 10 loss" in " ".join(lines) and len(lines) == len(set(lines)), lines
+        assert (job.job_dir / "high_water").read_text().strip() == str(STEPS)
     finally:
         job.kill_leftovers()
