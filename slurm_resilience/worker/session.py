@@ -233,12 +233,14 @@ class Session:
                 self._recover(exc)
                 continue
             st = self._state
+            st.mark()  # an aborted step gives back what it drew from the RNGs
             step = self._current = Step(self, st.step, replay=is_replay(st.step, st.high_water),
                                         on_fault=self._user_fault)
             yield step
             if not step.entered:
                 raise ResilienceError("wrap the body of each step in `with step:` so a fault can abort it")
             if step.aborted is not None:
+                st.rewind()
                 self._recover(step.aborted)
                 continue
             try:

@@ -39,6 +39,7 @@ class TrainingState:
         self.step = 0
         self.position = 0  # global samples consumed by completed steps: the rollback point
         self.high_water = 0  # the most steps the job is known to have completed (replay.py)
+        self._rng_mark: dict[str, Any] | None = None  # RNG states when the current step began
         # Every process starts holding a valid state: the (seeded) step-0 state. A
         # relaunch with no checkpoint yet therefore restarts from step 0 instead of
         # failing; survivors and checkpoints always offer a newer step.
@@ -56,10 +57,18 @@ class TrainingState:
         self.register(**objects)
         self.sharded += [n for n in objects if n not in self.sharded]
 
+    def mark(self) -> None:
+        """A step starts: remember the RNG states, the ones the step will draw from."""
+        self._rng_mark = _capture_rng()
+
+    def rewind(self) -> None:
+        """The step that started at the last ``mark`` was aborted: give back what it drew
+        from the RNGs (dropout in its forward pass), so the redone step draws the same."""
+        if self._rng_mark is not None:
+            _restore_rng(self._rng_mark)
+
     def state_dict(self) -> dict[str, Any]:
-        rng = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            rng["cuda"] = torch.cuda.get_rng_state_all()
+        rng = _capture_rng()
         return {
             "step": self.step,
             "position": self.position,
@@ -73,15 +82,26 @@ class TrainingState:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for name, obj in self.objects.items():
             obj.load_state_dict(state["objects"][name])
-        torch.set_rng_state(state["rng"]["torch"])
-        random.setstate(state["rng"]["python"])
-        np.random.set_state(state["rng"]["numpy"])
-        if "cuda" in state["rng"] and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+        _restore_rng(state["rng"])
         self.extras = dict(state.get("extras", {}))
         self.step = int(state["step"])
         self.position = int(state.get("position", 0))
         self.high_water = max(self.high_water, int(state.get("high_water", 0)))
+
+
+def _capture_rng() -> dict[str, Any]:
+    rng = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        rng["cuda"] = torch.cuda.get_rng_state_all()
+    return rng
+
+
+def _restore_rng(rng: dict[str, Any]) -> None:
+    torch.set_rng_state(rng["torch"])
+    random.setstate(rng["python"])
+    np.random.set_state(rng["numpy"])
+    if "cuda" in rng and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rng["cuda"])
 
 
 class StateSync:

@@ -192,3 +192,20 @@ def test_unsupervised_single_process_session_runs_a_ddp_loop(monkeypatch, capsys
         assert session.step == 3 and ddp.builds == 1 and built == [0]
     assert "running unsupervised (single process, 1 rank(s))" in capsys.readouterr().err
     assert not torch.distributed.is_initialized()
+
+
+def test_an_aborted_step_gives_back_what_it_drew_from_the_rngs():
+    """A survivor redoes an aborted step from its live state: dropout in the aborted
+    forward pass must not shift the RNG the redone step draws from."""
+    import random
+
+    import numpy as np
+    import torch
+
+    from slurm_resilience.worker.statesync import TrainingState
+
+    st = TrainingState()
+    st.mark()
+    want = torch.rand(3), random.random(), np.random.rand()
+    st.rewind()  # the step was aborted after drawing
+    assert torch.equal(torch.rand(3), want[0]) and random.random() == want[1] and np.random.rand() == want[2]
