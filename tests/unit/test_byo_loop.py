@@ -209,3 +209,34 @@ def test_an_aborted_step_gives_back_what_it_drew_from_the_rngs():
     want = torch.rand(3), random.random(), np.random.rand()
     st.rewind()  # the step was aborted after drawing
     assert torch.equal(torch.rand(3), want[0]) and random.random() == want[1] and np.random.rand() == want[2]
+
+
+def test_default_group_wraps_the_generation_backend_and_library_code_works():
+    """A world of one: the default group is the prebuilt backend (no second rendezvous);
+    DeviceMesh, DTensor and dist.new_group work on it; release destroys and parks it."""
+    from datetime import timedelta
+    from types import SimpleNamespace
+
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from slurm_resilience.worker import default_group
+    from slurm_resilience.worker.parking import ParkingLot
+
+    store = dist.HashStore()
+    pg = dist.ProcessGroupGloo(dist.PrefixStore("gen0/", store), 0, 1, timedelta(seconds=5))
+    lot = ParkingLot(60)
+    default_group.install(SimpleNamespace(backend="gloo", generation=0, pg=pg, rank=0, world_size=1), store, 5, lot)
+    try:
+        assert dist.get_backend() == "sr_gloo" and dist.get_world_size() == 1
+        mesh = init_device_mesh("cpu", (1,))
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        assert distribute_tensor(torch.arange(4.0), mesh, [Shard(0)]).full_tensor().tolist() == [0, 1, 2, 3]
+        x = torch.ones(1)
+        dist.all_reduce(x, group=dist.new_group([0]))  # an ordinary group of its own
+        assert x.item() == 1.0
+    finally:
+        default_group.release(lot)
+    assert not dist.is_initialized() and len(lot) == 1
+    lot.close()
