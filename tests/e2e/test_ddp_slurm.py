@@ -31,7 +31,6 @@ def _events(job_dir, kind):
 
 
 def test_ddp_script_node_killed_is_bit_identical_on_every_rank(cluster, jobs_root, tmp_path):
-    lab.cluster("reset")
     ref = _submit(jobs_root, tmp_path, "ddp-reference")
     assert ref.wait() == 0, ref.output()
     assert not _events(ref.job_dir, "recovery_start")
