@@ -99,7 +99,7 @@ def state_digest(state: Any) -> str:
         if isinstance(x, torch.Tensor):
             t = x.detach().cpu().contiguous()
             h.update(f"T{t.dtype}{tuple(t.shape)}".encode())
-            h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")  # 0-dim too
         elif isinstance(x, np.ndarray):
             h.update(f"A{x.dtype}{x.shape}".encode())
             h.update(np.ascontiguousarray(x).tobytes())

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from ..errors import JobEnded, StepAborted
 from ..model import RankSlot, RankTable
 from ..protocol import Plan, PlanAction, Role, StoreKey, WorkerEvent, WorkerEnv
+from . import default_group
 from .parking import ParkingLot
 from .reconnect import Generation
 
@@ -112,6 +113,7 @@ class Membership:
 
     def leave(self) -> None:
         """Detach from the current group; it is parked, never destroyed here (it may block)."""
+        default_group.release(self._parking)  # library code can no longer use the broken group
         if self.group is not None:
             self._parking.park(self.group.close())
             self.group = None
@@ -147,6 +149,20 @@ class Membership:
                 log.warning("joining generation %d failed: %s", plan.generation, exc)
                 g = plan.generation + 1
 
+    def await_newer(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for a plan after the current one: True when it exists.
+        Raises JobEnded when the job shuts down meanwhile."""
+        key = StoreKey.PLAN.of(self.plan.generation + 1)
+        poll = self._cfg.poll_interval_ms / 1000.0
+        deadline = time.monotonic() + timeout_s
+        while not self._store.check([key]):
+            if self._store.check([StoreKey.SHUTDOWN.value]):
+                raise JobEnded(EXIT_OK, "the job is over")
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(poll)
+        return True
+
     def await_plan(self, g: int) -> Plan:
         """Poll for ``plan/{g}``; raises JobEnded when the job shuts down first."""
         key = StoreKey.PLAN.of(g)
@@ -170,6 +186,8 @@ class Membership:
             timeout_s=self._cfg.pg_timeout_s, poll_ms=self._cfg.poll_interval_ms,
             interrupted=lambda: self._store.check([nxt]),
         )
+        # torch.distributed's default group wraps the same backend (default_group.py)
+        default_group.install(self.group, self._store, self._cfg.pg_timeout_s, self._parking)
         os.environ.update(torchrun_environ(plan.table, slot.rank))
         self._checkpoints.bind(rank=slot.rank, world_size=plan.table.world_size, nodes=plan.table.nodes,
                                transfer=self._transfer_factory(plan, slot.rank))

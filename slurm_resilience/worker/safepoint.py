@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from ..protocol import StoreKey, WorkerEvent
+from . import replay
 from .reconnect import Generation
 from .statesync import TrainingState
 
@@ -24,8 +25,10 @@ from .statesync import TrainingState
 class SafePoint:
     """Completes steps for the training loop; ``complete`` says when to re-form."""
 
-    def __init__(self, state: TrainingState, checkpoints, store: dist.Store, *, emit, heartbeat) -> None:
+    def __init__(self, state: TrainingState, checkpoints, store: dist.Store, *, emit, heartbeat,
+                 job_dir: str = "") -> None:
         self._state = state
+        self._job_dir = job_dir
         self._checkpoints = checkpoints
         self._store = store
         self._emit = emit
@@ -59,6 +62,10 @@ class SafePoint:
         st.step += 1
         st.position += consumed
         self._hb.update(step=st.step)
+        if st.step > st.high_water:  # a new step for the job (not a replay)
+            st.high_water = st.step
+            if group.rank == replay.logger_rank(group.world_size) and self._job_dir:
+                replay.write_mark(self._job_dir, st.step)
         if self._first_step_pending:
             self._first_step_pending = False
             self._emit(WorkerEvent.FIRST_STEP, step=st.step)

@@ -43,10 +43,14 @@ from .event_sink import EventSink
 from .heartbeat import Heartbeat, open_store
 from .membership import EXIT_ABORTED, EXIT_FENCED, Membership  # noqa: F401 (exit codes re-exported)
 from .parking import ParkingLot
+from .rebind import GenerationHooks, RebuiltDDP
 from .reconnect import Generation, set_gloo_interface
+from .replay import is_replay, logger_rank
 from .safepoint import SafePoint
 from .statesync import StateSync, TrainingState
 from .step import ComputeTime, Step
+from .unsupervised import UnsupervisedSession, supervised
+from .userfault import is_distributed_error, plan_wait_s
 
 __all__ = ["Session", "Step", "JobEnded", "EXIT_FENCED", "EXIT_ABORTED"]
 
@@ -67,7 +71,16 @@ class _Parts:
 
 
 class Session:
-    """A rank's side of the job. Not thread-safe; one per process; use as ``with Session():``."""
+    """A rank's side of the job. Not thread-safe; one per process; use as ``with Session():``.
+
+    Outside a supervised job (no ``SR_*`` variables) ``Session()`` returns an
+    :class:`~slurm_resilience.worker.unsupervised.UnsupervisedSession` with the same API
+    and no recovery: the torchrun environment, or a single process."""
+
+    def __new__(cls, environ: dict[str, str] | None = None):
+        if cls is Session and not supervised(os.environ if environ is None else environ):
+            return UnsupervisedSession(environ)
+        return super().__new__(cls)
 
     def __init__(self, environ: dict[str, str] | None = None) -> None:
         self._env = WorkerEnv.from_environ(os.environ if environ is None else environ)
@@ -76,6 +89,8 @@ class Session:
         self._parking = ParkingLot(hold_s=self.config.reconnect.pg_timeout_s)
         self._compute = ComputeTime()
         self._current: Step | None = None
+        self._hooks = GenerationHooks()
+        self._meshes: dict[tuple, Any] = {}  # device meshes of the current generation
         self._parts: _Parts | None = None  # built by __enter__ (it connects and starts threads)
 
     # -- lifecycle -------------------------------------------------------------
@@ -98,8 +113,9 @@ class Session:
                              progress=lambda: self._state.step, on_abort=self._abort)
         self._parts = _Parts(
             store=store, heartbeat=hb, checkpoints=checkpoints, members=members,
-            sync=StateSync(self._state, checkpoints, store, emit=events.emit, heartbeat=hb),
-            safepoint=SafePoint(self._state, checkpoints, store, emit=events.emit, heartbeat=hb),
+            sync=StateSync(self._state, checkpoints, store, emit=events.emit, heartbeat=hb, job_dir=env.job_dir),
+            safepoint=SafePoint(self._state, checkpoints, store, emit=events.emit, heartbeat=hb,
+                                job_dir=env.job_dir),
             endings=Endings(env, self._state, checkpoints, store, emit=events.emit,
                             drain_s=cfg.reconnect.pg_timeout_s))
         self._parts.safepoint.install_preempt_handler(cfg.job.preempt_signum)
@@ -146,6 +162,12 @@ class Session:
     def local_world_size(self) -> int:
         """Ranks per node (G)."""
         return self._p.members.plan.table.tasks_per_node
+
+    @property
+    def is_logger(self) -> bool:
+        """This rank logs (rank 0: the same process for the whole job unless it is lost).
+        Log a step only ``if session.is_logger and not step.replay``."""
+        return self.rank == logger_rank(self.world_size)
 
     @property
     def generation(self) -> int:
@@ -202,17 +224,23 @@ class Session:
                     p.safepoint.restored()  # MTTR ends at the first step after any restore
                     if p.members.plan.action is PlanAction.PERSIST:
                         p.endings.persist()
+                    self._meshes.clear()
+                    self._run_hooks()
                 if self._state.step >= total_steps:
                     self._group.barrier()
                     break
             except StepAborted as exc:
                 self._recover(exc)
                 continue
-            step = self._current = Step(self, self._state.step)
+            st = self._state
+            st.mark()  # an aborted step gives back what it drew from the RNGs
+            step = self._current = Step(self, st.step, replay=is_replay(st.step, st.high_water),
+                                        on_fault=self._user_fault)
             yield step
             if not step.entered:
                 raise ResilienceError("wrap the body of each step in `with step:` so a fault can abort it")
             if step.aborted is not None:
+                st.rewind()
                 self._recover(step.aborted)
                 continue
             try:
@@ -223,6 +251,53 @@ class Session:
             if newer:  # safe point: stop here and re-form (fencing included)
                 self._recover(StepAborted("stopped at a safe point for a new generation"))
         p.endings.finish(self._group)
+
+    # -- bring your own loop: the default group, DDP, wrappers ------------------
+    def on_generation(self, fn) -> None:
+        """Call ``fn()`` after the state sync of every generation (the first included),
+        before its first step: rebuild what is bound to the old process group there.
+        Collective when ``fn`` is (all ranks run the same callbacks)."""
+        self._hooks.add(fn)
+
+    def ddp(self, module: torch.nn.Module, **ddp_kwargs: Any) -> RebuiltDDP:
+        """``DistributedDataParallel(module, **ddp_kwargs)``, rebuilt for every generation
+        with a static bucket layout (bit-identical recovery, ``worker/rebind.py``).
+        Register ``module`` itself for state."""
+        return RebuiltDDP(module, self._hooks, self._parking.park, **ddp_kwargs)
+
+    def device_mesh(self, device_type: str, mesh_shape: tuple[int, ...], *,
+                    mesh_dim_names: tuple[str, ...] | None = None):
+        """Collective: a DeviceMesh on this generation's default group (built once per
+        generation; call it again after a recovery, e.g. from ``on_generation``)."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        key = (device_type, tuple(mesh_shape), mesh_dim_names)
+        if key not in self._meshes:
+            self._meshes[key] = init_device_mesh(device_type, tuple(mesh_shape), mesh_dim_names=mesh_dim_names)
+        return self._meshes[key]
+
+    def _run_hooks(self) -> None:
+        try:
+            self._hooks.run(self.generation)
+        except Exception as exc:  # a collective of a rebuild failed: a peer is gone
+            aborted = self._user_fault(exc)
+            if aborted is None:
+                raise
+            raise aborted from exc
+
+    def _user_fault(self, exc: BaseException) -> StepAborted | None:
+        """A collective the toolkit does not own failed: a StepAborted when the supervisor
+        publishes the next generation in time, else None (the error propagates)."""
+        if not is_distributed_error(exc):
+            return None
+        cfg = self.config
+        wait_s = plan_wait_s(cfg.detect.heartbeat_timeout_s, cfg.recovery.online_timeout_s)
+        log.warning("rank %s: a collective failed (%s); waiting up to %.0f s for the next plan",
+                    self.rank, str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__, wait_s)
+        if not self._p.members.await_newer(wait_s):
+            log.error("no new generation within %.0f s: the error is not a fault the supervisor saw", wait_s)
+            return None
+        return StepAborted(f"a collective failed: {type(exc).__name__}")
 
     def all_reduce_gradients(self, *modules: torch.nn.Module) -> None:
         """Collective: average gradients over ranks (one flat SUM, deterministic order)."""

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from ..errors import ResilienceError, StepAborted
 from ..protocol import Plan, WorkerEvent
-from . import reshard
+from . import replay, reshard
 from .reconnect import Generation
 from .restore import broadcast_state, choose_source
 
@@ -38,6 +38,8 @@ class TrainingState:
         self.extras: dict[str, Any] = {}
         self.step = 0
         self.position = 0  # global samples consumed by completed steps: the rollback point
+        self.high_water = 0  # the most steps the job is known to have completed (replay.py)
+        self._rng_mark: dict[str, Any] | None = None  # RNG states when the current step began
         # Every process starts holding a valid state: the (seeded) step-0 state. A
         # relaunch with no checkpoint yet therefore restarts from step 0 instead of
         # failing; survivors and checkpoints always offer a newer step.
@@ -55,38 +57,60 @@ class TrainingState:
         self.register(**objects)
         self.sharded += [n for n in objects if n not in self.sharded]
 
+    def mark(self) -> None:
+        """A step starts: remember the RNG states, the ones the step will draw from."""
+        self._rng_mark = _capture_rng()
+
+    def rewind(self) -> None:
+        """The step that started at the last ``mark`` was aborted: give back what it drew
+        from the RNGs (dropout in its forward pass), so the redone step draws the same."""
+        if self._rng_mark is not None:
+            _restore_rng(self._rng_mark)
+
     def state_dict(self) -> dict[str, Any]:
-        rng = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            rng["cuda"] = torch.cuda.get_rng_state_all()
+        rng = _capture_rng()
         return {
             "step": self.step,
             "position": self.position,
             "objects": {n: o.state_dict() for n, o in self.objects.items()},
             "rng": rng,
             "extras": dict(self.extras),
+            "high_water": max(self.high_water, self.step),
             **({"shard_totals": self.shard_totals} if self.sharded else {}),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for name, obj in self.objects.items():
             obj.load_state_dict(state["objects"][name])
-        torch.set_rng_state(state["rng"]["torch"])
-        random.setstate(state["rng"]["python"])
-        np.random.set_state(state["rng"]["numpy"])
-        if "cuda" in state["rng"] and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+        _restore_rng(state["rng"])
         self.extras = dict(state.get("extras", {}))
         self.step = int(state["step"])
         self.position = int(state.get("position", 0))
+        self.high_water = max(self.high_water, int(state.get("high_water", 0)))
+
+
+def _capture_rng() -> dict[str, Any]:
+    rng = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        rng["cuda"] = torch.cuda.get_rng_state_all()
+    return rng
+
+
+def _restore_rng(rng: dict[str, Any]) -> None:
+    torch.set_rng_state(rng["torch"])
+    random.setstate(rng["python"])
+    np.random.set_state(rng["numpy"])
+    if "cuda" in rng and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rng["cuda"])
 
 
 class StateSync:
     """Brings a new generation's ranks to one state, once per generation joined."""
 
     def __init__(self, state: TrainingState, checkpoints, store: dist.Store, *,
-                 emit: Callable[..., None], heartbeat) -> None:
+                 emit: Callable[..., None], heartbeat, job_dir: str = "") -> None:
         self._state = state
+        self._job_dir = job_dir
         self._checkpoints = checkpoints
         self._store = store
         self._emit = emit
@@ -110,6 +134,9 @@ class StateSync:
         else:
             source, offers, tier = self._sync_replicated(group)
         self._state.live = True
+        st = self._state  # the job's high-water step: any one rank, the state or the mark file
+        st.high_water = max(group.all_gather_ints(
+            replay.high_water(st.high_water, st.step, replay.read_mark(self._job_dir))))
         self._synced = plan.generation
         self._prev_world = group.world_size
         self._hb.update(step=self._state.step)

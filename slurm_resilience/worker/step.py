@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from ..errors import StepAborted
 from .rollback import ResumableSampler
@@ -16,11 +16,20 @@ class Step:
     """One training step; use as ``with step:`` so an interrupted step is redone.
 
     Attributes: ``index`` (the step number), ``rank`` and ``world_size`` (of the
-    generation running it), ``position`` (global samples consumed before it).
+    generation running it), ``position`` (global samples consumed before it),
+    ``replay`` (True when the job completed this step index before: it is redone after
+    a rollback; skip logging it).
+
+    ``on_fault``: called with an exception other than StepAborted that leaves the step;
+    it returns the StepAborted that replaces it (a failed collective the supervisor
+    answers with a new generation) or None (the exception propagates).
     """
 
-    def __init__(self, session, index: int) -> None:
+    def __init__(self, session, index: int, *, replay: bool = False,
+                 on_fault: Callable[[BaseException], StepAborted | None] | None = None) -> None:
         self.index = index
+        self.replay = replay
+        self._on_fault = on_fault
         self.rank = session.rank
         self.world_size = session.world_size
         self.position = session.position
@@ -47,9 +56,16 @@ class Step:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
-        if exc_type is not None and issubclass(exc_type, StepAborted):
+        if exc_type is None:
+            return False
+        if issubclass(exc_type, StepAborted):
             self.aborted = exc
             return True
+        if self._on_fault is not None and issubclass(exc_type, Exception):
+            aborted = self._on_fault(exc)
+            if aborted is not None:
+                self.aborted = aborted
+                return True
         return False
 
 

@@ -330,15 +330,26 @@ def test_membership_joins_a_world_of_one_and_parks_the_group_on_leave():
     store = _store()
     store.set(StoreKey.PLAN.of(0), _plan(0, "w0").to_json())
     m, rec = _membership(store, "w0")
+    import torch
+    import torch.distributed as dist
+
     plan = m.enter(0)
     assert plan.generation == 0 and m.group.world_size == 1 and m.where() == (0, 0)
     assert rec.bound[0]["rank"] == 0 and rec.hb == {"generation": 0, "rank": 0}
+    # torch.distributed's default group is this generation's (the same backend object)
+    assert dist.is_initialized() and dist.get_world_size() == 1 and dist.get_backend() == "sr_gloo"
+    t = torch.ones(2)
+    dist.all_reduce(t)
+    assert t.tolist() == [1.0, 1.0]
+    parked = len(m._parking)
     assert [k for k, _ in rec.events] == [WorkerEvent.RECONNECTED]
     assert not m.newer_plan()
     store.set(StoreKey.PLAN.of(1), _plan(1, "w0").to_json())
     assert m.newer_plan()
     m.leave()
-    assert m.group is None and m.where() == (0, None) and len(m._parking) == 1
+    # the group and the destroyed default group wrapping it are both parked
+    assert m.group is None and m.where() == (0, None) and len(m._parking) == parked + 2
+    assert not dist.is_initialized()
     m._parking.close()
 
 

@@ -1,0 +1,108 @@
+"""An ordinary DDP training script under slurm_resilience (examples/train_ddp_plain.py
+is the same script before the change; docs/migration.md shows the diff).
+
+Map-style dataset with a random augmentation, DataLoader workers, LR scheduler, AMP
+(bf16 autocast on CPU) with a GradScaler, gradient accumulation with ``no_sync()``,
+an eval every N steps (all-reduced loss) and rank-0 logging. Runs supervised
+(``slurm-resilience submit -- python examples/train_ddp.py``), under plain
+``torchrun --standalone --nproc-per-node 2 examples/train_ddp.py`` or as one process.
+"""
+
+import argparse
+import contextlib
+import os
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import Dataset
+
+from slurm_resilience import ResumableLoader, ResumableSampler, Session
+
+
+class Regression(Dataset):
+    """Map-style: a fixed random regression problem; each read adds augmentation noise."""
+
+    def __init__(self, n: int = 2048, d_in: int = 16, d_out: int = 4, seed: int = 1234) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.x = torch.randn(n, d_in, generator=g)
+        self.y = torch.tanh(self.x @ torch.randn(d_in, d_out, generator=g))
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int):
+        return self.x[i] + 0.01 * torch.randn(self.x.shape[1]), self.y[i]  # random augmentation
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--batch", type=int, default=16, help="samples per rank per step")
+    ap.add_argument("--accum", type=int, default=2, help="micro-batches per step")
+    ap.add_argument("--eval-every", type=int, default=10)
+    ap.add_argument("--step-time", type=float, default=0.0, help="extra seconds per step (emulated compute)")
+    ap.add_argument("--out", default=os.environ.get("SR_JOB_DIR", "."), help="where each rank's final state goes")
+    args = ap.parse_args()
+
+    torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(True)
+    torch.manual_seed(0)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    amp_dtype = torch.float16 if device == "cuda" else torch.bfloat16
+    data, evaluation = Regression(), Regression(n=256, seed=99)
+    model = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Dropout(0.1), nn.Linear(64, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=args.steps)
+    scaler = torch.amp.GradScaler(device)
+
+    with Session() as session:  # a warm standby waits here until it is adopted
+        # Side effects that must happen once per job go after Session(), e.g.
+        #   if session.is_logger: wandb.init(project=..., resume="allow")
+        # warm standbys run the script up to Session() and may never train.
+        if device == "cuda":
+            torch.cuda.set_device(session.local_rank)
+            model.to(device)
+        session.register(model=model, optimizer=opt, scheduler=sched, scaler=scaler)
+        ddp = session.ddp(model)  # DistributedDataParallel, rebuilt for each generation
+        sampler = ResumableSampler(num_samples=len(data), per_rank_batch=args.batch, seed=0)
+        with ResumableLoader(data, sampler, num_workers=2) as loader:
+            for step in session.steps(args.steps):
+                with step:  # a fault (a DDP or dist.* collective included) aborts the step; it is redone
+                    if step.index and step.index % args.eval_every == 0:  # eval the model of the step before
+                        model.eval()
+                        with torch.no_grad():
+                            mine = evaluation.x[session.rank :: session.world_size].to(device)
+                            want = evaluation.y[session.rank :: session.world_size].to(device)
+                            total = torch.stack([F.mse_loss(model(mine), want, reduction="sum"),
+                                                 torch.tensor(float(want.numel()), device=device)])
+                            dist.all_reduce(total)
+                        model.train()
+                        if session.is_logger and not step.replay:  # a redone step was logged already
+                            print(f"after step {step.index - 1} eval loss {total[0] / total[1]:.5f}", flush=True)
+                    x, y = step.batch(loader)
+                    x, y = x.to(device), y.to(device)
+                    opt.zero_grad(set_to_none=True)
+                    for i, (xs, ys) in enumerate(zip(x.chunk(args.accum), y.chunk(args.accum))):
+                        last = i == args.accum - 1
+                        with ddp.no_sync() if not last else contextlib.nullcontext():  # all-reduce once
+                            with torch.autocast(device, dtype=amp_dtype):
+                                loss = F.mse_loss(ddp(xs), ys) / args.accum
+                            scaler.scale(loss).backward()
+                    scaler.step(opt)  # collectives first (eval, DDP's all-reduce), the update last
+                    scaler.update()
+                    sched.step()
+                    if session.is_logger and not step.replay and step.index % 10 == 0:
+                        print(f"step {step.index} loss {loss.item() * args.accum:.5f}", flush=True)
+                if args.step_time:
+                    time.sleep(args.step_time)
+        final = {"step": session.step, "model": model.state_dict(), "optimizer": opt.state_dict(),
+                 "scheduler": sched.state_dict(), "scaler": scaler.state_dict(), "rng": torch.get_rng_state()}
+        os.makedirs(args.out, exist_ok=True)
+        torch.save(final, os.path.join(args.out, f"final-rank{session.rank}.pt"))
+
+
+if __name__ == "__main__":
+    main()
