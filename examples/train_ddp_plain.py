@@ -103,6 +103,7 @@ def main() -> None:
             print(f"step {index} loss {loss.item() * args.accum:.5f}", flush=True)
         if args.step_time:
             time.sleep(args.step_time)
+    stream.close()  # stop the DataLoader workers now, not in the interpreter's shutdown
     final = {"step": args.steps, "model": model.state_dict(), "optimizer": opt.state_dict(),
              "scheduler": sched.state_dict(), "scaler": scaler.state_dict(), "rng": torch.get_rng_state()}
     os.makedirs(args.out, exist_ok=True)
