@@ -1,0 +1,48 @@
+"""End to end on the real local Slurm: losing the batch host (supervisor + store).
+
+The batch step on the allocation's first node hosts the job's store and runs the
+supervisor. Its node is killed mid-run: the ranks lose the store, keep training for
+``detect.headless_timeout_s``, persist their newest state to the shared tier, and one
+of them requeues the job without the lost node; the requeued job resumes from that
+state and ends bit-identical to the fault-free reference.
+"""
+
+import pytest
+
+from slurm_resilience import lab
+from slurm_resilience.checkpoint import manifest as mf
+from slurm_resilience.events import read_events
+from slurm_resilience.slurm import commands
+
+from .conftest import STEPS
+
+pytestmark = [pytest.mark.slurm, pytest.mark.timeout(300)]
+
+KILL_AT = 8
+
+
+def test_batch_host_loss_persists_requeues_and_finishes_bit_identical(cluster, jobs_root, reference, tmp_path):
+    cfg = tmp_path / "headless.yaml"
+    cfg.write_text(lab.LOCAL_CONFIG.read_text() + "detect:\n  headless_timeout_s: 3\n")
+    # no spare: the allocation after the requeue is the 4 workers' nodes + a free node
+    # as batch host (the lost one is excluded); step time 0.3 s: still training when due
+    run = lab.submit(jobs_root / "batch-host", spares=0, steps=STEPS, step_time=0.3, config=cfg)
+    status = run.wait_for_step(KILL_AT)
+    job_id = status["job_id"]
+    host = commands.show_job(job_id)["BatchHost"]
+    assert host not in [r["node"] for r in status["ranks"]]
+    lab.kill_node(host)
+    assert run.wait(timeout=240) == 0, run.output()
+    assert lab.compare_states(reference, run.job_dir / "final.pt") == []
+    assert lab.rank_digests(run.job_dir) == lab.rank_digests(reference.parent)
+    job = commands.show_job(job_id)
+    assert job["Restarts"] == "1" and host in job.get("ExcNodeList", ""), job
+    marks = sorted(p.name for p in (run.job_dir / "headless").iterdir())
+    assert marks == [f"r0-rank{r}" for r in range(4)], marks
+    l2 = run.job_dir / "checkpoints"
+    headless_steps = [s for s in mf.complete_steps(str(l2)) if mf.read_manifest(str(l2), s).extra.get("headless")]
+    assert headless_steps and min(headless_steps) > KILL_AT
+    # the requeued run restored the newest persisted step, not an older checkpoint
+    restored = [e for e in read_events(str(run.job_dir / "events.jsonl"))
+                if e["kind"] == "rank_restored" and e.get("tier")]
+    assert restored and restored[-1]["step"] == max(headless_steps), restored
