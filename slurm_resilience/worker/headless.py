@@ -93,6 +93,19 @@ def should_requeue(job: dict[str, str], restarts_seen: int) -> bool:
     return state == "RUNNING" and restarts == restarts_seen
 
 
+def batch_host_mark(isolate_state: str, operator: bool, reachable: bool) -> str | None:
+    """Pure: the Slurm state to give the lost batch host before the requeue, or None.
+
+    Slurm completes a requeue only once every node of the job answers or is DOWN, so
+    marking the lost node DOWN saves the wait for ``SlurmdTimeout``. Only a node whose
+    slurmd does not answer (``reachable`` False) is marked, and only as
+    ``recovery.isolate_state`` allows (``auto``: DOWN with operator rights, else
+    untouched; ``none``: untouched; DOWN/DRAIN: that state)."""
+    if reachable or isolate_state == "none" or (isolate_state == "auto" and not operator):
+        return None
+    return "DOWN" if isolate_state == "auto" else isolate_state
+
+
 # ----------------------------------------------------------------- the store's watch
 
 

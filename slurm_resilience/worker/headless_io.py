@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import sys
 import time
 
@@ -20,7 +21,7 @@ from ..errors import CheckpointError, SlurmCommandError
 from ..files import write_private
 from ..slurm import commands
 from ..slurm.steps import deferred
-from .headless import SETTLE_S, STAGGER_S, manifest_ranks, requeue_turn, should_requeue
+from .headless import SETTLE_S, STAGGER_S, batch_host_mark, manifest_ranks, requeue_turn, should_requeue
 
 HEADLESS_DIR = "headless"
 ENGINE_DRAIN_S = 5.0  # a checkpoint in flight gets this long to end (its peers are leaving too)
@@ -82,9 +83,11 @@ def marked(job_dir: str, restarts: int) -> set[int]:
     return {int(m.group(2)) for n in names if (m := _MARK.fullmatch(n)) and int(m.group(1)) == restarts}
 
 
-def requeue(job_id: str, restarts: int) -> str:
+def requeue(job_id: str, restarts: int, *, isolate_state: str = "auto", probe_timeout_s: float = 0.3) -> str:
     """Requeue the job, excluding its lost batch host, unless this run was requeued
-    already. Returns what was done.
+    already. The host is first marked DOWN when its slurmd does not answer and this
+    user may (:func:`~.headless.batch_host_mark`): Slurm then completes the requeue at
+    once instead of after ``SlurmdTimeout``. Returns what was done.
 
     Raises:
         SlurmCommandError: ``scontrol`` failed (the job may be requeued already).
@@ -93,13 +96,39 @@ def requeue(job_id: str, restarts: int) -> str:
     if not should_requeue(job, restarts):
         return f"job {job_id} is {job.get('JobState')} with {job.get('Restarts')} restarts: not requeued again"
     host = job.get("BatchHost", "")
+    host = "" if host in ("", "(null)") else host
+    said = f"requeued job {job_id} without its lost batch host {host}"
+    if host:
+        said += _mark(job_id, host, isolate_state, probe_timeout_s)
     with deferred(signal.SIGTERM):  # SIGTERM: Slurm's for the requeue waits until the exclusion is set
-        problem = commands.requeue_excluding(job_id, [host] if host and host != "(null)" else [])
-    return f"requeued job {job_id} without its lost batch host {host}" + (f" ({problem})" if problem else "")
+        problem = commands.requeue_excluding(job_id, [host] if host else [])
+    return said + (f" ({problem})" if problem else "")
+
+
+def _mark(job_id: str, host: str, isolate_state: str, probe_timeout_s: float) -> str:
+    """Mark the lost batch host as :func:`batch_host_mark` says; returns a note for the log."""
+    try:
+        addr, port = commands.node_address(commands.show_nodes([host])[host])
+        operator = commands.operator_rights()[0] if isolate_state == "auto" else True
+    except (SlurmCommandError, KeyError, ValueError) as exc:
+        return f" (not marked: {exc})"
+    try:
+        with socket.create_connection((addr, port or 6818), timeout=probe_timeout_s):
+            reachable = True
+    except OSError:
+        reachable = False
+    state = batch_host_mark(isolate_state, operator, reachable)
+    if state is None:
+        return " (node not marked: " + ("its slurmd answers)" if reachable else f"isolate_state {isolate_state})")
+    try:
+        commands.set_node_state(host, state, f"slurm_resilience: batch host of job {job_id} lost")
+    except (SlurmCommandError, ValueError) as exc:
+        return f" (marking it {state} failed: {exc})"
+    return f", marked {state}"
 
 
 def end_headless(*, state, checkpoints, rank: int | None, world_size: int | None, job_id: str,
-                 job_dir: str, out=sys.stderr) -> None:
+                 job_dir: str, config=None, out=sys.stderr) -> None:
     """This rank's headless ending: persist (when it holds state), mark, requeue in turn.
 
     Returns when this rank's part is over (Slurm's SIGTERM for the requeue usually ends
@@ -128,6 +157,8 @@ def end_headless(*, state, checkpoints, rank: int | None, world_size: int | None
               "directory to resume", file=out)
         return
     try:
-        print(f"slurm_resilience: rank {rank}: {requeue(job_id, restarts)}", file=out, flush=True)
+        opts = {} if config is None else {"isolate_state": config.recovery.isolate_state,
+                                          "probe_timeout_s": config.detect.probe_timeout_s}
+        print(f"slurm_resilience: rank {rank}: {requeue(job_id, restarts, **opts)}", file=out, flush=True)
     except (SlurmCommandError, ValueError) as exc:
         print(f"slurm_resilience: rank {rank}: requeue after losing the batch host failed: {exc}", file=out)

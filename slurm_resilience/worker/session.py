@@ -274,7 +274,7 @@ class Session:
             rank = slot.rank if slot is not None else None
         end_headless(state=self._state, checkpoints=self._p.checkpoints, rank=rank,
                      world_size=plan.table.world_size if plan is not None else None,
-                     job_id=self._env.job_id, job_dir=self._env.job_dir)
+                     job_id=self._env.job_id, job_dir=self._env.job_dir, config=self.config)
 
     def _abort(self, plan: Plan) -> NoReturn:
         members = self._p.members

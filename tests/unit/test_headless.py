@@ -155,3 +155,14 @@ def test_marks_are_per_run(tmp_path):
     assert headless_io.marked(str(tmp_path), 0) == {0, 1}
     assert headless_io.marked(str(tmp_path), 1) == {2}
     assert headless_io.marked(str(tmp_path / "none"), 0) == set()
+
+
+def test_batch_host_mark_only_an_unanswering_node_and_as_isolate_state_allows():
+    from slurm_resilience.worker.headless import batch_host_mark
+
+    assert batch_host_mark("auto", operator=True, reachable=False) == "DOWN"
+    assert batch_host_mark("auto", operator=True, reachable=True) is None  # slurmd answers: not lost
+    assert batch_host_mark("auto", operator=False, reachable=False) is None  # no rights: Slurm's timeout
+    assert batch_host_mark("none", operator=True, reachable=False) is None
+    assert batch_host_mark("DRAIN", operator=True, reachable=False) == "DRAIN"
+    assert batch_host_mark("DOWN", operator=False, reachable=False) == "DOWN"
