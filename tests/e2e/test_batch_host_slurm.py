@@ -7,6 +7,8 @@ of them requeues the job without the lost node; the requeued job resumes from th
 state and ends bit-identical to the fault-free reference.
 """
 
+import time
+
 import pytest
 
 from slurm_resilience import lab
@@ -32,7 +34,13 @@ def test_batch_host_loss_persists_requeues_and_finishes_bit_identical(cluster, j
     host = commands.show_job(job_id)["BatchHost"]
     assert host not in [r["node"] for r in status["ranks"]]
     lab.kill_node(host)
-    assert run.wait(timeout=240) == 0, run.output()
+    # every rank persists once the store has been gone for 3 s (fail fast, not at the wait)
+    marks_dir = run.job_dir / "headless"
+    deadline = time.time() + 90
+    while len(list(marks_dir.glob("r0-rank*"))) < 4:
+        assert time.time() < deadline, f"no headless persist within 90 s: {run.output()}"
+        time.sleep(0.2)
+    assert run.wait(timeout=180) == 0, run.output()
     assert lab.compare_states(reference, run.job_dir / "final.pt") == []
     assert lab.rank_digests(run.job_dir) == lab.rank_digests(reference.parent)
     job = commands.show_job(job_id)
