@@ -33,14 +33,19 @@ def test_batch_host_loss_persists_requeues_and_finishes_bit_identical(cluster, j
     job_id = status["job_id"]
     host = commands.show_job(job_id)["BatchHost"]
     assert host not in [r["node"] for r in status["ranks"]]
-    lab.kill_node(host)
-    # every rank persists once the store has been gone for 3 s (fail fast, not at the wait)
-    marks_dir = run.job_dir / "headless"
-    deadline = time.time() + 90
-    while len(list(marks_dir.glob("r0-rank*"))) < 4:
-        assert time.time() < deadline, f"no headless persist within 90 s: {run.output()}"
-        time.sleep(0.2)
-    assert run.wait(timeout=180) == 0, run.output()
+    try:
+        lab.kill_node(host)
+        # every rank persists once the store has been gone for 3 s (fail fast, not at the wait)
+        marks_dir = run.job_dir / "headless"
+        deadline = time.time() + 90
+        while len(list(marks_dir.glob("r0-rank*"))) < 4:
+            assert time.time() < deadline, f"no headless persist within 90 s: {run.output()}"
+            time.sleep(0.2)
+        assert run.wait(timeout=180) == 0, run.output()
+    finally:  # a job left headless would hold the shared cluster's nodes until its time limit
+        if run.process.poll() is None:
+            commands.run(["scancel", str(job_id)], check=False)
+            run.process.kill()
     assert lab.compare_states(reference, run.job_dir / "final.pt") == []
     assert lab.rank_digests(run.job_dir) == lab.rank_digests(reference.parent)
     job = commands.show_job(job_id)
