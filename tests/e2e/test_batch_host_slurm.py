@@ -46,12 +46,13 @@ def test_batch_host_loss_persists_requeues_and_finishes_bit_identical(cluster, j
         if run.process.poll() is None:
             commands.run(["scancel", str(job_id)], check=False)
             run.process.kill()
+        node = commands.show_nodes([host])[host]
+        lab.cluster("revive-node", host)  # the shared cluster gets its node back at once
     assert lab.compare_states(reference, run.job_dir / "final.pt") == []
     assert lab.rank_digests(run.job_dir) == lab.rank_digests(reference.parent)
     job = commands.show_job(job_id)
     assert job["Restarts"] == "1" and host in job.get("ExcNodeList", ""), job
     # the requeuing rank marked the lost host DOWN (its slurmd did not answer; root here)
-    node = commands.show_nodes([host])[host]
     assert "DOWN" in node["State"] and "slurm_resilience" in node.get("Reason", ""), node
     marks = sorted(p.name for p in (run.job_dir / "headless").iterdir())
     assert marks == [f"r0-rank{r}" for r in range(4)], marks

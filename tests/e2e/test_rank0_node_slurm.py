@@ -32,7 +32,10 @@ def test_online_rank0_node_loss_finishes_on_spare_bit_identical(cluster, jobs_ro
     victim = status["ranks"][0]["node"]
     spare = status["spares"][0]["node"]
     lab.kill_node(victim)
-    assert run.wait() == 0, run.output()
+    try:
+        assert run.wait() == 0, run.output()
+    finally:
+        lab.cluster("revive-node", victim)
     # rank 0 of the new generation (on the spare) wrote final.pt; every rank's digest agrees
     assert lab.compare_states(reference, run.job_dir / "final.pt") == []
     ref_digests, got_digests = lab.rank_digests(reference.parent), lab.rank_digests(run.job_dir)
@@ -54,8 +57,11 @@ def test_relaunch_rank0_node_loss_moves_master_to_a_live_node_identical(cluster,
     root = jobs_root / "torchrun-rank0-loss"
     proc, out = restart._run(root, restart.TORCH_EXAMPLE, 40, mpi=False)
     victim = restart._kill_after_first_snapshot(root, "snapshot.pt", index=0)
-    assert restart._finish(proc, root) == 0, proc.output
-    restart._check_recovered(root, victim)
+    try:
+        assert restart._finish(proc, root) == 0, proc.output
+        restart._check_recovered(root, victim)  # checks the node is DOWN: before the revive
+    finally:
+        lab.cluster("revive-node", victim)
     relaunch = _events(root / "job", "relaunch")[0]
     assert victim not in relaunch["nodes"]
     ref, got = torch.load(ref_out, weights_only=False), torch.load(out, weights_only=False)
