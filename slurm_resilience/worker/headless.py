@@ -40,6 +40,7 @@ log = logging.getLogger(__name__)
 
 SETTLE_S = 5.0  # rank 0 waits this long at most for the other ranks' persisted marks
 STAGGER_S = 2.0  # rank R's turn comes R x this after rank 0's (a fallback requeuer)
+REOPEN_S = 2.0  # a fresh store connection (confirming a loss) gives up after this long
 EXIT_HEADLESS = 0  # the rank's part ends for the requeue (as a preemption's does)
 
 
@@ -124,6 +125,12 @@ class StoreWatch:
                         "in %gs unless it answers", str(why).splitlines()[0][:120] if str(why) else why,
                         self.timeout_s)
 
+    def found(self) -> None:
+        """The store answers again (a fresh connection worked): not headless."""
+        if self.lost_since is not None:
+            log.warning("the job's store answers again")
+        self.lost_since = None
+
     @property
     def is_lost(self) -> bool:
         return self.lost_since is not None
@@ -140,44 +147,63 @@ class StoreWatch:
 class GuardedStore:
     """A store client whose failures mark the store lost instead of raising.
 
-    A store gone is gone for good (it lived in the lost batch step), so after the first
-    failure the client is not used again: nothing waits on a silent host twice.
-    ``check`` answers False meanwhile (no newer plan: keep training) and raises
-    :class:`HeadlessEnded` once the watch is due; ``set`` and ``add`` drop their write
-    (nobody reads it any more). Only the training thread's and the event sink's clients
-    are guarded; a group's rendezvous uses a plain client (it needs a ``dist.Store``).
+    A failed request is retried once on a fresh connection (``reopen``): a connection
+    broken for another reason must not end a healthy job. When that fails too the store
+    counts as lost and is not asked again until the watch is due, so nothing waits on a
+    silent host at every step. Meanwhile ``check`` answers False (no newer plan: keep
+    training) and ``set``/``add`` drop their write (nobody reads it). Once due, ``check``
+    tries one fresh connection more: the store answering again clears the watch, else it
+    raises :class:`HeadlessEnded`. Only the training thread's and the event sink's
+    clients are guarded; a group's rendezvous uses a plain client (a ``dist.Store``).
     """
 
-    def __init__(self, store: Any, watch: StoreWatch, *, raises: bool = True) -> None:
+    def __init__(self, store: Any, watch: StoreWatch, *, reopen: Callable[[], Any] | None = None,
+                 raises: bool = True) -> None:
         self._store = store
         self._watch = watch
+        self._reopen = reopen
         self._raises = raises  # False for a client other threads use (events)
 
     def check(self, keys: list[str]) -> bool:
-        if not self._watch.is_lost:
-            try:
-                return self._store.check(keys)
-            except RuntimeError as exc:  # DistError, DistNetworkError: both RuntimeErrors
-                self._watch.lost(exc)
-        if self._raises and self._watch.due():
-            raise HeadlessEnded(EXIT_HEADLESS, f"the job's store has been gone for {self._watch.timeout_s:g}s")
-        return False
+        if self._watch.is_lost:
+            if not (self._raises and self._watch.due()):
+                return False
+            if not self._fresh():
+                raise HeadlessEnded(EXIT_HEADLESS, f"the job's store has been gone for {self._watch.timeout_s:g}s")
+            self._watch.found()
+        out = self._call(lambda st: st.check(keys))
+        return bool(out) if out is not None else self.check(keys)
 
     def set(self, key: str, value: Any) -> None:
-        self._guarded(lambda: self._store.set(key, value))
+        if not self._watch.is_lost:
+            self._call(lambda st: st.set(key, value))
 
     def add(self, key: str, value: int) -> int:
-        out = self._guarded(lambda: self._store.add(key, value))
+        out = None if self._watch.is_lost else self._call(lambda st: st.add(key, value))
         return 0 if out is None else out
 
-    def _guarded(self, call: Callable[[], Any]) -> Any:
-        if self._watch.is_lost:
-            return None
+    def _call(self, op: Callable[[Any], Any]) -> Any:
+        """``op`` on the client, retried once on a fresh one; None when the store is lost."""
         try:
-            return call()
-        except RuntimeError as exc:
+            return op(self._store)
+        except RuntimeError as exc:  # DistError, DistNetworkError: both RuntimeErrors
+            if self._fresh():
+                try:
+                    return op(self._store)
+                except RuntimeError as again:
+                    exc = again
             self._watch.lost(exc)
             return None
+
+    def _fresh(self) -> bool:
+        """Replace the client by a new connection; False when none can be opened."""
+        if self._reopen is None:
+            return False
+        try:
+            self._store = self._reopen()
+            return True
+        except (RuntimeError, OSError):
+            return False
 
     def __getattr__(self, name: str) -> Any:  # get, wait, ...: as the plain client
         return getattr(self._store, name)

@@ -40,7 +40,7 @@ from ..errors import JobEnded, ResilienceError, StepAborted
 from ..protocol import Plan, PlanAction, WorkerEnv
 from .endings import Endings
 from .event_sink import EventSink
-from .headless import GuardedStore, HeadlessEnded, StoreWatch
+from .headless import REOPEN_S, GuardedStore, HeadlessEnded, StoreWatch
 from .headless_io import end_headless
 from .heartbeat import Heartbeat, open_store
 from .membership import EXIT_ABORTED, EXIT_FENCED, Membership  # noqa: F401 (exit codes re-exported)
@@ -90,10 +90,11 @@ class Session:
         # A store that stops answering (the batch host is lost) ends the rank headless:
         # guarded clients note it, and a check raises HeadlessEnded after the timeout.
         watch = self._watch = StoreWatch(cfg.detect.headless_timeout_s)
-        store = GuardedStore(open_store(env), watch)
+        reopen = lambda: open_store(env, timeout_s=REOPEN_S)  # noqa: E731
+        store = GuardedStore(open_store(env), watch, reopen=reopen)
         members: Membership | None = None
         # Events have a client of their own: the checkpoint writer thread emits too.
-        events = EventSink(GuardedStore(open_store(env), watch, raises=False), worker_id=env.worker_id, node=env.node,
+        events = EventSink(GuardedStore(open_store(env), watch, reopen=reopen, raises=False), worker_id=env.worker_id, node=env.node,
                            where=lambda: members.where() if members else (None, None))
         checkpoints = CheckpointEngine(
             cfg.checkpoint.tiers(), job_id=env.job_id, job_dir=env.job_dir,

@@ -166,3 +166,49 @@ def test_batch_host_mark_only_an_unanswering_node_and_as_isolate_state_allows():
     assert batch_host_mark("none", operator=True, reachable=False) is None
     assert batch_host_mark("DRAIN", operator=True, reachable=False) == "DRAIN"
     assert batch_host_mark("DOWN", operator=False, reachable=False) == "DOWN"
+
+
+def test_a_broken_connection_to_a_live_store_is_reopened_not_taken_for_a_loss():
+    class Live:
+        def check(self, keys):
+            return True
+
+        def set(self, key, value):
+            self.value = value
+
+    clock, opened = _Clock(), []
+
+    def reopen():
+        opened.append(Live())
+        return opened[-1]
+
+    watch = StoreWatch(3.0, clock=clock)
+    store = GuardedStore(_DeadStore(), watch, reopen=reopen)
+    assert store.check(["plan/1"]) is True and not watch.is_lost and len(opened) == 1
+    store.set("k", "v")
+    assert opened[-1].value == "v"
+
+
+def test_a_store_back_at_the_deadline_clears_the_watch_one_still_gone_ends_the_rank():
+    clock, alive = _Clock(), {"up": False}
+
+    class Live:
+        def check(self, keys):
+            return False
+
+    def reopen():
+        if not alive["up"]:
+            raise RuntimeError("connect: Connection refused")
+        return Live()
+
+    watch = StoreWatch(3.0, clock=clock)
+    store = GuardedStore(_DeadStore(), watch, reopen=reopen)
+    assert store.check(["plan/1"]) is False and watch.is_lost
+    clock.t = 3.0
+    alive["up"] = True
+    assert store.check(["plan/1"]) is False and not watch.is_lost  # it answers again
+    dead = GuardedStore(_DeadStore(), watch, reopen=lambda: (_ for _ in ()).throw(RuntimeError("refused")))
+    assert dead.check(["x"]) is False and watch.is_lost
+    clock.t = 6.5
+    with pytest.raises(HeadlessEnded):
+        dead.check(["x"])
