@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 
 SETTLE_S = 5.0  # rank 0 waits this long at most for the other ranks' persisted marks
 STAGGER_S = 2.0  # rank R's turn comes R x this after rank 0's (a fallback requeuer)
-REOPEN_S = 2.0  # a fresh store connection (confirming a loss) gives up after this long
+REOPEN_S = 1.0  # a fresh store connection (confirming a loss) gives up after this (torch tries twice)
 EXIT_HEADLESS = 0  # the rank's part ends for the requeue (as a preemption's does)
 
 
