@@ -37,7 +37,7 @@ import torch.distributed as dist
 from ..checkpoint.engine import CheckpointEngine
 from ..config import ResilienceConfig, load_config
 from ..errors import JobEnded, ResilienceError, StepAborted
-from ..protocol import Plan, PlanAction, WorkerEnv
+from ..protocol import Plan, PlanAction, StoreKey, WorkerEnv
 from .endings import Endings
 from .event_sink import EventSink
 from .headless import REOPEN_S, GuardedStore, HeadlessEnded, StoreWatch
@@ -94,7 +94,8 @@ class Session:
         store = GuardedStore(open_store(env), watch, reopen=reopen)
         members: Membership | None = None
         # Events have a client of their own: the checkpoint writer thread emits too.
-        events = EventSink(GuardedStore(open_store(env), watch, reopen=reopen, raises=False), worker_id=env.worker_id, node=env.node,
+        events = EventSink(GuardedStore(open_store(env), watch, reopen=reopen, raises=False),
+                           worker_id=env.worker_id, node=env.node,
                            where=lambda: members.where() if members else (None, None))
         checkpoints = CheckpointEngine(
             cfg.checkpoint.tiers(), job_id=env.job_id, job_dir=env.job_dir,
@@ -118,9 +119,7 @@ class Session:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         """Stop the threads; a JobEnded becomes the process's exit with its status."""
-        watch = self._watch
-        finished_headless = exc is None and watch is not None and watch.is_lost and watch.timeout_s > 0
-        if self._parts is not None and (isinstance(exc, HeadlessEnded) or finished_headless):
+        if self._parts is not None and (isinstance(exc, HeadlessEnded) or (exc is None and self._finished_headless())):
             self._end_headless()  # finished while headless too: the requeued job ends at once
         if self._parts is not None:
             self._parts.checkpoints.close()
@@ -263,9 +262,20 @@ class Session:
         members.leave()
         members.enter(members.plan.generation + 1)
 
+    def _finished_headless(self) -> bool:
+        """Training finished while the store was lost: still lost at the deadline?"""
+        watch = self._watch
+        if watch is None or not watch.is_lost or watch.timeout_s <= 0:
+            return False
+        watch.wait_due()
+        try:
+            self._p.store.check([StoreKey.SHUTDOWN.value])  # a fresh connection, once due
+        except HeadlessEnded:
+            return True
+        return False
+
     def _end_headless(self) -> None:
         """The batch host is lost: persist this rank's newest state, requeue in turn."""
-        self._watch.wait_due()
         members = self._p.members
         plan, rank = members.plan, None
         if members.group is not None:
