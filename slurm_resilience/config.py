@@ -51,6 +51,10 @@ class DetectConfig:
         straggler_threshold: a rank whose own compute time exceeds this × the
             median of the others is slow (> 1).
         straggler_window: ... for this many consecutive heartbeat checks (>= 1).
+        headless_timeout_s: a rank that has lost the job's store (and with it the
+            supervisor: the batch host is gone) for this long persists its newest state
+            to the shared tier and requeues the job (``worker/headless.py``); 0 turns
+            this off (> heartbeat_timeout_s, or 0).
     """
 
     heartbeat_period_s: float = 0.25
@@ -60,6 +64,7 @@ class DetectConfig:
     probe_timeout_s: float = 0.3
     straggler_threshold: float = 1.5
     straggler_window: int = 8
+    headless_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         if not 0 < self.heartbeat_period_s <= 0.5:
@@ -79,6 +84,9 @@ class DetectConfig:
         for name in ("node_poll_s", "probe_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"detect.{name}={getattr(self, name)} must be > 0")
+        if self.headless_timeout_s != 0 and self.headless_timeout_s <= self.heartbeat_timeout_s:
+            raise ConfigError(f"detect.headless_timeout_s={self.headless_timeout_s} must be > heartbeat_timeout_s="
+                              f"{self.heartbeat_timeout_s} (or 0 to turn it off)")
 
 
 # What ``recovery.isolate_state`` may say (see RecoveryConfig).

@@ -292,14 +292,14 @@ class SrunLauncher:
         Raises:
             SlurmCommandError: the requeue failed.
         """
-        with _deferred(signal.SIGTERM), self._release_lock:  # after a release in flight
+        with deferred(signal.SIGTERM), self._release_lock:  # after a release in flight
             problem = commands.requeue_excluding(self.job_id, sorted(self._isolated))
         if problem:
             log.warning("job %s: %s", self.job_id, problem)
 
 
 @contextlib.contextmanager
-def _deferred(signum: int):
+def deferred(signum: int):
     """Hold ``signum`` while the block runs (main thread only), then re-deliver it."""
     if threading.current_thread() is not threading.main_thread():
         yield

@@ -181,13 +181,15 @@ class Membership:
         # Each generation rendezvous through its own store client: an abandoned join
         # may still be blocked in a store wait, and a shared client would hold every
         # later request (plan checks included) behind it until its timeout.
+        client = self._open_client()
         self.group = Generation(
-            self._open_client(), plan.table, slot.rank, backend=self._cfg.backend,
+            client, plan.table, slot.rank, backend=self._cfg.backend,
             timeout_s=self._cfg.pg_timeout_s, poll_ms=self._cfg.poll_interval_ms,
             interrupted=lambda: self._store.check([nxt]),
         )
-        # torch.distributed's default group wraps the same backend (default_group.py)
-        default_group.install(self.group, self._store, self._cfg.pg_timeout_s, self._parking)
+        # torch.distributed's default group wraps the same backend (default_group.py); its
+        # store is the group's own plain client (the training thread's may be guarded)
+        default_group.install(self.group, client, self._cfg.pg_timeout_s, self._parking)
         os.environ.update(torchrun_environ(plan.table, slot.rank))
         self._checkpoints.bind(rank=slot.rank, world_size=plan.table.world_size, nodes=plan.table.nodes,
                                transfer=self._transfer_factory(plan, slot.rank))

@@ -37,9 +37,11 @@ import torch.distributed as dist
 from ..checkpoint.engine import CheckpointEngine
 from ..config import ResilienceConfig, load_config
 from ..errors import JobEnded, ResilienceError, StepAborted
-from ..protocol import Plan, PlanAction, WorkerEnv
+from ..protocol import Plan, PlanAction, StoreKey, WorkerEnv
 from .endings import Endings
 from .event_sink import EventSink
+from .headless import REOPEN_S, GuardedStore, HeadlessEnded, StoreWatch
+from .headless_io import end_headless
 from .heartbeat import Heartbeat, open_store
 from .membership import EXIT_ABORTED, EXIT_FENCED, Membership  # noqa: F401 (exit codes re-exported)
 from .parking import ParkingLot
@@ -92,6 +94,7 @@ class Session:
         self._hooks = GenerationHooks()
         self._meshes: dict[tuple, Any] = {}  # device meshes of the current generation
         self._parts: _Parts | None = None  # built by __enter__ (it connects and starts threads)
+        self._watch: StoreWatch | None = None  # notes a lost store (worker/headless.py)
 
     # -- lifecycle -------------------------------------------------------------
     def __enter__(self) -> "Session":
@@ -99,10 +102,15 @@ class Session:
         this worker (a warm standby blocks here until it is adopted)."""
         env, cfg = self._env, self.config
         set_gloo_interface(cfg.reconnect.gloo_ifname)
-        store = open_store(env)
+        # A store that stops answering (the batch host is lost) ends the rank headless:
+        # guarded clients note it, and a check raises HeadlessEnded after the timeout.
+        watch = self._watch = StoreWatch(cfg.detect.headless_timeout_s)
+        reopen = lambda: open_store(env, timeout_s=REOPEN_S)  # noqa: E731
+        store = GuardedStore(open_store(env), watch, reopen=reopen)
         members: Membership | None = None
         # Events have a client of their own: the checkpoint writer thread emits too.
-        events = EventSink(open_store(env), worker_id=env.worker_id, node=env.node,
+        events = EventSink(GuardedStore(open_store(env), watch, reopen=reopen, raises=False),
+                           worker_id=env.worker_id, node=env.node,
                            where=lambda: members.where() if members else (None, None))
         checkpoints = CheckpointEngine(
             cfg.checkpoint.tiers(), job_id=env.job_id, job_dir=env.job_dir,
@@ -127,6 +135,8 @@ class Session:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         """Stop the threads; a JobEnded becomes the process's exit with its status."""
+        if self._parts is not None and (isinstance(exc, HeadlessEnded) or (exc is None and self._finished_headless())):
+            self._end_headless()  # finished while headless too: the requeued job ends at once
         if self._parts is not None:
             self._parts.checkpoints.close()
             self._parts.heartbeat.stop()
@@ -326,6 +336,31 @@ class Session:
         log.warning("rank %s: %s", members.group.rank if members.group else "?", why)
         members.leave()
         members.enter(members.plan.generation + 1)
+
+    def _finished_headless(self) -> bool:
+        """Training finished while the store was lost: still lost at the deadline?"""
+        watch = self._watch
+        if watch is None or not watch.is_lost or watch.timeout_s <= 0:
+            return False
+        watch.wait_due()
+        try:
+            self._p.store.check([StoreKey.SHUTDOWN.value])  # a fresh connection, once due
+        except HeadlessEnded:
+            return True
+        return False
+
+    def _end_headless(self) -> None:
+        """The batch host is lost: persist this rank's newest state, requeue in turn."""
+        members = self._p.members
+        plan, rank = members.plan, None
+        if members.group is not None:
+            rank = members.group.rank
+        elif plan is not None:
+            slot = next((s for s in plan.table.slots if s.worker_id == self._env.worker_id), None)
+            rank = slot.rank if slot is not None else None
+        end_headless(state=self._state, checkpoints=self._p.checkpoints, rank=rank,
+                     world_size=plan.table.world_size if plan is not None else None,
+                     job_id=self._env.job_id, job_dir=self._env.job_dir, config=self.config)
 
     def _abort(self, plan: Plan) -> NoReturn:
         members = self._p.members

@@ -1,0 +1,164 @@
+"""The headless ending's files and Slurm call (the decisions are in ``headless.py``).
+
+    JOBDIR/headless/r{restarts}-rank{R}     rank R of run ``restarts`` persisted (0600)
+    L2ROOT/step-S/rank-R.h5                 its shard: the state of its last completed step
+    L2ROOT/step-S/manifest.json             lists only shards already renamed into place
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import sys
+import time
+
+from ..checkpoint import layout
+from ..checkpoint import manifest as mf
+from ..checkpoint.hdf5_format import shard_crc32, write_shard
+from ..errors import CheckpointError, SlurmCommandError
+from ..files import write_private
+from ..slurm import commands
+from ..slurm.steps import deferred
+from .headless import SETTLE_S, STAGGER_S, batch_host_mark, manifest_ranks, requeue_turn, should_requeue
+
+HEADLESS_DIR = "headless"
+ENGINE_DRAIN_S = 5.0  # a checkpoint in flight gets this long to end (its peers are leaving too)
+_MARK = re.compile(r"r(\d+)-rank(\d+)$")
+_SHARD = re.compile(r"rank-(\d+)\.h5$")
+
+
+def persist(state, checkpoints, *, rank: int, world_size: int) -> str | None:
+    """Write this rank's state (its last completed step) to the shared tier and commit
+    what is complete. Returns the shard's path, or None without a shared tier.
+
+    Raises:
+        CheckpointError: the shard or the manifest cannot be written.
+    """
+    spec = next((s for s in checkpoints.specs if s.storage == "shared"), None)
+    if spec is None:
+        return None
+    checkpoints.wait(timeout=ENGINE_DRAIN_S)
+    root = checkpoints.root(spec, rank)
+    step = state.step
+    if os.path.isfile(layout.manifest_path(root, step)):
+        return layout.step_dir(root, step)  # committed already (a regular checkpoint of this step)
+    path = layout.shard_path(root, step, rank)
+    write_shard(path, state.state_dict(), attrs={"step": step, "rank": rank, "world_size": world_size})
+    commit(root, step, world_size, spec.name, sharded=bool(state.sharded))
+    return path
+
+
+def commit(root: str, step: int, world_size: int, tier: str, *, sharded: bool) -> bool:
+    """Write the manifest of ``step`` listing the complete shards, when they make a
+    restorable set (:func:`~.headless.manifest_ranks`) and no manifest exists yet.
+    Every rank calls this after its own rename, so the last one sees every shard."""
+    if os.path.isfile(layout.manifest_path(root, step)):
+        return False
+    sdir = layout.step_dir(root, step)
+    present = {int(m.group(1)) for name in os.listdir(sdir) if (m := _SHARD.fullmatch(name))}
+    ranks = manifest_ranks(present, world_size, sharded)
+    if ranks is None:
+        return False
+    shards = {}
+    for r in sorted(ranks):
+        p = layout.shard_path(root, step, r)
+        shards[r] = mf.ShardRecord(layout.shard_name(r), os.path.getsize(p), shard_crc32(p))
+    mf.write_manifest(root, mf.Manifest(step=step, world_size=world_size, tier=tier, shards=shards,
+                                        created=time.time(), extra={"headless": True}))
+    return True
+
+
+def mark(job_dir: str, restarts: int, rank: int) -> None:
+    write_private(os.path.join(job_dir, HEADLESS_DIR, f"r{restarts}-rank{rank}"), f"{time.time()}\n")
+
+
+def marked(job_dir: str, restarts: int) -> set[int]:
+    """Ranks of run ``restarts`` that have persisted."""
+    try:
+        names = os.listdir(os.path.join(job_dir, HEADLESS_DIR))
+    except FileNotFoundError:
+        return set()
+    return {int(m.group(2)) for n in names if (m := _MARK.fullmatch(n)) and int(m.group(1)) == restarts}
+
+
+def requeue(job_id: str, restarts: int, *, isolate_state: str = "auto", probe_timeout_s: float = 0.3) -> str:
+    """Requeue the job, excluding its lost batch host, unless this run was requeued
+    already. The host is first marked DOWN when its slurmd does not answer and this
+    user may (:func:`~.headless.batch_host_mark`): Slurm then completes the requeue at
+    once instead of after ``SlurmdTimeout``. Returns what was done.
+
+    Raises:
+        SlurmCommandError: ``scontrol`` failed (the job may be requeued already).
+    """
+    job = commands.show_job(job_id)
+    if not should_requeue(job, restarts):
+        return f"job {job_id} is {job.get('JobState')} with {job.get('Restarts')} restarts: not requeued again"
+    host = job.get("BatchHost", "")
+    host = "" if host in ("", "(null)") else host
+    said = f"requeued job {job_id} without its lost batch host {host}"
+    if host:
+        said += _mark(job_id, host, isolate_state, probe_timeout_s)
+    with deferred(signal.SIGTERM):  # SIGTERM: Slurm's for the requeue waits until the exclusion is set
+        problem = commands.requeue_excluding(job_id, [host] if host else [])
+    return said + (f" ({problem})" if problem else "")
+
+
+def _mark(job_id: str, host: str, isolate_state: str, probe_timeout_s: float) -> str:
+    """Mark the lost batch host as :func:`batch_host_mark` says; returns a note for the log."""
+    try:
+        addr, port = commands.node_address(commands.show_nodes([host])[host])
+        operator = commands.operator_rights()[0] if isolate_state == "auto" else True
+    except (SlurmCommandError, KeyError, ValueError) as exc:
+        return f" (not marked: {exc})"
+    try:
+        with socket.create_connection((addr, port or 6818), timeout=probe_timeout_s):
+            reachable = True
+    except OSError:
+        reachable = False
+    state = batch_host_mark(isolate_state, operator, reachable)
+    if state is None:
+        return " (node not marked: " + ("its slurmd answers)" if reachable else f"isolate_state {isolate_state})")
+    try:
+        commands.set_node_state(host, state, f"slurm_resilience: batch host of job {job_id} lost")
+    except (SlurmCommandError, ValueError) as exc:
+        return f" (marking it {state} failed: {exc})"
+    return f", marked {state}"
+
+
+def end_headless(*, state, checkpoints, rank: int | None, world_size: int | None, job_id: str,
+                 job_dir: str, config=None, out=sys.stderr) -> None:
+    """This rank's headless ending: persist (when it holds state), mark, requeue in turn.
+
+    Returns when this rank's part is over (Slurm's SIGTERM for the requeue usually ends
+    the process first)."""
+    if rank is None or world_size is None or not (state.live and state.objects):
+        print("slurm_resilience: the job's store is gone; no state held here, exiting", file=out)
+        return
+    restarts = int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
+    try:
+        where = persist(state, checkpoints, rank=rank, world_size=world_size)
+    except (CheckpointError, OSError) as exc:
+        print(f"slurm_resilience: rank {rank}: persisting step {state.step} failed: {exc}", file=out)
+        where = None
+    else:
+        mark(job_dir, restarts, rank)
+    print(f"slurm_resilience: the job's store is gone (batch host lost); rank {rank} persisted step "
+          f"{state.step} ({where or 'nothing written'})", file=out, flush=True)
+    t0 = time.monotonic()
+    last_turn = SETTLE_S + STAGGER_S * world_size
+    while not requeue_turn(rank, marked(job_dir, restarts), world_size, time.monotonic() - t0):
+        if time.monotonic() - t0 > last_turn:
+            return
+        time.sleep(0.1)
+    if not job_id.isdigit():
+        print("slurm_resilience: no scheduler to requeue with: run the job again in the same job "
+              "directory to resume", file=out)
+        return
+    try:
+        opts = {} if config is None else {"isolate_state": config.recovery.isolate_state,
+                                          "probe_timeout_s": config.detect.probe_timeout_s}
+        print(f"slurm_resilience: rank {rank}: {requeue(job_id, restarts, **opts)}", file=out, flush=True)
+    except (SlurmCommandError, ValueError) as exc:
+        print(f"slurm_resilience: rank {rank}: requeue after losing the batch host failed: {exc}", file=out)

@@ -1,0 +1,66 @@
+"""End to end on the real local Slurm: losing the batch host (supervisor + store).
+
+The batch step on the allocation's first node hosts the job's store and runs the
+supervisor. Its node is killed mid-run: the ranks lose the store, keep training for
+``detect.headless_timeout_s``, persist their newest state to the shared tier, and one
+of them requeues the job without the lost node; the requeued job resumes from that
+state and ends bit-identical to the fault-free reference.
+"""
+
+import time
+
+import pytest
+
+from slurm_resilience import lab
+from slurm_resilience.checkpoint import manifest as mf
+from slurm_resilience.events import read_events
+from slurm_resilience.slurm import commands
+
+from .conftest import STEPS
+
+pytestmark = [pytest.mark.slurm, pytest.mark.timeout(300)]
+
+KILL_AT = 8
+
+
+def test_batch_host_loss_persists_requeues_and_finishes_bit_identical(cluster, jobs_root, reference, tmp_path):
+    cfg = tmp_path / "headless.yaml"
+    cfg.write_text(lab.LOCAL_CONFIG.read_text() + "detect:\n  headless_timeout_s: 3\n")
+    # no spare: the allocation after the requeue is the 4 workers' nodes + a free node
+    # as batch host (the lost one is excluded); step time 0.3 s: still training when due
+    run = lab.submit(jobs_root / "batch-host", spares=0, steps=STEPS, step_time=0.3, config=cfg)
+    status = run.wait_for_step(KILL_AT)
+    job_id = status["job_id"]
+    host = commands.show_job(job_id)["BatchHost"]
+    assert host not in [r["node"] for r in status["ranks"]]
+    try:
+        lab.kill_node(host)
+        # every rank persists once the store has been gone for 3 s (fail fast, not at the wait)
+        marks_dir = run.job_dir / "headless"
+        deadline = time.time() + 90
+        while len(list(marks_dir.glob("r0-rank*"))) < 4:
+            assert time.time() < deadline, f"no headless persist within 90 s: {run.output()}"
+            time.sleep(0.2)
+        l2 = run.job_dir / "checkpoints"  # read now: the requeued run's retention prunes it later
+        headless_steps = [s for s in mf.complete_steps(str(l2))
+                          if mf.read_manifest(str(l2), s).extra.get("headless")]
+        assert run.wait(timeout=180) == 0, run.output()
+    finally:  # a job left headless would hold the shared cluster's nodes until its time limit
+        if run.process.poll() is None:
+            commands.run(["scancel", str(job_id)], check=False)
+            run.process.kill()
+        node = commands.show_nodes([host])[host]
+        lab.cluster("revive-node", host)  # the shared cluster gets its node back at once
+    assert lab.compare_states(reference, run.job_dir / "final.pt") == []
+    assert lab.rank_digests(run.job_dir) == lab.rank_digests(reference.parent)
+    job = commands.show_job(job_id)
+    assert job["Restarts"] == "1", job  # (ExcNodeList: the update after the requeue may be refused)
+    # the requeuing rank marked the lost host DOWN (its slurmd did not answer; root here)
+    assert "DOWN" in node["State"] and "slurm_resilience" in node.get("Reason", ""), node
+    marks = sorted(p.name for p in (run.job_dir / "headless").iterdir())
+    assert marks == [f"r0-rank{r}" for r in range(4)], marks
+    assert headless_steps and min(headless_steps) > KILL_AT
+    # the requeued run restored the newest persisted step, not an older checkpoint
+    restored = [e for e in read_events(str(run.job_dir / "events.jsonl"))
+                if e["kind"] == "rank_restored" and e.get("tier")]
+    assert restored and restored[-1]["step"] == max(headless_steps), restored
