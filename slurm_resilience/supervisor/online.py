@@ -122,7 +122,7 @@ class Supervisor:
             seen, first = 0, [Start()]
         self.watch = Watch(cfg=self.cfg, store=self.store, seen=self.seen, launcher=self.launcher,
                            handles=self.handles, events=self.events, preempted=self._signalled.is_set,
-                           events_seen=seen)
+                           events_seen=seen, pulses=self.liveness.pulses)
         self._install_preempt_handler()
         self.state = state
         self.watcher = NodeWatcher(self.launcher.node_states, lambda: self.state.watched_nodes(),
@@ -248,6 +248,8 @@ class Supervisor:
                              endpoints={"host": self.store_host, "store_port": self._raw_store.port,
                                         "liveness_port": self.liveness.port,
                                         "rejected_connections": self.liveness.rejected})
+        for r in status["ranks"]:  # the watchdog's verdict: ok, suspect, slow, waiting, hung, silent
+            r["liveness"] = self.watch.liveness(r["worker_id"])
         write_status(self.job_dir, status)
         write_private(os.path.join(self.job_dir, "metrics.prom"), self.metrics.render(status))
 

@@ -92,7 +92,7 @@ class Session:
         checkpoints = CheckpointEngine(
             cfg.checkpoint.tiers(), job_id=env.job_id, job_dir=env.job_dir,
             node=env.node, emit=events.emit, mtbf_s=cfg.checkpoint.mtbf_s)
-        hb = Heartbeat(env, cfg.detect.heartbeat_period_s).start()
+        hb = Heartbeat(env, cfg.detect.heartbeat_period_s, pulse=cfg.detect.pulse).start()
         members = Membership(env, cfg.reconnect, store, open_client=lambda: open_store(env), emit=events.emit,
                              heartbeat=hb, checkpoints=checkpoints, parking=self._parking,
                              progress=lambda: self._state.step, on_abort=self._abort)
