@@ -25,6 +25,7 @@ from typing import Sequence
 import yaml
 
 from ..config import ResilienceConfig, config_to_dict
+from ..config_timeouts import nccl_environ
 from ..errors import ConfigError
 from ..events import EventLog
 from ..files import makedirs_private, write_private
@@ -74,6 +75,7 @@ class Supervisor:
         self.nodes = list(nodes[:need])
         self.policy = Policy.from_config(config, mode=Mode.ONLINE, can_requeue=hasattr(launcher, "requeue"))
         self.handles: dict[str, StepHandle] = {}
+        self._nccl_env = nccl_environ(config.reconnect, os.environ)  # NCCL's watchdog, unless the user set it
         self._signalled = threading.Event()
         self._t0 = time.time()
         self._last_status = 0.0
@@ -216,6 +218,7 @@ class Supervisor:
             store_addr=self.store_host, store_port=self._raw_store.port, liveness_port=self.liveness.port,
             token=self.token, job_dir=self.job_dir, worker_id=a.worker_id, node=a.node, role=a.role,
             generation=a.generation, config_path=self.config_path, job_id=self.job_id).to_environ()
+        env = {**self._nccl_env, **env}
         log_path = os.path.join(self.job_dir, "logs", f"{a.worker_id}.log")
         self.handles[a.worker_id] = self.launcher.launch(
             name=state.workers[a.worker_id].step_name, node=a.node, argv=self.command, env=env, log_path=log_path)
