@@ -25,8 +25,8 @@ from typing import Sequence
 import yaml
 
 from ..config import ResilienceConfig, config_to_dict
-from ..config_timeouts import nccl_environ
-from ..errors import ConfigError
+from ..config_timeouts import nccl_environ, slurm_warnings
+from ..errors import ConfigError, SlurmCommandError
 from ..events import EventLog
 from ..files import makedirs_private, write_private
 from ..lifecycle import JobPhase
@@ -101,11 +101,24 @@ class Supervisor:
         self.seen: queue.Queue = queue.Queue()
         self.liveness = LivenessServer(self.store_host, self.token, self.seen).start()
         self.store.set(StoreKey.LIVENESS_PORT.value, str(self.liveness.port))
+        self._check_slurm_timeouts()
         self.isolator = Isolator(self.launcher, self.events.emit, self.cfg.recovery, job_id=self.job_id, say=self._say)
         self.checker = SpareChecker(
             self.launcher.run_check,
             lambda node: health_argv(self.cfg, job_id=self.job_id, job_dir=self.job_dir, node=node),
             self.cfg.recovery.health_check_timeout_s)
+
+    def _check_slurm_timeouts(self) -> None:
+        """SlurmdTimeout and KillWait are the site's: a warning line each, never fatal."""
+        if not hasattr(self.launcher, "slurm_timeouts"):
+            return  # no Slurm (local mode)
+        try:
+            slurmd, kill_wait = self.launcher.slurm_timeouts()
+        except SlurmCommandError as exc:
+            log.warning("scontrol show config failed: %s", exc)
+            return
+        for line in slurm_warnings(self.cfg, slurmd_timeout_s=slurmd, kill_wait_s=kill_wait):
+            self._say(f"warning: {line}")
 
     def run(self) -> int:
         """Run the job to its end. Returns the exit code (0 done, 3 failed, 4 requeued)."""

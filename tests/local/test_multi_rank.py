@@ -10,9 +10,9 @@ import pytest
 from .localjob import INJECT_AFTER, LocalJob, assert_same_training, final_state, rank_digests
 
 G = 2
-# 6 ranks + 2 standbys on a 2-core box: a starved heartbeat thread must not read as a hang
-# in tests about placement (see tests/e2e/test_multi_rank_slurm.py)
-SLOW_BOX = {"heartbeat_timeout_s": 8, "standby_heartbeat_timeout_s": 16}
+# 6 ranks + 2 standbys on a 2-core box: a starved heartbeat thread is only a suspect now
+# (each rank's pulse process vouches for it, supervisor/progress.py), so the defaults hold.
+SLOW_BOX: dict = {}
 
 
 @pytest.fixture(scope="module")

@@ -73,3 +73,10 @@ def test_slurm_timeouts_are_checked_against_detection_and_the_online_deadline():
     lines = slurm_warnings(cfg, slurmd_timeout_s=2, kill_wait_s=30)
     assert lines[0].startswith("SlurmdTimeout=2 is not above detect.heartbeat_timeout_s=2")
     assert lines[1].startswith("KillWait=30 is not below recovery.online_timeout_s=30")
+
+
+def test_slurm_config_durations_are_parsed():
+    from slurm_resilience.slurm.parse import config_seconds
+
+    assert config_seconds("5 sec") == 5.0 and config_seconds("300 sec") == 300.0
+    assert config_seconds(None) is None and config_seconds("(null)") is None and config_seconds("INFINITE") is None
