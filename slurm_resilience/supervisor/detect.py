@@ -46,10 +46,11 @@ class Pulse:
 
     t: float
     progress: int
-    waiting: bool
+    waiting: bool  # in a bounded wait on its peers or on a plan
     step: int
     state: str  # /proc/PID/stat state letter: R, S, D, T (stopped), ...
     cpu: int  # utime + stime, clock ticks
+    busy: bool = False  # in the toolkit's own checkpoint I/O (a restore, a final save)
 
 
 class LivenessServer:
@@ -150,8 +151,10 @@ class LivenessServer:
                 if msg.get("gone"):
                     self._out.put(Observation("closed", wid, node, time.time(), pid, detail="pulse: process gone"))
                     continue
-                pulse = Pulse(t=time.time(), progress=int(msg["progress"]), waiting=bool(msg["waiting"]),
-                              step=int(msg["step"]), state=str(msg["state"])[:1], cpu=int(msg["cpu"]))
+                phase = int(msg["waiting"])  # worker/pulse.py: 0 computing, 1 waiting, 2 busy
+                pulse = Pulse(t=time.time(), progress=int(msg["progress"]), waiting=phase == 1,
+                              step=int(msg["step"]), state=str(msg["state"])[:1], cpu=int(msg["cpu"]),
+                              busy=phase == 2)
             except (ValueError, KeyError, TypeError, AttributeError):
                 continue  # a torn or foreign line: the next one will do
             with self._lock:

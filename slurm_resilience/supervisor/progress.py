@@ -14,6 +14,8 @@ A stale heartbeat alone is only a *suspect* (reported, not acted on); a rank is
 pulse                       progress / process state           heartbeat    verdict
 ==========================  =================================  ===========  ==========
 fresh                       stopped (state T)                  stale        HUNG
+fresh                       in checkpoint I/O, no progress     any          SLOW after
+                            > soft                                          soft, never hung
 fresh                       no progress > hard, not waiting    any          HUNG
 fresh                       no progress > hard, waiting        any          WAITING¹
 fresh                       no progress > soft                 any          SLOW
@@ -73,6 +75,7 @@ class Signs:
     pulse_age: float | None = None
     state: str | None = None
     waiting: bool = False
+    busy: bool = False  # in the toolkit's own checkpoint I/O: not a step, no step timeout
     stalled_s: float = 0.0  # since the progress counter last changed
 
 
@@ -99,6 +102,9 @@ def assess(signs: Mapping[str, Signs], t: Timeouts) -> dict[str, tuple[Verdict, 
         if s.pulse_age is not None and s.pulse_age <= t.stale_s:
             if s.state == "T" and hb_stale:
                 out[wid] = (Verdict.HUNG, f"process stopped (state T), heartbeat stale for {s.hb_age:.1f} s")
+            elif s.busy:
+                out[wid] = ((Verdict.SLOW, f"in checkpoint I/O for {s.stalled_s:.1f} s (soft timeout "
+                                           f"{t.soft_s:.1f} s)") if s.stalled_s > t.soft_s else (Verdict.OK, ""))
             elif s.stalled_s > t.hard_s:
                 past_hard.append(wid)
             elif s.stalled_s > t.soft_s:
@@ -162,7 +168,7 @@ class ProgressWatch:
             if paused or last is None or last[0] != p.progress:
                 self._moved[wid] = last = (p.progress, now)
             signs[wid] = Signs(hb_age=now - t, pulse_age=now - p.t, state=p.state, waiting=p.waiting,
-                               stalled_s=now - last[1])
+                               busy=p.busy, stalled_s=now - last[1])
         new = assess(signs, self.timeouts())
         changes = []
         for wid, (verdict, why) in new.items():

@@ -20,7 +20,7 @@ import sys
 import tempfile
 from typing import Iterator
 
-from .pulse import LAYOUT, PAGE, read_board
+from .pulse import BUSY, COMPUTING, LAYOUT, PAGE, WAITING, read_board
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +28,7 @@ PULSE_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "pulse.p
 
 
 class ProgressBoard:
-    """One page: progress counter, waiting flag, liveness port, completed steps.
+    """One page: progress counter, phase (computing, waiting, busy), liveness port, completed steps.
 
     Only the main thread writes ``progress``/``waiting``/``step``; the heartbeat thread
     writes ``port`` (after a supervisor restart). Each field is one aligned store.
@@ -42,7 +42,7 @@ class ProgressBoard:
         self._page = mmap.mmap(self.fd, PAGE)
         LAYOUT.pack_into(self._page, 0, 0, 0, port, 0)
         self._progress = 0
-        self._waiting = 0
+        self._phases: list[int] = []  # nested phases; the page shows the innermost
 
     def bump(self, step: int | None = None) -> None:
         """The main thread moved on (a step completed, a phase began or ended)."""
@@ -51,18 +51,26 @@ class ProgressBoard:
         if step is not None:
             self._page[16:24] = int(step).to_bytes(8, "little")
 
-    @contextlib.contextmanager
-    def waiting(self) -> Iterator[None]:
+    def waiting(self) -> contextlib.AbstractContextManager[None]:
         """The main thread waits on its peers (a collective, a join) or on a plan: a stall
-        inside is not this rank's fault. Nested waits keep the flag set."""
-        self._waiting += 1
-        self._page[8:12] = (1).to_bytes(4, "little")
+        inside is not this rank's fault."""
+        return self._phase(WAITING)
+
+    def busy(self) -> contextlib.AbstractContextManager[None]:
+        """The main thread is in the toolkit's own checkpoint I/O (a restore from the tiers,
+        a final or preemption save): no step timeout applies, it is not a step."""
+        return self._phase(BUSY)
+
+    @contextlib.contextmanager
+    def _phase(self, code: int) -> Iterator[None]:
+        self._phases.append(code)
+        self._page[8:12] = code.to_bytes(4, "little")
+        self.bump()
         try:
             yield
         finally:
-            self._waiting -= 1
-            if not self._waiting:
-                self._page[8:12] = (0).to_bytes(4, "little")
+            self._phases.pop()
+            self._page[8:12] = (self._phases[-1] if self._phases else COMPUTING).to_bytes(4, "little")
             self.bump()
 
     def set_port(self, port: int) -> None:

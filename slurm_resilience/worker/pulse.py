@@ -9,8 +9,9 @@ token (read from stdin, never argv). Every ``period`` seconds it sends one JSON 
     {"progress": 41, "waiting": 0, "step": 12, "state": "S", "cpu": 1234, "t": 1.7e9}
 
 ``progress`` is the counter the rank's main thread bumps at every completed step and
-phase, ``waiting`` says the main thread is in a bounded wait on its peers or on the
-supervisor's plan, ``state`` and ``cpu`` (utime + stime ticks) come from
+phase, ``waiting`` says what the main thread is in: 0 the user's code, 1 a bounded
+wait on its peers or on the supervisor's plan, 2 the toolkit's own checkpoint I/O
+(a restore, a final save), ``state`` and ``cpu`` (utime + stime ticks) come from
 ``/proc/PID/stat``. Nothing here needs the rank's GIL or its CPU share: a rank whose
 main thread holds the GIL, or whose threads the scheduler starves, still has a
 pulse; a rank whose process is gone is reported at once (``pidfd`` turns readable
@@ -32,6 +33,7 @@ import sys
 import time
 
 # The shared page (little-endian): progress u64, waiting u32, liveness port u32, step u64.
+COMPUTING, WAITING, BUSY = 0, 1, 2  # values of ``waiting``
 LAYOUT = struct.Struct("<QIIQ")
 PAGE = 4096
 

@@ -198,10 +198,11 @@ class Session:
         while True:
             try:
                 if p.sync.needed(self.generation):
-                    p.sync.sync(self._group, p.members.plan)
-                    p.safepoint.restored()  # MTTR ends at the first step after any restore
-                    if p.members.plan.action is PlanAction.PERSIST:
-                        p.endings.persist()
+                    with p.heartbeat.progress.busy():  # checkpoint I/O: no step timeout (watchdog)
+                        p.sync.sync(self._group, p.members.plan)
+                        p.safepoint.restored()  # MTTR ends at the first step after any restore
+                        if p.members.plan.action is PlanAction.PERSIST:
+                            p.endings.persist()
                 if self._state.step >= total_steps:
                     self._group.barrier()
                     break
@@ -216,13 +217,15 @@ class Session:
                 self._recover(step.aborted)
                 continue
             try:
-                newer = p.safepoint.complete(step.consumed, self._group, p.members.newer_plan)
+                with p.heartbeat.progress.busy():
+                    newer = p.safepoint.complete(step.consumed, self._group, p.members.newer_plan)
             except StepAborted as exc:  # a fault interrupted the checkpoint agreement
                 self._recover(exc)
                 continue
             if newer:  # safe point: stop here and re-form (fencing included)
                 self._recover(StepAborted("stopped at a safe point for a new generation"))
-        p.endings.finish(self._group)
+        with p.heartbeat.progress.busy():
+            p.endings.finish(self._group)
 
     def all_reduce_gradients(self, *modules: torch.nn.Module) -> None:
         """Collective: average gradients over ranks (one flat SUM, deterministic order)."""

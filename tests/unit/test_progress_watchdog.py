@@ -124,3 +124,13 @@ def test_decide_recovers_a_confirmed_hang_with_the_watchdogs_evidence():
     fault = of(acts, m.Emit)[0].fields["fault"]
     assert fault["kind"] == FaultKind.PROCESS_HUNG.value and fault["detail"].startswith(why)
     assert of(acts, m.Kill) and state.recovery.level == "online"
+
+
+def test_checkpoint_io_is_never_a_hang_only_slow():
+    busy = dict(hb_age=0.3, pulse_age=0.2, state="D", busy=True)
+    assert verdict(stalled_s=5.0, **busy) is Verdict.OK
+    assert verdict(stalled_s=12.0, **busy) is Verdict.SLOW
+    assert verdict(stalled_s=500.0, **busy) is Verdict.SLOW
+    signs = {w: Signs(stalled_s=500.0, **busy) for w in "ab"}  # a long final save on every rank
+    assert {v for v, _ in assess(signs, T).values()} == {Verdict.SLOW}
+    assert verdict(hb_age=3.0, pulse_age=0.2, state="T", busy=True, stalled_s=3.0) is Verdict.HUNG  # stopped

@@ -106,3 +106,20 @@ def test_torn_and_foreign_lines_are_skipped(server):
         _until(lambda: srv.pulses()["w2"].progress == 4)
     time.sleep(0.2)
     assert not [o for o in _drain(out) if o.kind in ("connected", "closed")]
+
+
+def test_the_page_shows_the_innermost_phase():
+    from slurm_resilience.worker.progress import ProgressBoard
+
+    board = ProgressBoard(port=1234)
+    assert board.read() == (0, 0, 1234, 0)
+    with board.busy():
+        assert board.read()[1] == 2
+        with board.waiting():  # a collective inside a checkpoint agreement
+            assert board.read()[1] == 1
+        assert board.read()[1] == 2
+    progress, phase, port, _ = board.read()
+    assert phase == 0 and port == 1234 and progress == 4  # each phase change is progress
+    board.bump(step=9)
+    board.set_port(4321)
+    assert board.read() == (5, 0, 4321, 9)
