@@ -20,9 +20,13 @@ fresh                       no progress > hard, not waiting    any          HUNG
 fresh                       no progress > hard, waiting        any          WAITING¹
 fresh                       no progress > soft                 any          SLOW
 fresh                       advancing                          stale        SUSPECT
-stale or none               any                                stale        SILENT²
-stale                       any                                fresh        SUSPECT
+older than vouch, or none   any                                stale        SILENT²
+older than the stale time   any                                fresh        SUSPECT
 ==========================  =================================  ===========  ==========
+
+"fresh" for a pulse is younger than ``Timeouts.vouch_s`` (4 heartbeat periods, at
+least 1 s, at most the heartbeat timeout): on a frozen node the pulse and the
+heartbeat stop together, so the pulse is long silent when the heartbeat turns stale.
 
 ¹ blocked on a peer: not its fault. When every rank past the hard timeout waits
   (a collective that never returns anywhere), they are all HUNG.
@@ -81,16 +85,26 @@ class Signs:
 
 @dataclasses.dataclass(frozen=True)
 class Timeouts:
+    """``stale_s``: heartbeat timeout; ``soft_s``/``hard_s``: step timeouts; ``pulse_s``: a pulse
+    older than this no longer vouches for a rank whose heartbeat is stale (shorter than
+    ``stale_s``, so a frozen node, where both stop together, is not detected later)."""
+
     stale_s: float
     soft_s: float
     hard_s: float
+    pulse_s: float | None = None  # None: stale_s
+
+    @property
+    def vouch_s(self) -> float:
+        return self.stale_s if self.pulse_s is None else self.pulse_s
 
 
 def derive_timeouts(step_times: Sequence[float], *, stale_s: float, soft_s: float, hard_s: float,
-                    factor: float) -> Timeouts:
+                    factor: float, pulse_s: float | None = None) -> Timeouts:
     """Pure: the step timeouts for the recent step times (the floors while none is known)."""
     longest = max(step_times, default=0.0)
-    return Timeouts(stale_s=stale_s, soft_s=max(soft_s, factor / 2 * longest), hard_s=max(hard_s, factor * longest))
+    return Timeouts(stale_s=stale_s, soft_s=max(soft_s, factor / 2 * longest), hard_s=max(hard_s, factor * longest),
+                    pulse_s=pulse_s)
 
 
 def assess(signs: Mapping[str, Signs], t: Timeouts) -> dict[str, tuple[Verdict, str]]:
@@ -99,7 +113,7 @@ def assess(signs: Mapping[str, Signs], t: Timeouts) -> dict[str, tuple[Verdict, 
     past_hard: list[str] = []
     for wid, s in signs.items():
         hb_stale = s.hb_age > t.stale_s
-        if s.pulse_age is not None and s.pulse_age <= t.stale_s:
+        if s.pulse_age is not None and s.pulse_age <= t.vouch_s:
             if s.state == "T" and hb_stale:
                 out[wid] = (Verdict.HUNG, f"process stopped (state T), heartbeat stale for {s.hb_age:.1f} s")
             elif s.busy:
@@ -119,7 +133,7 @@ def assess(signs: Mapping[str, Signs], t: Timeouts) -> dict[str, tuple[Verdict, 
         elif hb_stale:
             what = "no pulse" if s.pulse_age is None else f"pulse silent for {s.pulse_age:.1f} s"
             out[wid] = (Verdict.SILENT, f"heartbeat stale for {s.hb_age:.1f} s and {what}")
-        elif s.pulse_age is not None:
+        elif s.pulse_age is not None and s.pulse_age > t.stale_s:
             out[wid] = (Verdict.SUSPECT, f"pulse silent for {s.pulse_age:.1f} s, heartbeat fresh")
         else:
             out[wid] = (Verdict.OK, "")
@@ -141,8 +155,9 @@ class ProgressWatch:
     """The watchdog's bookkeeping (when each counter last moved, recent step times);
     the verdicts are :func:`assess`'s. ``now`` is given: testable with a fake clock."""
 
-    def __init__(self, *, stale_s: float, soft_s: float, hard_s: float, factor: float, window: int = 20) -> None:
-        self._floors = dict(stale_s=stale_s, soft_s=soft_s, hard_s=hard_s, factor=factor)
+    def __init__(self, *, stale_s: float, soft_s: float, hard_s: float, factor: float, pulse_s: float | None = None,
+                 window: int = 20) -> None:
+        self._floors = dict(stale_s=stale_s, soft_s=soft_s, hard_s=hard_s, factor=factor, pulse_s=pulse_s)
         self._moved: dict[str, tuple[int, float]] = {}  # worker → (progress, when it changed)
         self._stepped: dict[str, tuple[int, float]] = {}  # worker → (step, when it was first seen)
         self._times: collections.deque[float] = collections.deque(maxlen=window)

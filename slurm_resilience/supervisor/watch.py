@@ -46,8 +46,11 @@ class Watch:
         self.cfg, self.store, self.seen, self.launcher = cfg, store, seen, launcher
         self.pulses = pulses
         d = cfg.detect
+        # A pulse vouches for a stale heartbeat while it is at most 4 periods (>= 1 s) old: on a
+        # frozen node both stop together, and the node must not be found later than before.
         self.progress = ProgressWatch(stale_s=d.heartbeat_timeout_s, soft_s=d.progress_soft_s,
-                                      hard_s=d.progress_hard_s, factor=d.progress_factor)
+                                      hard_s=d.progress_hard_s, factor=d.progress_factor,
+                                      pulse_s=min(d.heartbeat_timeout_s, max(4 * d.heartbeat_period_s, 1.0)))
         self.handles, self.events, self.preempted = handles, events, preempted
         self.events_seen = events_seen
         self.steps: dict[str, int] = {}  # last step per worker (heartbeats), for the status

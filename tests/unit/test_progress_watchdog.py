@@ -134,3 +134,14 @@ def test_checkpoint_io_is_never_a_hang_only_slow():
     signs = {w: Signs(stalled_s=500.0, **busy) for w in "ab"}  # a long final save on every rank
     assert {v for v, _ in assess(signs, T).values()} == {Verdict.SLOW}
     assert verdict(hb_age=3.0, pulse_age=0.2, state="T", busy=True, stalled_s=3.0) is Verdict.HUNG  # stopped
+
+
+def test_a_frozen_node_is_silent_as_soon_as_its_heartbeat_is_stale():
+    t = Timeouts(stale_s=2.0, soft_s=10.0, hard_s=20.0, pulse_s=1.0)
+    # both stopped together at the freeze: the last pulse is as old as the last beat
+    got = assess({"w": Signs(hb_age=2.05, pulse_age=2.0, state="S", stalled_s=2.0)}, t)["w"]
+    assert got[0] is Verdict.SILENT
+    # a starved heartbeat thread: the pulse (its own process) is recent
+    assert assess({"w": Signs(hb_age=2.05, pulse_age=0.3, state="R", stalled_s=2.0)}, t)["w"][0] is Verdict.SUSPECT
+    # a pulse a little late with a fresh heartbeat is nothing
+    assert assess({"w": Signs(hb_age=0.2, pulse_age=1.5, state="S")}, t)["w"][0] is Verdict.OK
