@@ -28,8 +28,8 @@ older than the stale time   any                                fresh        SUSP
 least 1 s, at most the heartbeat timeout): on a frozen node the pulse and the
 heartbeat stop together, so the pulse is long silent when the heartbeat turns stale.
 
-¹ blocked on a peer: not its fault. When every rank past the hard timeout waits
-  (a collective that never returns anywhere), they are all HUNG.
+¹ blocked on a peer: not its fault. When every rank with a fresh pulse is past the
+  hard timeout and waits (a collective that never returns anywhere), all are HUNG.
 ² no sign of life at all: the old heartbeat path (the executor probes the node:
   unreachable → node lost, else process hung), so a frozen node costs no more
   than the heartbeat timeout.
@@ -138,9 +138,14 @@ def assess(signs: Mapping[str, Signs], t: Timeouts) -> dict[str, tuple[Verdict, 
         else:
             out[wid] = (Verdict.OK, "")
     culprits = [w for w in past_hard if not signs[w].waiting]
+    # "Every rank waits" needs every rank with a fresh pulse past the hard timeout: the culprit
+    # may have moved last (it completed the previous step after its peers entered the next
+    # collective) and cross the timeout a moment after them.
+    everyone = not culprits and all(w in past_hard for w in signs
+                                    if signs[w].pulse_age is not None and signs[w].pulse_age <= t.vouch_s)
     for wid in past_hard:
         s = signs[wid]
-        if culprits and s.waiting:
+        if (culprits and s.waiting) or not (culprits or everyone):
             out[wid] = (Verdict.WAITING, f"no progress for {s.stalled_s:.1f} s, waiting on its peers")
         elif culprits:
             out[wid] = (Verdict.HUNG, f"no progress for {s.stalled_s:.1f} s (hard timeout {t.hard_s:.1f} s) "

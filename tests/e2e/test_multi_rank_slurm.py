@@ -20,15 +20,17 @@ pytestmark = [pytest.mark.slurm, pytest.mark.timeout(420)]
 
 G = 2
 KILL_AT = 12
-# 4 nodes x 2 ranks + 2 standbys + the supervisor: 11 torch processes on this 2-core box,
-# with the default 2 s heartbeat timeout. A rank's heartbeat thread starved of the CPU (or
-# the GIL) was declared hung in CI while healthy; now a stale heartbeat with a fresh pulse
-# is only a suspect (supervisor/progress.py), so these tests no longer need 8 s.
+# 4 nodes x 2 ranks + 2 standbys + the supervisor: 11 torch processes on this 2-core box.
+# With the 2 s default a rank's heartbeat thread, starved of the CPU (and the GIL), was
+# declared hung in CI while healthy (a false alarm the toolkit does not yet tell from a
+# real hang: issue "Faults as clusters really have them"). These tests are about where
+# ranks go, not about detection speed, so they give heartbeats 8 s on this box.
+DETECT = "detect:\n  heartbeat_timeout_s: 8\n  standby_heartbeat_timeout_s: 16\n"
 
 
 def _cfg(tmp_path, name, text=None):
     cfg = tmp_path / f"{name}.yaml"
-    cfg.write_text(text if text is not None else lab.LOCAL_CONFIG.read_text())
+    cfg.write_text((text if text is not None else lab.LOCAL_CONFIG.read_text()) + DETECT)
     return cfg
 
 

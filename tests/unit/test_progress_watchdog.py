@@ -145,3 +145,16 @@ def test_a_frozen_node_is_silent_as_soon_as_its_heartbeat_is_stale():
     assert assess({"w": Signs(hb_age=2.05, pulse_age=0.3, state="R", stalled_s=2.0)}, t)["w"][0] is Verdict.SUSPECT
     # a pulse a little late with a fresh heartbeat is nothing
     assert assess({"w": Signs(hb_age=0.2, pulse_age=1.5, state="S")}, t)["w"][0] is Verdict.OK
+
+
+def test_peers_past_the_timeout_wait_for_a_culprit_that_moved_last():
+    """The blocked rank completed its last step after its peers entered the next collective
+    (a loaded box): they cross the hard timeout first, and must not be taken for it."""
+    signs = {"a": Signs(hb_age=0.2, pulse_age=0.1, state="S", stalled_s=21, waiting=True),
+             "b": Signs(hb_age=0.2, pulse_age=0.1, state="S", stalled_s=19.8, waiting=False),
+             "c": Signs(hb_age=0.2, pulse_age=0.1, state="S", stalled_s=21, waiting=True)}
+    got = {w: v for w, (v, _) in assess(signs, T).items()}
+    assert got == {"a": Verdict.WAITING, "b": Verdict.SLOW, "c": Verdict.WAITING}
+    signs["b"] = Signs(hb_age=0.2, pulse_age=0.1, state="S", stalled_s=20.1, waiting=False)
+    got = {w: v for w, (v, _) in assess(signs, T).items()}
+    assert got == {"a": Verdict.WAITING, "b": Verdict.HUNG, "c": Verdict.WAITING}
