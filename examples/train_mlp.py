@@ -5,7 +5,9 @@ construction: data chosen by global sample index, SUM all-reduce, one thread.
 """
 
 import argparse
+import ctypes
 import os
+import threading
 import time
 
 import torch
@@ -30,7 +32,12 @@ def main() -> None:
     ap.add_argument("--step-time", type=float, default=0.05, help="extra seconds per step (emulated compute)")
     ap.add_argument("--slow-node", default="", help="tests: emulate a slow device on this node")
     ap.add_argument("--slow-ms", type=float, default=0.0)
+    ap.add_argument("--block-node", default="", help="tests: the first process on this node blocks forever")
+    ap.add_argument("--gil-node", default="", help="tests: the first process on this node holds the GIL")
+    ap.add_argument("--fault-at", type=int, default=8, help="tests: ... at this step")
+    ap.add_argument("--gil-s", type=float, default=3.0, help="tests: ... for this long")
     args = ap.parse_args()
+    first = os.environ.get("SR_GENERATION") == "0"  # a restarted rank does not repeat the fault
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -54,6 +61,9 @@ def main() -> None:
                 loss.backward()
                 if args.slow_node and os.environ.get("SR_NODE") == args.slow_node:
                     time.sleep(args.slow_ms / 1000)  # a straggler: slower compute, same math
+                if first and step.index == args.fault_at and os.environ.get("SR_NODE") in (args.block_node,
+                                                                                            args.gil_node):
+                    _inject(args)
                 session.all_reduce_gradients(model)  # (4) collectives first, update last
                 opt.step()
                 sched.step()
@@ -61,6 +71,19 @@ def main() -> None:
             time.sleep(args.step_time)
             if session.rank == 0 and step.index % 10 == 0:
                 print(f"step {step.index} loss {loss.item():.5f}", flush=True)
+
+
+def _inject(args) -> None:
+    """Tests of the progress watchdog: a main thread that never comes back (its heartbeat
+    thread and process live on), or one that holds the GIL (no other thread runs)."""
+    if os.environ.get("SR_NODE") == args.block_node:
+        lock = threading.Lock()
+        lock.acquire()
+        lock.acquire()  # a deadlock: blocks forever
+    else:
+        # ctypes.PyDLL calls keep the GIL (CDLL would release it): for these seconds
+        # no thread of this interpreter runs, the heartbeat thread included.
+        ctypes.PyDLL(None).usleep(int(args.gil_s * 1e6))
 
 
 if __name__ == "__main__":

@@ -75,6 +75,9 @@ def _load(args):
     site = _site_overrides(cfg, args)
     if site:
         cfg = load_config(args.config, {"job": {**job, **site}})
+    from .config_timeouts import nccl_environ
+
+    nccl_environ(cfg.reconnect, os.environ)  # a user-set NCCL watchdog out of order: refused here, not in the job
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     return cfg, command
 

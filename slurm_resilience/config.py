@@ -55,6 +55,17 @@ class DetectConfig:
             supervisor: the batch host is gone) for this long persists its newest state
             to the shared tier and requeues the job (``worker/headless.py``); 0 turns
             this off (> heartbeat_timeout_s, or 0).
+        pulse: start a pulse process per rank (``worker/pulse.py``): it reports the rank's
+            process state and progress whatever its interpreter does, so a starved
+            heartbeat is a suspect, not a hang. Off: stale heartbeats alone decide.
+        progress_soft_s: floor of the soft step timeout: a rank without progress this long
+            is reported (``progress_slow``) (> heartbeat_timeout_s).
+        progress_hard_s: floor of the hard step timeout: a rank without progress this long,
+            not waiting on its peers, is hung and recovered (>= progress_soft_s,
+            < reconnect.pg_timeout_s).
+        progress_factor: the timeouts grow with the measured step time: soft =
+            max(progress_soft_s, factor/2 x longest recent step), hard = max(progress_hard_s,
+            factor x longest recent step) (>= 2).
     """
 
     heartbeat_period_s: float = 0.25
@@ -65,8 +76,14 @@ class DetectConfig:
     straggler_threshold: float = 1.5
     straggler_window: int = 8
     headless_timeout_s: float = 30.0
+    pulse: bool = True
+    progress_soft_s: float = 10.0
+    progress_hard_s: float = 20.0
+    progress_factor: float = 10.0
 
     def __post_init__(self) -> None:
+        if self.progress_factor < 2:
+            raise ConfigError(f"detect.progress_factor={self.progress_factor} must be >= 2")
         if not 0 < self.heartbeat_period_s <= 0.5:
             raise ConfigError(
                 f"detect.heartbeat_period_s={self.heartbeat_period_s} must be > 0 and <= 0.5"
@@ -172,12 +189,16 @@ class ReconnectConfig:
         pg_timeout_s: process-group timeout (> 0).
         poll_interval_ms: store polling interval while waiting for peers (> 0).
         gloo_ifname: network interface for gloo (GLOO_SOCKET_IFNAME), or None.
+        nccl_heartbeat_timeout_s: ``TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC`` given to the ranks
+            (unless set in the environment): NCCL's monitor kills a process whose NCCL
+            watchdog is stuck this long (> pg_timeout_s).
     """
 
     backend: str = "auto"
     pg_timeout_s: float = 30.0
     poll_interval_ms: float = 20.0
     gloo_ifname: str | None = None
+    nccl_heartbeat_timeout_s: float = 120.0
 
     def __post_init__(self) -> None:
         if self.backend not in ("auto", "gloo", "nccl"):
@@ -281,6 +302,11 @@ class ResilienceConfig:
     recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
     reconnect: ReconnectConfig = field(default_factory=ReconnectConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    def __post_init__(self) -> None:
+        from .config_timeouts import check_hierarchy
+
+        check_hierarchy(self)  # the order the timeouts must have (docs/timeouts.md)
 
 
 _SECTIONS: dict[str, type] = {

@@ -139,6 +139,12 @@ class EventKind(_Named):
     SPARE_CHECKED = "spare_checked"
     SPARE_CHECK_FAILED = "spare_check_failed"
     EVENT_LOST = "event_lost"
+    SUSPECT = "suspect"
+    """a rank looks late (a stale heartbeat, a silent pulse) but lives: reported, no recovery."""
+    SUSPECT_CLEARED = "suspect_cleared"
+    """a suspected or slow rank is well again."""
+    PROGRESS_SLOW = "progress_slow"
+    """a rank made no progress past the soft step timeout (the hard one recovers it)."""
 
 
 class WorkerEvent(_Named):

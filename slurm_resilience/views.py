@@ -53,10 +53,10 @@ def render_status(st: dict[str, Any], *, rate: float | None, tiers: dict[str, in
         f"throughput {rate:.2f} steps/s" if rate is not None else "throughput -",
         "checkpoints: " + (", ".join(f"{t} step {s}" for t, s in sorted(tiers.items())) or "none yet"),
         "fault retries left (restarts in place, per job): " + ("-" if budget is None else str(budget - used)),
-        f"{'rank':>6}  {'node':<10} {'pid':>8} {'step':>7}",
+        f"{'rank':>6}  {'node':<10} {'pid':>8} {'step':>7}  liveness",
     ]
-    for r in st["ranks"]:
-        lines.append(f"{r['rank']:>6}  {r['node']:<10} {str(r['pid']):>8} {r['step']:>7}")
+    for r in st["ranks"]:  # liveness: the watchdog's verdict (docs/timeouts.md); '-' in older files
+        lines.append(f"{r['rank']:>6}  {r['node']:<10} {str(r['pid']):>8} {r['step']:>7}  {r.get('liveness', '-')}")
     spare_nodes = list(dict.fromkeys(s["node"] for s in st["spares"]))  # G standbys per spare node
     lines.append(f"spares left: {len(spare_nodes)}" + ("  (" + ", ".join(spare_nodes) + ")" if spare_nodes else ""))
     if st.get("excluded"):

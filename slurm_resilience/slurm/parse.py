@@ -338,3 +338,10 @@ def parse_sbatch_job_id(stdout: str) -> str:
     if not re.fullmatch(r"\d+(_\d+)?", job_id):
         raise ValueError(f"cannot parse job id from sbatch output {stdout.strip()!r}")
     return job_id
+
+
+def config_seconds(value: str | None) -> float | None:
+    """Pure: a duration from ``scontrol show config`` (``5 sec``) in seconds; None when absent
+    or in another form."""
+    m = re.fullmatch(r"\s*(\d+)\s*sec\s*", value or "")
+    return float(m.group(1)) if m else None

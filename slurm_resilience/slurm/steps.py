@@ -26,7 +26,7 @@ from typing import Mapping, Sequence
 
 from ..errors import RecoveryError
 from . import commands
-from .parse import expand_hostlist, validate_node_name
+from .parse import config_seconds, expand_hostlist, validate_node_name
 from .rights import uses_slurmdbd
 
 log = logging.getLogger(__name__)
@@ -228,6 +228,15 @@ class SrunLauncher:
         if self._slurm_config is None:
             self._slurm_config = commands.slurm_config()
         return self._slurm_config
+
+    def slurm_timeouts(self) -> tuple[float | None, float | None]:
+        """(SlurmdTimeout, KillWait) in seconds (None: not known); see ``config_timeouts``.
+
+        Raises:
+            SlurmCommandError: ``scontrol show config`` failed.
+        """
+        cfg = self._config()
+        return config_seconds(cfg.get("SlurmdTimeout")), config_seconds(cfg.get("KillWait"))
 
     def _may_shrink(self) -> bool:
         try:

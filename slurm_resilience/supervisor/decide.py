@@ -11,7 +11,8 @@
                       ├─ Preempted        persist at one step, requeue
                       ├─ NodeBack         scale back out (standbys and a health check first)
                       ├─ SpareChecked     healthy spares only (spares.py)
-                      └─ Straggler        report; migrate to a spare if configured
+                      ├─ Straggler        report; migrate to a spare if configured
+                      └─ LivenessChange   the watchdog's suspects and slow ranks: report only
 
 No I/O and no clock (``now`` is given): executors (``online.py`` for ``Session``
 programs, ``relaunch.py`` for unmodified ones) gather observations and carry the
@@ -29,7 +30,7 @@ from ..protocol import EventKind, Plan, PlanAction, Role, WorkerEvent
 from . import recover, spares
 from .messages import (
     Action, AllDone, Connected, DrainEvents, Exit, Isolate, Kill, NodeBack, Observation, Preempted, Published, Reap,
-    Relaunch, Say, ShutDownStandbys, SpareChecked, Start, StepFaults, Straggler, Suspects, Tick, WorkerMark, emit,
+    LivenessChange, Relaunch, Say, ShutDownStandbys, SpareChecked, Start, StepFaults, Straggler, Suspects, Tick, WorkerMark, emit,
 )
 from .plans import EXIT_FAILED, EXIT_OK, EXIT_REQUEUED, Decision, launch, launch_standbys, move, publish, requeue
 from .ranktable import initial_table
@@ -68,6 +69,8 @@ def decide(state: SupervisorState, obs: Observation, now: float, policy: Policy)
         return _node_back(state, obs)
     if isinstance(obs, Straggler):
         return recover.on_straggler(state, obs, now, policy)
+    if isinstance(obs, LivenessChange):
+        return _liveness(state, obs)
     raise TypeError(f"not an observation: {obs!r}")
 
 
@@ -208,3 +211,20 @@ def _spare_checked(state: SupervisorState, obs: SpareChecked, now: float, policy
         state = dataclasses.replace(state, excluded=state.excluded | {obs.node})
         acts.append(Isolate(obs.node, "DRAIN", f"slurm_resilience job {state.job_id}: health check: {obs.reason}"))
     return state, acts
+
+
+_LIVENESS_EVENTS = {"suspect": EventKind.SUSPECT, "slow": EventKind.PROGRESS_SLOW, "ok": EventKind.SUSPECT_CLEARED}
+
+
+def _liveness(state: SupervisorState, obs: LivenessChange) -> Decision:
+    """A suspect is an event and a line, never a recovery (the watchdog confirms hangs)."""
+    kind = _LIVENESS_EVENTS.get(obs.new)
+    if kind is None or not state.watched(obs.worker_id) or (obs.new == "ok" and obs.old == "waiting"):
+        return state, []
+    slot = state.slot_of(obs.worker_id)
+    who = f"rank {slot.rank}" if slot else f"worker {obs.worker_id}"
+    fields = dict(worker_id=obs.worker_id, rank=slot.rank if slot else None, node=state.workers[obs.worker_id].node,
+                  t=obs.t, previous=obs.old)
+    if kind is EventKind.SUSPECT_CLEARED:
+        return state, [emit(kind, **fields), Say(f"{who} is well again (was {obs.old})")]
+    return state, [emit(kind, evidence=obs.evidence, **fields), Say(f"{who} {obs.new}: {obs.evidence}")]

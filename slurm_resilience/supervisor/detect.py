@@ -1,8 +1,11 @@
 """Detect: turn signs of life (or their absence) into observations.
 
-Three sources, fastest first:
+Four sources, fastest first:
 * the liveness socket — a worker's TCP connection closes the moment its process
   dies (the kernel closes it), so a killed rank is seen within milliseconds;
+* the pulse — a small process per rank (``worker/pulse.py``) sends the rank's
+  process state and progress counter over the same socket, whatever the rank's
+  interpreter is doing (the watchdog, ``progress.py``, weighs it);
 * the job step — ``srun`` returns when the step's task ends;
 * heartbeats in the store — stale after ``heartbeat_timeout_s``: hung processes and
   nodes that vanish without closing anything.
@@ -37,8 +40,22 @@ class Observation:
     detail: str = ""
 
 
+@dataclasses.dataclass(frozen=True)
+class Pulse:
+    """The newest line of a rank's pulse process (``worker/pulse.py``), received at ``t``."""
+
+    t: float
+    progress: int
+    waiting: bool  # in a bounded wait on its peers or on a plan
+    step: int
+    state: str  # /proc/PID/stat state letter: R, S, D, T (stopped), ...
+    cpu: int  # utime + stime, clock ticks
+    busy: bool = False  # in the toolkit's own checkpoint I/O (a restore, a final save)
+
+
 class LivenessServer:
-    """Accepts one token-checked connection per worker and reports when it closes."""
+    """Accepts token-checked connections: one per worker, which reports when it closes,
+    and one per rank's pulse process, whose newest line is kept (:meth:`pulses`)."""
 
     def __init__(self, host: str, token: str, out: "queue.Queue[Observation]") -> None:
         self._token = token.encode()
@@ -50,6 +67,8 @@ class LivenessServer:
         self._sel.register(self._listener, selectors.EVENT_READ, None)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="sr-liveness", daemon=True)
+        self._lock = threading.Lock()
+        self._pulses: dict[str, Pulse] = {}
         self.rejected = 0
 
     def start(self) -> "LivenessServer":
@@ -88,18 +107,21 @@ class LivenessServer:
         if not data:
             self._sel.unregister(conn)
             conn.close()
-            if state["who"] is not None:
+            if state["who"] is not None and not state.get("pulse"):  # a pulse's end is not the rank's
                 wid, node, pid = state["who"]
                 self._out.put(Observation("closed", wid, node, time.time(), pid))
             return
-        if state["who"] is not None:
-            return  # nothing is expected after the hello
+        if state["who"] is not None and not state.get("pulse"):
+            return  # nothing is expected from a rank after the hello
         state["buf"] += data
+        if state["who"] is not None:
+            self._pulse_lines(state)
+            return
         if b"\n" not in state["buf"]:
             if len(state["buf"]) > 4096:
                 self._reject(conn, "oversized hello")
             return
-        line = state["buf"].split(b"\n", 1)[0]
+        line, state["buf"] = state["buf"].split(b"\n", 1)
         try:
             hello = json.loads(line)
             ok = hmac.compare_digest(str(hello["token"]).encode(), self._token)
@@ -110,8 +132,38 @@ class LivenessServer:
             self._reject(conn, "bad token or malformed hello")
             return
         state["who"] = who
+        if hello.get("pulse"):  # the rank's pulse process (worker/pulse.py): lines follow
+            state["pulse"] = True
+            self._pulse_lines(state)
+            return
         self._out.put(Observation("connected", state["who"][0], state["who"][1],
                                   time.time(), state["who"][2]))
+
+    def _pulse_lines(self, state: dict) -> None:
+        """Keep the newest pulse of a worker; a pulse saying its rank is gone is a close."""
+        *lines, state["buf"] = state["buf"].split(b"\n")
+        if len(state["buf"]) > 4096:
+            state["buf"] = b""  # never a line this long: drop it
+        wid, node, pid = state["who"]
+        for line in lines:
+            try:
+                msg = json.loads(line)
+                if msg.get("gone"):
+                    self._out.put(Observation("closed", wid, node, time.time(), pid, detail="pulse: process gone"))
+                    continue
+                phase = int(msg["waiting"])  # worker/pulse.py: 0 computing, 1 waiting, 2 busy
+                pulse = Pulse(t=time.time(), progress=int(msg["progress"]), waiting=phase == 1,
+                              step=int(msg["step"]), state=str(msg["state"])[:1], cpu=int(msg["cpu"]),
+                              busy=phase == 2)
+            except (ValueError, KeyError, TypeError, AttributeError):
+                continue  # a torn or foreign line: the next one will do
+            with self._lock:
+                self._pulses[wid] = pulse
+
+    def pulses(self) -> dict[str, "Pulse"]:
+        """The newest pulse of each worker (a snapshot)."""
+        with self._lock:
+            return dict(self._pulses)
 
     def _reject(self, conn: socket.socket, why: str) -> None:
         self.rejected += 1

@@ -50,6 +50,7 @@ class Suspect:
     slurmd_reachable: bool | None = None
     still_running: bool = False
     finished: bool = False
+    evidence: str = ""  # the watchdog's reason when it confirmed a hang (progress.py)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,8 +136,20 @@ class Straggler:
     peers_ms: tuple[float, ...]
 
 
+@dataclasses.dataclass(frozen=True)
+class LivenessChange:
+    """The watchdog's verdict on a rank changed (``progress.Verdict`` values: ok, suspect,
+    slow, waiting; hung and silent arrive as :class:`Suspects`). Reported, never acted on."""
+
+    worker_id: str
+    old: str
+    new: str
+    evidence: str
+    t: float
+
+
 Observation = (Start | Connected | Suspects | StepFaults | WorkerMark | Published | Tick | AllDone
-               | Preempted | NodeBack | Straggler | SpareChecked)
+               | Preempted | NodeBack | Straggler | SpareChecked | LivenessChange)
 
 
 # ---------------------------------------------------------------- actions

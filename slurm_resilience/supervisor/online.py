@@ -25,7 +25,8 @@ from typing import Sequence
 import yaml
 
 from ..config import ResilienceConfig, config_to_dict
-from ..errors import ConfigError
+from ..config_timeouts import nccl_environ, slurm_warnings
+from ..errors import ConfigError, SlurmCommandError
 from ..events import EventLog
 from ..files import makedirs_private, write_private
 from ..lifecycle import JobPhase
@@ -74,6 +75,7 @@ class Supervisor:
         self.nodes = list(nodes[:need])
         self.policy = Policy.from_config(config, mode=Mode.ONLINE, can_requeue=hasattr(launcher, "requeue"))
         self.handles: dict[str, StepHandle] = {}
+        self._nccl_env = nccl_environ(config.reconnect, os.environ)  # NCCL's watchdog, unless the user set it
         self._signalled = threading.Event()
         self._t0 = time.time()
         self._last_status = 0.0
@@ -99,11 +101,24 @@ class Supervisor:
         self.seen: queue.Queue = queue.Queue()
         self.liveness = LivenessServer(self.store_host, self.token, self.seen).start()
         self.store.set(StoreKey.LIVENESS_PORT.value, str(self.liveness.port))
+        self._check_slurm_timeouts()
         self.isolator = Isolator(self.launcher, self.events.emit, self.cfg.recovery, job_id=self.job_id, say=self._say)
         self.checker = SpareChecker(
             self.launcher.run_check,
             lambda node: health_argv(self.cfg, job_id=self.job_id, job_dir=self.job_dir, node=node),
             self.cfg.recovery.health_check_timeout_s)
+
+    def _check_slurm_timeouts(self) -> None:
+        """SlurmdTimeout and KillWait are the site's: a warning line each, never fatal."""
+        if not hasattr(self.launcher, "slurm_timeouts"):
+            return  # no Slurm (local mode)
+        try:
+            slurmd, kill_wait = self.launcher.slurm_timeouts()
+        except SlurmCommandError as exc:
+            log.warning("scontrol show config failed: %s", exc)
+            return
+        for line in slurm_warnings(self.cfg, slurmd_timeout_s=slurmd, kill_wait_s=kill_wait):
+            self._say(f"warning: {line}")
 
     def run(self) -> int:
         """Run the job to its end. Returns the exit code (0 done, 3 failed, 4 requeued)."""
@@ -122,7 +137,7 @@ class Supervisor:
             seen, first = 0, [Start()]
         self.watch = Watch(cfg=self.cfg, store=self.store, seen=self.seen, launcher=self.launcher,
                            handles=self.handles, events=self.events, preempted=self._signalled.is_set,
-                           events_seen=seen)
+                           events_seen=seen, pulses=self.liveness.pulses)
         self._install_preempt_handler()
         self.state = state
         self.watcher = NodeWatcher(self.launcher.node_states, lambda: self.state.watched_nodes(),
@@ -216,6 +231,7 @@ class Supervisor:
             store_addr=self.store_host, store_port=self._raw_store.port, liveness_port=self.liveness.port,
             token=self.token, job_dir=self.job_dir, worker_id=a.worker_id, node=a.node, role=a.role,
             generation=a.generation, config_path=self.config_path, job_id=self.job_id).to_environ()
+        env = {**self._nccl_env, **env}
         log_path = os.path.join(self.job_dir, "logs", f"{a.worker_id}.log")
         self.handles[a.worker_id] = self.launcher.launch(
             name=state.workers[a.worker_id].step_name, node=a.node, argv=self.command, env=env, log_path=log_path)
@@ -248,6 +264,8 @@ class Supervisor:
                              endpoints={"host": self.store_host, "store_port": self._raw_store.port,
                                         "liveness_port": self.liveness.port,
                                         "rejected_connections": self.liveness.rejected})
+        for r in status["ranks"]:  # the watchdog's verdict: ok, suspect, slow, waiting, hung, silent
+            r["liveness"] = self.watch.liveness(r["worker_id"])
         write_status(self.job_dir, status)
         write_private(os.path.join(self.job_dir, "metrics.prom"), self.metrics.render(status))
 

@@ -28,6 +28,7 @@ import time
 from typing import Callable, Sequence
 
 from ..config import ResilienceConfig
+from ..config_timeouts import nccl_environ
 from ..errors import ResilienceError, SlurmCommandError
 from ..events import EventLog
 from ..files import makedirs_private
@@ -122,6 +123,7 @@ class RelaunchExecutor:
         self.allocation, self.launcher = list(allocation), launcher
         self.poll_s, self.probe_every_s, self.clock = poll_s, probe_every_s, clock
         self.job_dir = job_dir
+        self._nccl_env = nccl_environ(config.reconnect, os.environ)  # NCCL's watchdog, unless the user set it
         makedirs_private(job_dir)
         self.events = EventLog(os.path.join(job_dir, "events.jsonl"), clock=clock)
         self.isolator = Isolator(launcher, self.events.emit, config.recovery, job_id=job_id)
@@ -202,7 +204,7 @@ class RelaunchExecutor:
         log_path = os.path.join(self.job_dir, f"step-{attempt:03d}.log")
         fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         with os.fdopen(fd, "ab") as log:
-            proc = subprocess.Popen(argv, env={**os.environ, "SR_RESTART": str(attempt)},
+            proc = subprocess.Popen(argv, env={**os.environ, **self._nccl_env, "SR_RESTART": str(attempt)},
                                     stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     start_new_session=True)
         return _Step(name=name, node=master, process=proc)

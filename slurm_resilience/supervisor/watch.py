@@ -2,7 +2,8 @@
 
 Sources, each polled from the loop (none blocks longer than the 20 ms queue wait):
 liveness socket and Slurm node-state thread (``detect.py``, through a queue), the
-workers' job steps, heartbeats in the store (stale → suspect; compute time →
+workers' job steps, heartbeats in the store and the ranks' pulses, weighed by the
+watchdog (``progress.py``: hung → suspect, starved → reported; compute time →
 stragglers), the workers' events in the store (logged; recovery marks), done keys,
 the preemption request, and excluded nodes that may have come back.
 """
@@ -22,8 +23,9 @@ from .classify import node_unhealthy
 from .detect import Observation as Seen, read_heartbeats, stale_workers
 from .launcher import Launcher, StepHandle
 from .messages import (
-    AllDone, Connected, NodeBack, Observation, Preempted, Straggler, Suspect, Suspects, Tick, WorkerMark,
+    AllDone, Connected, LivenessChange, NodeBack, Observation, Preempted, Straggler, Suspect, Suspects, Tick, WorkerMark,
 )
+from .progress import ACTED_ON, ProgressWatch
 from .recover import returning_candidates
 from .state import SupervisorState
 from .straggler import StragglerPolicy, StragglerWatch
@@ -39,8 +41,16 @@ class Watch:
 
     def __init__(self, *, cfg: ResilienceConfig, store, seen: "queue.Queue[Seen]", launcher: Launcher,
                  handles: Mapping[str, StepHandle], events: EventLog, preempted: Callable[[], bool],
-                 events_seen: int = 0) -> None:
+                 events_seen: int = 0, pulses: Callable[[], Mapping[str, Any]] = dict) -> None:
+        """``pulses``: the newest pulse per worker (``LivenessServer.pulses``)."""
         self.cfg, self.store, self.seen, self.launcher = cfg, store, seen, launcher
+        self.pulses = pulses
+        d = cfg.detect
+        # A pulse vouches for a stale heartbeat while it is at most 4 periods (>= 1 s) old: on a
+        # frozen node both stop together, and the node must not be found later than before.
+        self.progress = ProgressWatch(stale_s=d.heartbeat_timeout_s, soft_s=d.progress_soft_s,
+                                      hard_s=d.progress_hard_s, factor=d.progress_factor,
+                                      pulse_s=min(d.heartbeat_timeout_s, max(4 * d.heartbeat_period_s, 1.0)))
         self.handles, self.events, self.preempted = handles, events, preempted
         self.events_seen = events_seen
         self.steps: dict[str, int] = {}  # last step per worker (heartbeats), for the status
@@ -114,13 +124,27 @@ class Watch:
             for rank in self.stragglers.observe(compute):
                 out.append(Straggler(rank, compute[rank], tuple(v for r, v in compute.items() if r != rank)))
         times = {wid: (b["t"] if b else None) for wid, b in beats.items()}
-        ranks_t = {w: t for w, t in times.items() if w in ranks}
-        idle_t = {w: t for w, t in times.items() if w not in ranks}  # warm standbys
-        for group, timeout in ((ranks_t, self.cfg.detect.heartbeat_timeout_s),
-                               (idle_t, self.cfg.detect.standby_heartbeat_timeout_s)):
-            for wid in stale_workers(group, now, timeout, self.connected_at):
+        pulses = self.pulses()
+        # Ranks: the watchdog decides (a stale heartbeat alone is a suspect, not a fault).
+        ranks_t = {w: (t if t is not None else self.connected_at[w]) for w, t in times.items() if w in ranks}
+        changes = self.progress.observe(ranks_t, pulses, now, paused=state.recovery is not None)
+        for wid, (verdict, why) in self.progress.verdicts.items():
+            if verdict in ACTED_ON:
+                suspects.setdefault(wid, {"t": now}).update(heartbeat_stale=True, evidence=why)
+        out += [LivenessChange(wid, old.value, new.value, why, now) for wid, old, new, why in changes
+                if new not in ACTED_ON]
+        # Warm standbys: idle and off the critical path; a fresh pulse of a running process vouches.
+        idle_t = {w: t for w, t in times.items() if w not in ranks}
+        for wid in stale_workers(idle_t, now, self.cfg.detect.standby_heartbeat_timeout_s, self.connected_at):
+            p = pulses.get(wid)
+            if p is None or now - p.t > self.cfg.detect.heartbeat_timeout_s or p.state == "T":
                 suspects.setdefault(wid, {"t": now})["heartbeat_stale"] = True
         return out
+
+    def liveness(self, worker_id: str) -> str:
+        """The watchdog's verdict on a rank, for the status (``ok`` when none)."""
+        v = self.progress.verdicts.get(worker_id)
+        return v[0].value if v else "ok"
 
     def _probe(self, state: SupervisorState, suspects: dict[str, dict[str, Any]]) -> Suspects:
         items = []
@@ -133,7 +157,7 @@ class Watch:
             items.append(Suspect(worker_id=wid, t=o["t"], process_exited=o.get("process_exited", False),
                                  heartbeat_stale=o.get("heartbeat_stale", False), node_state=o.get("node_state"),
                                  slurmd_reachable=reachable, still_running=h is not None and h.exit_code() is None,
-                                 finished=finished))
+                                 finished=finished, evidence=o.get("evidence", "")))
         return Suspects(tuple(items))
 
     def poll_events(self, state: SupervisorState) -> list[Observation]:

@@ -5,6 +5,13 @@ token; when the process dies the kernel closes it, so a killed rank is seen in
 milliseconds. Heartbeats (every ``period`` seconds, to the store, from a thread
 with its own store client) catch what a socket cannot: a hung process or a node
 that vanished without closing anything.
+
+Both need this interpreter to be scheduled, and a thread needs the GIL: a rank
+whose main thread holds it (a long pure-Python section, a GIL-holding extension
+call) or a box with more busy processes than cores delays its beats. So the
+heartbeat also starts the rank's pulse process (``pulse.py``), which reports the
+progress the main thread writes into shared memory (``progress.py``) whatever this
+interpreter is doing; the supervisor's watchdog weighs the three.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from ..protocol import StoreKey, WorkerEnv
+from .progress import ProgressBoard, start_pulse, stop_pulse
 
 
 def open_store(env: WorkerEnv, timeout_s: float = 60.0) -> dist.Store:
@@ -55,10 +63,15 @@ class Heartbeat:
     one publishes a new liveness port in the store, the connection is re-opened there.
     """
 
-    def __init__(self, env: WorkerEnv, period_s: float) -> None:
+    def __init__(self, env: WorkerEnv, period_s: float, *, pulse: bool = True) -> None:
         self._env = env
         self._port = env.liveness_port
         self.liveness = connect_liveness(env)
+        self.progress = ProgressBoard(env.liveness_port)
+        self._pulse = None
+        if pulse:
+            hello = {"token": env.token, "worker_id": env.worker_id, "node": env.node, "pid": os.getpid()}
+            self._pulse = start_pulse(self.progress, host=env.store_addr, period_s=period_s, hello=hello)
         self._period = period_s
         self._store = open_store(env)
         self._info = {"pid": os.getpid(), "generation": env.generation, "rank": None, "step": 0}
@@ -72,8 +85,10 @@ class Heartbeat:
         return self
 
     def update(self, **info) -> None:
+        """Called by the main thread as it moves on: the progress counter advances too."""
         with self._lock:
             self._info.update(info)
+        self.progress.bump(info.get("step"))
 
     def _beat(self) -> None:
         with self._lock:
@@ -96,8 +111,10 @@ class Heartbeat:
             return  # not restarted yet: try again at the next beat
         old, self.liveness, self._port = self.liveness, connect_liveness(self._env, port), port
         old.close()
+        self.progress.set_port(port)  # the pulse process reconnects there
 
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(timeout=2)
+        stop_pulse(self._pulse)
         self.liveness.close()

@@ -167,10 +167,11 @@ class Membership:
         """Poll for ``plan/{g}``; raises JobEnded when the job shuts down first."""
         key = StoreKey.PLAN.of(g)
         poll = self._cfg.poll_interval_ms / 1000.0
-        while not self._store.check([key]):
-            if self._store.check([StoreKey.SHUTDOWN.value]):
-                raise JobEnded(EXIT_OK, "the job is over")
-            time.sleep(poll)
+        with self._hb.progress.waiting():  # a wait on the supervisor, not a hang (watchdog)
+            while not self._store.check([key]):
+                if self._store.check([StoreKey.SHUTDOWN.value]):
+                    raise JobEnded(EXIT_OK, "the job is over")
+                time.sleep(poll)
         return Plan.from_json(self._store.get(key))
 
     def _join(self, plan: Plan) -> None:
@@ -185,7 +186,7 @@ class Membership:
         self.group = Generation(
             client, plan.table, slot.rank, backend=self._cfg.backend,
             timeout_s=self._cfg.pg_timeout_s, poll_ms=self._cfg.poll_interval_ms,
-            interrupted=lambda: self._store.check([nxt]),
+            interrupted=lambda: self._store.check([nxt]), waiting=self._hb.progress.waiting,
         )
         # torch.distributed's default group wraps the same backend (default_group.py); its
         # store is the group's own plain client (the training thread's may be guarded)

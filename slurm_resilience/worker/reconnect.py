@@ -3,18 +3,21 @@
 Gloo cannot interrupt a blocked collective (abort/shutdown return while the call
 waits out its timeout), so every collective here is a *bounded wait*: the work is
 polled in short slices and, between slices, the store is checked for the next
-generation's plan. A broken group is parked (see ``parking.py``) instead of
+generation's plan. A collective that has not completed within the group's timeout
+(``reconnect.pg_timeout_s``) is abandoned the same way, whatever the backend does
+with its own timeout. A broken group is parked (see ``parking.py``) instead of
 destroyed, because dropping it blocks until its own timeout expires.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
 import time
 from datetime import timedelta
-from typing import Callable
+from typing import Callable, ContextManager
 
 import torch
 import torch.distributed as dist
@@ -51,7 +54,10 @@ class Generation:
         poll_ms: float,
         interrupted: Callable[[], bool],
         channel: str = "",
+        waiting: Callable[[], ContextManager] = contextlib.nullcontext,
     ) -> None:
+        """``waiting``: entered around every wait on the peers (the join, each collective),
+        so the watchdog can tell a rank blocked by a peer from the one that blocks it."""
         self.table = table
         self.generation = table.generation
         self.rank = rank
@@ -59,6 +65,8 @@ class Generation:
         self.backend = choose_backend(backend)
         self._poll = timedelta(milliseconds=poll_ms)
         self._interrupted = interrupted
+        self._timeout_s = timeout_s
+        self._waiting = waiting
         self._parked: list[object] = []
         # A channel is a second group of the same generation (e.g. checkpoint
         # transfers on a background thread), so it needs its own store prefix.
@@ -88,14 +96,18 @@ class Generation:
 
         th = threading.Thread(target=run, name=f"sr-join-gen{self.generation}", daemon=True)
         th.start()
+        with self._waiting():
+            self._await_join(th)
+        if "error" in result:
+            raise StepAborted(f"joining generation {self.generation} failed: {_short(result['error'])}")
+        return result["pg"]
+
+    def _await_join(self, th: threading.Thread) -> None:
         while th.is_alive():
             th.join(self._poll.total_seconds())
             if th.is_alive() and self._interrupted():
                 self._parked.append(th)
                 raise StepAborted(f"joining generation {self.generation} abandoned: a newer plan exists")
-        if "error" in result:
-            raise StepAborted(f"joining generation {self.generation} failed: {_short(result['error'])}")
-        return result["pg"]
 
     def interrupted(self) -> bool:
         """True when a newer generation was published: abandon what waits on this one."""
@@ -133,10 +145,15 @@ class Generation:
         self.all_gather_ints(1)
 
     def _run(self, start: Callable[[], object], what: str, tensor: torch.Tensor) -> torch.Tensor:
+        with self._waiting():
+            return self._wait(start, what, tensor)
+
+    def _wait(self, start: Callable[[], object], what: str, tensor: torch.Tensor) -> torch.Tensor:
         try:
             work = start()
         except RuntimeError as exc:
             raise StepAborted(f"{what} could not start: {_short(exc)}") from exc
+        deadline = time.monotonic() + self._timeout_s
         while True:
             try:
                 finished = wait_slice(work, self._poll)
@@ -150,6 +167,9 @@ class Generation:
             if self._interrupted():
                 self._parked.append(work)
                 raise StepAborted(f"{what} abandoned: a new generation was published")
+            if time.monotonic() > deadline:
+                self._parked.append(work)
+                raise StepAborted(f"{what} did not complete within reconnect.pg_timeout_s={self._timeout_s:g} s")
 
     def close(self) -> "Parked":
         """Detach: the group and its abandoned work are parked, not destroyed."""

@@ -115,7 +115,7 @@ class Session:
         checkpoints = CheckpointEngine(
             cfg.checkpoint.tiers(), job_id=env.job_id, job_dir=env.job_dir,
             node=env.node, emit=events.emit, mtbf_s=cfg.checkpoint.mtbf_s)
-        hb = Heartbeat(env, cfg.detect.heartbeat_period_s).start()
+        hb = Heartbeat(env, cfg.detect.heartbeat_period_s, pulse=cfg.detect.pulse).start()
         members = Membership(env, cfg.reconnect, store, open_client=lambda: open_store(env), emit=events.emit,
                              heartbeat=hb, checkpoints=checkpoints, parking=self._parking,
                              progress=lambda: self._state.step, on_abort=self._abort)
@@ -230,10 +230,11 @@ class Session:
         while True:
             try:
                 if p.sync.needed(self.generation):
-                    p.sync.sync(self._group, p.members.plan)
-                    p.safepoint.restored()  # MTTR ends at the first step after any restore
-                    if p.members.plan.action is PlanAction.PERSIST:
-                        p.endings.persist()
+                    with p.heartbeat.progress.busy():  # checkpoint I/O: no step timeout (watchdog)
+                        p.sync.sync(self._group, p.members.plan)
+                        p.safepoint.restored()  # MTTR ends at the first step after any restore
+                        if p.members.plan.action is PlanAction.PERSIST:
+                            p.endings.persist()
                     self._meshes.clear()
                     self._run_hooks()
                 if self._state.step >= total_steps:
@@ -254,13 +255,15 @@ class Session:
                 self._recover(step.aborted)
                 continue
             try:
-                newer = p.safepoint.complete(step.consumed, self._group, p.members.newer_plan)
+                with p.heartbeat.progress.busy():
+                    newer = p.safepoint.complete(step.consumed, self._group, p.members.newer_plan)
             except StepAborted as exc:  # a fault interrupted the checkpoint agreement
                 self._recover(exc)
                 continue
             if newer:  # safe point: stop here and re-form (fencing included)
                 self._recover(StepAborted("stopped at a safe point for a new generation"))
-        p.endings.finish(self._group)
+        with p.heartbeat.progress.busy():
+            p.endings.finish(self._group)
 
     # -- bring your own loop: the default group, DDP, wrappers ------------------
     def on_generation(self, fn) -> None:

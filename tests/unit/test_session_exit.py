@@ -41,6 +41,7 @@ class FakeSupervisor:
         cfg.write_text(json.dumps({
             "job": {"preempt_signal": preempt_signal},
             "reconnect": {"poll_interval_ms": 5, "pg_timeout_s": 10},
+            "detect": {"progress_soft_s": 4, "progress_hard_s": 8},  # below pg_timeout_s (the hierarchy)
             "checkpoint": {"local_dir": str(tmp_path / "local/{node}/ckpt")},
         }))
         self.environ = {

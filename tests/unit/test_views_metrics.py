@@ -17,7 +17,8 @@ EVENTS = [
      "level": "node-replacement", "generation": 1, "detect_to_step_s": 0.15},
 ]
 STATUS = {"job_id": "7", "phase": "RUNNING", "generation": 1, "recoveries": 1, "requeue_count": 2,
-          "ranks": [{"rank": 0, "node": "n2", "pid": 11, "step": 13}, {"rank": 1, "node": "n6", "pid": 12, "step": 13}],
+          "ranks": [{"rank": 0, "node": "n2", "pid": 11, "step": 13, "liveness": "ok"},
+                    {"rank": 1, "node": "n6", "pid": 12, "step": 13, "liveness": "suspect"}],
           "spares": [], "excluded": ["n3"], "fault_retries_used": 1, "retry_budget": 3, "t": 103.0}
 
 
@@ -43,13 +44,15 @@ def test_status_view_shows_budget_spares_and_tiers():
     assert "spares left: 0" in text and "isolated nodes: n3" in text
     assert "fault retries left (restarts in place, per job): 2" in text  # 3 - 1 used
     row1 = [line for line in text.splitlines() if line.strip().startswith("1  n6")][0]
-    assert row1.split()[1] == "n6"
+    assert row1.split()[1] == "n6" and row1.split()[-1] == "suspect"  # the watchdog's verdict
     assert "requeues 2" in text
 
 
 def test_status_view_reads_requeues_of_older_status_files():
     old = {k: v for k, v in STATUS.items() if k != "requeue_count"}
     assert "requeues 0" in render_status(old, rate=None, tiers={})
+    no_liveness = {**old, "ranks": [{k: v for k, v in r.items() if k != "liveness"} for r in old["ranks"]]}
+    assert render_status(no_liveness, rate=None, tiers={}).splitlines()[-3].split()[-1] == "-"
     assert "requeues 3" in render_status({**old, "restart_count": 3}, rate=None, tiers={})
 
 

@@ -1,0 +1,160 @@
+"""The step-progress watchdog (supervisor/progress.py) is pure: every row of its table,
+the cross-rank culprit rule, derived timeouts, and what decide() makes of a verdict."""
+
+import pytest
+
+from slurm_resilience.model import FaultKind
+from slurm_resilience.protocol import EventKind
+from slurm_resilience.supervisor import messages as m
+from slurm_resilience.supervisor.decide import decide
+from slurm_resilience.supervisor.detect import Pulse
+from slurm_resilience.supervisor.progress import ProgressWatch, Signs, Timeouts, Verdict, assess, derive_timeouts
+
+from test_decide import kinds, of, policy, started, suspect
+
+T = Timeouts(stale_s=2.0, soft_s=10.0, hard_s=20.0)
+
+
+def verdict(**kw):
+    return assess({"w": Signs(**kw)}, T)["w"][0]
+
+
+@pytest.mark.parametrize("signs, expected", [
+    (dict(hb_age=0.3, pulse_age=0.2, state="S", stalled_s=1.0), Verdict.OK),
+    (dict(hb_age=3.0, pulse_age=0.2, state="T", stalled_s=3.0), Verdict.HUNG),  # SIGSTOPped: state says so
+    (dict(hb_age=1.0, pulse_age=0.2, state="T", stalled_s=1.0), Verdict.OK),  # stopped a moment, beat fresh
+    (dict(hb_age=0.3, pulse_age=0.2, state="S", stalled_s=25.0), Verdict.HUNG),  # main thread stuck, beats on
+    (dict(hb_age=0.3, pulse_age=0.2, state="S", stalled_s=12.0), Verdict.SLOW),
+    (dict(hb_age=0.3, pulse_age=0.2, state="S", stalled_s=12.0, waiting=True), Verdict.WAITING),
+    (dict(hb_age=3.5, pulse_age=0.2, state="S", stalled_s=3.5), Verdict.SUSPECT),  # GIL held 3.5 s
+    (dict(hb_age=3.5, pulse_age=0.2, state="R", stalled_s=3.5), Verdict.SUSPECT),  # starved of CPU
+    (dict(hb_age=3.0, pulse_age=3.0, state="S"), Verdict.SILENT),  # nothing at all: a frozen node
+    (dict(hb_age=3.0), Verdict.SILENT),  # no pulse process: the old heartbeat rule
+    (dict(hb_age=0.3, pulse_age=5.0, state="S"), Verdict.SUSPECT),  # the pulse died, the rank beats
+    (dict(hb_age=0.3), Verdict.OK),
+])
+def test_each_row_of_the_table(signs, expected):
+    assert verdict(**signs) is expected
+
+
+def test_a_stale_heartbeat_alone_is_never_acted_on():
+    v, why = assess({"w": Signs(hb_age=8.0, pulse_age=0.1, state="R", stalled_s=8.0)}, T)["w"]
+    assert v is Verdict.SUSPECT and "heartbeat stale for 8.0 s" in why and "pulse fresh" in why
+
+
+def test_the_culprit_is_the_rank_not_waiting_on_its_peers():
+    signs = {"a": Signs(hb_age=0.2, pulse_age=0.1, state="S", stalled_s=25, waiting=True),
+             "b": Signs(hb_age=0.2, pulse_age=0.1, state="S", stalled_s=25, waiting=False),
+             "c": Signs(hb_age=0.2, pulse_age=0.1, state="S", stalled_s=25, waiting=True)}
+    got = assess(signs, T)
+    assert {w: v for w, (v, _) in got.items()} == {"a": Verdict.WAITING, "b": Verdict.HUNG, "c": Verdict.WAITING}
+    assert "while not waiting on its peers" in got["b"][1]
+
+
+def test_a_collective_stuck_on_every_rank_makes_them_all_hung():
+    signs = {w: Signs(hb_age=0.2, pulse_age=0.1, state="S", stalled_s=25, waiting=True) for w in "ab"}
+    got = assess(signs, T)
+    assert all(v is Verdict.HUNG and "all waiting" in why for v, why in got.values())
+
+
+def test_timeouts_grow_with_the_measured_step_time():
+    assert derive_timeouts([], stale_s=2, soft_s=10, hard_s=20, factor=10) == Timeouts(2, 10, 20)
+    assert derive_timeouts([0.1, 0.3], stale_s=2, soft_s=10, hard_s=20, factor=10) == Timeouts(2, 10, 20)
+    assert derive_timeouts([0.5, 4.0], stale_s=2, soft_s=10, hard_s=20, factor=10) == Timeouts(2, 20, 40)
+
+
+def _pulse(t, progress, step=0, state="S", waiting=False):
+    return Pulse(t=t, progress=progress, waiting=waiting, step=step, state=state, cpu=0)
+
+
+def test_watch_gil_hold_is_a_suspect_that_clears_without_a_fault():
+    w = ProgressWatch(stale_s=2, soft_s=10, hard_s=20, factor=10)
+    assert w.observe({"r0": 0.0}, {"r0": _pulse(0.0, 1)}, 0.0) == []
+    # the main thread holds the GIL from t=0: no beat, no progress; the pulse goes on
+    changes = w.observe({"r0": 0.0}, {"r0": _pulse(3.0, 1)}, 3.0)
+    assert [(c[1], c[2]) for c in changes] == [(Verdict.OK, Verdict.SUSPECT)]
+    changes = w.observe({"r0": 3.3}, {"r0": _pulse(3.3, 2, step=1)}, 3.4)  # released: beat and step
+    assert [(c[1], c[2]) for c in changes] == [(Verdict.SUSPECT, Verdict.OK)]
+
+
+def test_watch_a_blocked_main_thread_is_hung_after_the_hard_timeout():
+    w = ProgressWatch(stale_s=2, soft_s=4, hard_s=8, factor=10)
+    seen = []
+    for i in range(0, 100):  # the heartbeat thread beats on; progress stops at t=1
+        t = i * 0.25
+        seen += [c[2] for c in w.observe({"r0": t, "r1": t},
+                                         {"r0": _pulse(t, min(i, 4), step=min(i, 4)),
+                                          "r1": _pulse(t, min(i, 4), step=min(i, 4), waiting=i >= 4)}, t)]
+        if w.verdicts["r0"][0] is Verdict.HUNG:
+            break
+    assert Verdict.SLOW in seen and w.verdicts["r0"][0] is Verdict.HUNG
+    assert 1.0 + 8 < t <= 1.0 + 8.5  # hard floor: step times (0.25 s) x 10 stay below it
+    assert w.verdicts["r1"][0] is Verdict.WAITING  # its peer, waiting in the collective
+
+
+def test_watch_a_recovery_in_flight_restarts_the_progress_clocks():
+    w = ProgressWatch(stale_s=2, soft_s=4, hard_s=8, factor=10)
+    w.observe({"r0": 0.0}, {"r0": _pulse(0.0, 1)}, 0.0)
+    for t in (3.0, 6.0, 9.0):
+        w.observe({"r0": t}, {"r0": _pulse(t, 1)}, t, paused=True)
+    assert w.verdicts["r0"][0] is Verdict.OK
+    assert w.timeouts().hard_s == 8  # a recovery's pause is not a step time
+
+
+def test_decide_reports_a_suspect_and_never_recovers_it():
+    p = policy()
+    state, _ = started(p)
+    wid = state.table.slots[1].worker_id
+    new, acts = decide(state, m.LivenessChange(wid, "ok", "suspect", "heartbeat stale for 3.0 s", 5.0), 5.0, p)
+    assert new == state and kinds(acts) == [EventKind.SUSPECT]
+    assert not of(acts, m.Kill) and not of(acts, m.Publish)
+    assert of(acts, m.Emit)[0].fields["rank"] == 1 and "heartbeat stale" in of(acts, m.Emit)[0].fields["evidence"]
+    _, acts = decide(state, m.LivenessChange(wid, "suspect", "ok", "", 6.0), 6.0, p)
+    assert kinds(acts) == [EventKind.SUSPECT_CLEARED]
+    _, acts = decide(state, m.LivenessChange(wid, "ok", "slow", "no progress for 11 s", 6.0), 6.0, p)
+    assert kinds(acts) == [EventKind.PROGRESS_SLOW]
+
+
+def test_decide_recovers_a_confirmed_hang_with_the_watchdogs_evidence():
+    p = policy()
+    state, _ = started(p)
+    why = "no progress for 21.0 s (hard timeout 20.0 s) while not waiting on its peers (state S)"
+    state, acts = decide(state, suspect(state, 2, heartbeat_stale=True, slurmd_reachable=True, still_running=True,
+                                        evidence=why), 30.0, p)
+    fault = of(acts, m.Emit)[0].fields["fault"]
+    assert fault["kind"] == FaultKind.PROCESS_HUNG.value and fault["detail"].startswith(why)
+    assert of(acts, m.Kill) and state.recovery.level == "online"
+
+
+def test_checkpoint_io_is_never_a_hang_only_slow():
+    busy = dict(hb_age=0.3, pulse_age=0.2, state="D", busy=True)
+    assert verdict(stalled_s=5.0, **busy) is Verdict.OK
+    assert verdict(stalled_s=12.0, **busy) is Verdict.SLOW
+    assert verdict(stalled_s=500.0, **busy) is Verdict.SLOW
+    signs = {w: Signs(stalled_s=500.0, **busy) for w in "ab"}  # a long final save on every rank
+    assert {v for v, _ in assess(signs, T).values()} == {Verdict.SLOW}
+    assert verdict(hb_age=3.0, pulse_age=0.2, state="T", busy=True, stalled_s=3.0) is Verdict.HUNG  # stopped
+
+
+def test_a_frozen_node_is_silent_as_soon_as_its_heartbeat_is_stale():
+    t = Timeouts(stale_s=2.0, soft_s=10.0, hard_s=20.0, pulse_s=1.0)
+    # both stopped together at the freeze: the last pulse is as old as the last beat
+    got = assess({"w": Signs(hb_age=2.05, pulse_age=2.0, state="S", stalled_s=2.0)}, t)["w"]
+    assert got[0] is Verdict.SILENT
+    # a starved heartbeat thread: the pulse (its own process) is recent
+    assert assess({"w": Signs(hb_age=2.05, pulse_age=0.3, state="R", stalled_s=2.0)}, t)["w"][0] is Verdict.SUSPECT
+    # a pulse a little late with a fresh heartbeat is nothing
+    assert assess({"w": Signs(hb_age=0.2, pulse_age=1.5, state="S")}, t)["w"][0] is Verdict.OK
+
+
+def test_peers_past_the_timeout_wait_for_a_culprit_that_moved_last():
+    """The blocked rank completed its last step after its peers entered the next collective
+    (a loaded box): they cross the hard timeout first, and must not be taken for it."""
+    signs = {"a": Signs(hb_age=0.2, pulse_age=0.1, state="S", stalled_s=21, waiting=True),
+             "b": Signs(hb_age=0.2, pulse_age=0.1, state="S", stalled_s=19.8, waiting=False),
+             "c": Signs(hb_age=0.2, pulse_age=0.1, state="S", stalled_s=21, waiting=True)}
+    got = {w: v for w, (v, _) in assess(signs, T).items()}
+    assert got == {"a": Verdict.WAITING, "b": Verdict.SLOW, "c": Verdict.WAITING}
+    signs["b"] = Signs(hb_age=0.2, pulse_age=0.1, state="S", stalled_s=20.1, waiting=False)
+    got = {w: v for w, (v, _) in assess(signs, T).items()}
+    assert got == {"a": Verdict.WAITING, "b": Verdict.HUNG, "c": Verdict.WAITING}
