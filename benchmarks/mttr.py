@@ -9,6 +9,9 @@ MTTR = fault injection → first completed step after recovery (the last rank's)
 
     online            rank SIGKILLed on a healthy node → restarted in place
     node-replacement  node killed, warm spare adopts the rank
+    node-replacement-podman   the same, every rank and warm standby in a podman
+                      container (docs/containers.md): the standby's container is
+                      started with it, so adopting it starts no container
     scale-in          node killed, no spare: 3 ranks continue
     process-restart   node killed, online recovery forced to time out → all relaunched
     requeue           node killed, no spare, scale-in off → scontrol requeue
@@ -46,11 +49,15 @@ CASES = {
     "process-restart": ("recovery:\n  online_timeout_s: 0.005\n", "node", 1),
     "requeue": ("recovery:\n  scale_in: false\n  max_requeues: 1\n", "node", 0),
     "supervisor": ("", "supervisor", 1),
+    "node-replacement-podman": ("", "node", 1),  # every rank and standby in a podman container
 }
 
 
 def config(tmp: Path, name: str, extra: str) -> Path:
     p = tmp / f"{name}.yaml"
+    if name.endswith("-podman"):  # containers/test-image.sh, built once per machine
+        extra += "container:\n" + "".join(f"  {k}: {json.dumps(v)}\n"
+                                          for k, v in lab.podman_section(lab.podman_test_image()).items())
     p.write_text(lab.LOCAL_CONFIG.read_text() + extra)
     return p
 

@@ -131,3 +131,13 @@ def cleanup_argv(sc: StepContainer | None) -> list[str] | None:
     if sc.runtime is Runtime.PODMAN:
         return [sc.python, "-m", ENTER, "--clean", "podman", node_prefix(sc.job_id, "{node}")]
     return [sc.python, "-m", ENTER, "--clean", "enroot", f"pyxis_{sc.job_id}_{pyxis_name(sc.job_id)}"]
+
+
+def stale_cleanup_argv(sc: StepContainer | None) -> list[str] | None:
+    """What removes, on the node it runs on, podman containers that ended jobs left
+    there (a job that ended while the node was lost): run at a job's start, so a node
+    back in service starts clean. None for the other runtimes (pyxis removes named
+    containers at the end of their job; apptainer keeps none)."""
+    if sc is None or sc.runtime is not Runtime.PODMAN:
+        return None
+    return [sc.python, "-m", ENTER, "--clean-stale", "podman"]

@@ -2,6 +2,7 @@
 
     python -m slurm_resilience.container.enter -- podman run ... IMAGE CMD
     python -m slurm_resilience.container.enter --clean podman|enroot PREFIX
+    python -m slurm_resilience.container.enter --clean-stale podman
 
 Run: fills in what only the node knows and ``exec``s the runtime (same pid, so
 Slurm's signals reach it): ``{node}``/``{task}`` in the container's name
@@ -13,6 +14,9 @@ under its own ``libpod_parent``, outside the job.
 
 Clean: removes the containers whose name starts with PREFIX (``{node}`` filled in),
 only those; prints one line. Exit 1 when the runtime's command failed.
+Clean-stale: removes ``sr-<job>-<this node>-…`` containers of jobs Slurm no longer
+runs (a job that ended while this node was lost): a node back in service starts
+clean at the next job (run by every podman job at its start).
 """
 
 from __future__ import annotations
@@ -59,35 +63,94 @@ def podman_run(argv: Sequence[str], environ: Mapping[str, str], cgroup: str | No
     return [*argv[:2], *extra, *argv[2:]]
 
 
-def _clean(runtime: str, prefix: str) -> int:
-    prefix = fill([prefix], os.environ)[0]
+_LIVE = {"RUNNING", "PENDING", "REQUEUED", "SUSPENDED", "CONFIGURING", "COMPLETING", "RESIZING",
+         "REQUEUE_HOLD", "REQUEUE_FED", "STOPPED", "SIGNALING", "STAGE_OUT"}
+
+
+def stale_names(names: Sequence[str], node: str, live_jobs: set[str]) -> list[str]:
+    """Pure: this toolkit's podman containers on ``node`` (``sr-<job>-<node>-…``) whose
+    job is not alive any more: what a job that ended while the node was lost left."""
+    out = []
+    for name in names:
+        job, sep, rest = name.removeprefix("sr-").partition("-")
+        if name.startswith("sr-") and sep and job.isdigit() and rest.startswith(f"{node}-") and job not in live_jobs:
+            out.append(name)
+    return sorted(out)
+
+
+def live_jobs(job_ids: Sequence[str]) -> set[str] | None:
+    """Which of ``job_ids`` Slurm still has alive (one ``squeue``); None when unknown."""
+    if not job_ids:
+        return set()
+    try:
+        out = subprocess.run(["squeue", "-h", "-j", ",".join(job_ids), "-o", "%i %T"], capture_output=True,
+                             text=True, timeout=TIMEOUT_S, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if out.returncode != 0:
+        return set() if "Invalid job id" in out.stderr else None
+    return {ln.split()[0].split("_")[0] for ln in out.stdout.splitlines() if len(ln.split()) == 2
+            and ln.split()[1] in _LIVE}
+
+
+def _names(runtime: str) -> tuple[list[str] | None, str]:
     listing = (["podman", "ps", "-a", "--format", "{{.Names}}"] if runtime == "podman" else ["enroot", "list"])
     try:
         out = subprocess.run(listing, capture_output=True, text=True, timeout=TIMEOUT_S, check=False)
     except FileNotFoundError:
-        print(f"clean: {runtime} is not installed on {os.environ.get('SLURMD_NODENAME', 'this node')}")
-        return 1
+        return None, f"{runtime} is not installed on {os.environ.get('SLURMD_NODENAME', 'this node')}"
     if out.returncode != 0:
-        print(f"clean: {' '.join(listing)} failed: {out.stderr.strip()}")
+        return None, f"{' '.join(listing)} failed: {out.stderr.strip()}"
+    return [n.strip() for n in out.stdout.split() if n.strip()], ""
+
+
+def _remove(runtime: str, names: Sequence[str]) -> str:
+    if not names:
+        return ""
+    remove = (["podman", "rm", "-f", "-t", "0", *names] if runtime == "podman"
+              else ["enroot", "remove", "--force", *names])
+    rm = subprocess.run(remove, capture_output=True, text=True, timeout=TIMEOUT_S, check=False)
+    return "" if rm.returncode == 0 else f"{' '.join(remove[:4])} failed: {rm.stderr.strip()}"
+
+
+def _clean_stale() -> int:
+    node = os.environ.get("SLURMD_NODENAME", "")
+    names, why = _names("podman")
+    if names is None or not node:
+        print(f"clean-stale: {why or 'no SLURMD_NODENAME: not a Slurm step'}")
         return 1
-    names = sorted({n.strip() for n in out.stdout.split() if n.strip().startswith(prefix)})
-    if names:
-        remove = (["podman", "rm", "-f", "-t", "0", *names] if runtime == "podman"
-                  else ["enroot", "remove", "--force", *names])
-        rm = subprocess.run(remove, capture_output=True, text=True, timeout=TIMEOUT_S, check=False)
-        if rm.returncode != 0:
-            print(f"clean: {' '.join(remove[:4])} failed: {rm.stderr.strip()}")
-            return 1
-    print(f"clean: removed {len(names)} container(s) {prefix}*: {' '.join(names)}")
-    return 0
+    candidates = stale_names(names, node, set())
+    alive = live_jobs(sorted({n.removeprefix("sr-").partition("-")[0] for n in candidates}))
+    if alive is None:
+        print("clean-stale: squeue failed: nothing removed")
+        return 1
+    stale = stale_names(candidates, node, alive)
+    why = _remove("podman", stale)
+    print(f"clean-stale: {why or f'removed {len(stale)} container(s) of ended jobs on {node}: ' + ' '.join(stale)}")
+    return 1 if why else 0
+
+
+def _clean(runtime: str, prefix: str) -> int:
+    prefix = fill([prefix], os.environ)[0]
+    names, why = _names(runtime)
+    if names is None:
+        print(f"clean: {why}")
+        return 1
+    names = sorted({n for n in names if n.startswith(prefix)})
+    why = _remove(runtime, names)
+    print(f"clean: {why or f'removed {len(names)} container(s) {prefix}*: ' + ' '.join(names)}")
+    return 1 if why else 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if len(args) == 3 and args[0] == "--clean" and args[1] in ("podman", "enroot"):
         return _clean(args[1], args[2])
+    if args == ["--clean-stale", "podman"]:
+        return _clean_stale()
     if len(args) < 2 or args[0] != "--":
-        print("usage: enter -- RUNTIME ARGS... | enter --clean podman|enroot PREFIX", file=sys.stderr)
+        print("usage: enter -- RUNTIME ARGS... | enter --clean podman|enroot PREFIX | enter --clean-stale podman",
+              file=sys.stderr)
         return 2
     try:
         with open("/proc/self/cgroup") as f:

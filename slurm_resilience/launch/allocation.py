@@ -80,6 +80,8 @@ def supervise_allocation(cfg: ResilienceConfig, command: Sequence[str], job_dir:
     launcher = SrunLauncher(env.job_id, [*pool, me] if me else pool, het_group=workers.het_group,
                             het_job_id=workers.het_job_id, srun_options=srun_args(cfg.job.srun_options),
                             container=for_job(cfg.container, job_id=env.job_id, job_dir=job_dir, cwd=os.getcwd()))
+    if not reattach:  # a node back in service starts clean: what ended jobs left there goes
+        launcher.clean_containers(pool, stale=True)
     sup = Supervisor(config=cfg, command=command, job_dir=job_dir, nodes=pool, launcher=launcher,
                      store_host=launcher.address(me) if me else "127.0.0.1", job_id=env.job_id,
                      requeue_count=env.requeue_count, store_port=store_port, reattach=reattach)

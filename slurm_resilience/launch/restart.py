@@ -85,6 +85,7 @@ def supervise_restart(cfg: ResilienceConfig, command: Sequence[str], job_dir: st
     job_dir = os.path.abspath(job_dir or cfg.job.job_dir.format(job_id=env.job_id))
     launcher = SrunLauncher(env.job_id, [*lay.workers, *lay.spares],
                             container=for_job(cfg.container, job_id=env.job_id, job_dir=job_dir, cwd=os.getcwd()))
+    launcher.clean_containers([*lay.workers, *lay.spares], stale=True)  # what ended jobs left there
     sup = RelaunchExecutor(config=cfg, command=command, job_dir=job_dir, job_id=env.job_id, layout=lay,
                             allocation=env.nodelist, launcher=launcher, mpi=mpi)
     return write_result(job_dir, sup.run())

@@ -293,11 +293,12 @@ class SrunLauncher:
         # the check prints its one line on stdout; srun's own complaints go to stderr
         return out.returncode, out.stdout if out.stdout.strip() else out.stderr
 
-    def clean_containers(self, nodes: Sequence[str]) -> dict[str, object]:
+    def clean_containers(self, nodes: Sequence[str], *, stale: bool = False) -> dict[str, object]:
         """Remove this job's containers on those of ``nodes`` that answer (one step on
-        them all, ``container.cleanup_argv``); never raises: a failure is logged and
-        returned (``{"nodes": [...], "code": int | None, "output": str}``)."""
-        argv = container.cleanup_argv(self.container)
+        them all, ``container.cleanup_argv``); ``stale``: instead, those that ended
+        jobs left there (``container.stale_cleanup_argv``, at the job's start). Never
+        raises: a failure is logged and returned (``{"nodes", "code", "output"}``)."""
+        argv = (container.stale_cleanup_argv if stale else container.cleanup_argv)(self.container)
         live = [n for n in nodes if self.node_reachable(n, 1.0)] if argv else []
         if not live:
             return {"nodes": [], "code": 0, "output": ""}

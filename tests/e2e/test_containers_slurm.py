@@ -10,6 +10,7 @@ about a second. In the lab every emulated node shares one podman, so "on any nod
 is checked by the job's container-name prefix ``sr-<job>-``.
 """
 
+import json
 import shutil
 import subprocess
 import sys
@@ -19,34 +20,26 @@ import pytest
 import yaml
 
 from slurm_resilience import lab
-from slurm_resilience.container.argv import node_prefix
+from slurm_resilience.container.argv import container_name, node_prefix
 
 from .conftest import STEPS
 
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(300)]
 
 KILL_AT = 12
-IMAGE_SCRIPT = lab.REPO / "containers" / "test-image.sh"
 
 
 @pytest.fixture(scope="session")
 def podman_image() -> str:
     if shutil.which("podman") is None:
         pytest.skip("podman is not installed (scripts/install-deps.sh installs it with runc)")
-    out = subprocess.run([str(IMAGE_SCRIPT)], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    return out.stdout.strip().splitlines()[-1]
+    return lab.podman_test_image()
 
 
 def container_config(tmp_path: Path, image: str) -> Path:
     """The lab's settings plus a podman container that sees the host's interpreter."""
     cfg = yaml.safe_load(lab.LOCAL_CONFIG.read_text())
-    prefix = Path(sys.prefix).resolve()
-    mounts = ["/usr:/usr:ro", "/etc/passwd:/etc/passwd:ro", "/etc/group:/etc/group:ro", "/tmp:/tmp",
-              f"{lab.REPO}:{lab.REPO}:ro"]
-    if not str(prefix).startswith("/usr/"):
-        mounts.append(f"{prefix}:{prefix}:ro")
-    cfg["container"] = {"runtime": "podman", "image": image, "mounts": mounts, "env": ["PYTHONPATH", "USER"]}
+    cfg["container"] = lab.podman_section(image)
     path = tmp_path / "podman.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
@@ -70,13 +63,19 @@ def test_ranks_and_spares_in_podman_lose_a_node_finish_bit_identical_and_clean_u
     lab.kill_node(victim)
     assert run.wait() == 0, run.output()
     assert lab.compare_states(reference, run.job_dir / "final.pt") == []
-    # the standby that was adopted ran in its container from the start: no new step on the spare
+    # rank 1 is now the standby that ran in the spare's container from the start: no new
+    # step (no new container) was started for the adoption
+    standby = status["spares"][0]["worker_id"]
+    assert container_name(job_id, spare, standby) in running
+    table = json.loads((run.job_dir / "ranktable.json").read_text())
+    assert [s["worker_id"] for s in table["slots"] if s["rank"] == 1] == [standby]
+    assert len(list((run.job_dir / "logs").glob("*.log"))) == len(status["ranks"]) + 1  # no worker launched later
+    # survivors and spares: removed at the end of the job
     assert [w for w in job_containers(job_id) if not w.startswith(node_prefix(job_id, victim))] == []
-    # the lost node's record is left (its podman was not reachable); back in service, the
-    # node's epilog line (docs/containers.md) removes it, and nothing of the job is left
+    # the lost node's record is left (its podman was not reachable when the job ended);
+    # back in service, the next job's start removes it (enter --clean-stale on every node)
     lab.cluster("reset")
-    clean = subprocess.run(["srun", "-N1", "-w", victim, sys.executable, "-m", "slurm_resilience.container.enter",
-                            "--clean", "podman", node_prefix(job_id, "{node}")],
-                           capture_output=True, text=True, timeout=120)
-    assert clean.returncode == 0, clean.stdout + clean.stderr
+    nxt = lab.submit(jobs_root / "podman-next", steps=4, config=container_config(tmp_path, podman_image))
+    assert nxt.wait() == 0, nxt.output()
     assert job_containers(job_id) == []
+    assert job_containers(str(json.loads((nxt.job_dir / "status.json").read_text())["job_id"])) == []

@@ -14,7 +14,8 @@ import pytest
 
 from slurm_resilience.config import load_config
 from slurm_resilience.container import enter
-from slurm_resilience.container.argv import cleanup_argv, container_name, for_job, node_prefix, srun_options, wrap
+from slurm_resilience.container.argv import (
+    cleanup_argv, container_name, for_job, node_prefix, srun_options, stale_cleanup_argv, wrap)
 from slurm_resilience.errors import ConfigError
 from slurm_resilience.slurm.steps import srun_argv
 from slurm_resilience.supervisor.relaunch import step_argv
@@ -51,7 +52,8 @@ def _render() -> str:
         for what, argv in (("worker", _worker_step(_sc(runtime))),
                            ("worker, gpus", _worker_step(_sc(runtime, gpus=True))),
                            ("relaunch", _relaunch_step(_sc(runtime))),
-                           ("cleanup", cleanup_argv(_sc(runtime)))):
+                           ("cleanup", cleanup_argv(_sc(runtime))),
+                           ("cleanup at the job's start", stale_cleanup_argv(_sc(runtime)))):
             lines.append(f"# {runtime}: {what}")
             lines.append(shlex.join(argv) if argv is not None else "(nothing to clean)")
     return "\n".join(lines) + "\n"
@@ -134,6 +136,13 @@ def test_enter_fills_node_task_cgroup_and_slurm_variables():
     assert argv == ["podman", "run", "--cgroup-parent=/slurm_n3/uid_0/job_42/step_1", "-e", "SLURM_NTASKS",
                     "-e", "SLURM_PROCID", "--rm", "--name=sr-42-n3-restart1-5", "IMG", "cmd"]
     assert enter.podman_run(["apptainer", "exec", "x"], env, None) == ["apptainer", "exec", "x"]
+
+
+def test_stale_names_are_this_nodes_containers_of_ended_jobs_only():
+    names = ["sr-7-n1-n1.1", "sr-7-n10-n10.2", "sr-8-n1-n1.3", "sr-9-n1-restart1-0", "other", "sr-x-n1-a",
+             "sr-7-n2-n2.1"]
+    assert enter.stale_names(names, "n1", live_jobs={"8"}) == ["sr-7-n1-n1.1", "sr-9-n1-restart1-0"]
+    assert enter.stale_names(names, "n1", live_jobs={"7", "8", "9"}) == []
 
 
 def test_enter_usage_error_is_one_line(capsys):
