@@ -37,10 +37,12 @@ podman build --network host "${volumes[@]}" --build-arg BASE="$BASE" --build-arg
 t2=$(date +%s)
 # --privileged: slurmd's task/proctrack cgroup plugins create cgroups under
 # /sys/fs/cgroup (read-only in an unprivileged container), and the demo's kill-node
-# freezes and kills a node's cgroup. --network none: the cluster lives on the
+# freezes and kills a node's cgroup. --cgroupns=private: the container's Slurm
+# cgroups (slurm_n1 ...) are made under its own cgroup, never beside a host's
+# (cgroup v1 shares the host's tree otherwise). --network none: the cluster lives on the
 # container's loopback (no port clash with the host), and nothing is downloaded.
 set +e
-podman run --rm --privileged --network none "$IMAGE" demo --out /tmp/demo >"$OUT/demo.log" 2>&1
+podman run --rm --privileged --cgroupns=private --network none "$IMAGE" demo --out /tmp/demo >"$OUT/demo.log" 2>&1
 rc=$?
 set -e
 t3=$(date +%s)
