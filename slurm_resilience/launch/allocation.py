@@ -79,7 +79,8 @@ def supervise_allocation(cfg: ResilienceConfig, command: Sequence[str], job_dir:
     job_dir = os.path.abspath((job_dir or cfg.job.job_dir.format(job_id=env.job_id)).replace("%j", env.job_id))
     launcher = SrunLauncher(env.job_id, [*pool, me] if me else pool, het_group=workers.het_group,
                             het_job_id=workers.het_job_id, srun_options=srun_args(cfg.job.srun_options),
-                            container=for_job(cfg.container, job_id=env.job_id, job_dir=job_dir, cwd=os.getcwd()))
+                            container=for_job(cfg.container, job_id=env.job_id, job_dir=job_dir, cwd=os.getcwd()),
+                            step_nodes=pool)
     if not reattach:  # a node back in service starts clean: what ended jobs left there goes
         launcher.clean_containers(pool, stale=True)
     sup = Supervisor(config=cfg, command=command, job_dir=job_dir, nodes=pool, launcher=launcher,

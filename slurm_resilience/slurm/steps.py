@@ -114,13 +114,16 @@ class SrunLauncher:
     step runs on and that component's own job id; None for an ordinary job.
     ``srun_options``: the site's step options as argv (``job.srun_options``).
     ``container``: the image every worker and standby step runs in (None: the node).
+    ``step_nodes``: the nodes steps may run on, cleaned before a requeue (default:
+    ``nodes``, which may also hold the supervisor's own node, probed only).
     """
 
     CLEAN_TIMEOUT_S = 30.0
 
     def __init__(self, job_id: str, nodes: Sequence[str], het_group: int | None = None,
                  het_job_id: str | None = None, srun_options: Sequence[str] = (),
-                 container: "container.StepContainer | None" = None) -> None:
+                 container: "container.StepContainer | None" = None,
+                 step_nodes: Sequence[str] | None = None) -> None:
         if (het_group is None) != (het_job_id is None):
             raise ValueError("het_group and het_job_id go together (a hetjob's worker component)")
         self.job_id = job_id
@@ -128,6 +131,7 @@ class SrunLauncher:
         self.het_job_id = het_job_id
         self.srun_options = tuple(srun_options)
         self.container = container
+        self.step_nodes = tuple(nodes if step_nodes is None else step_nodes)
         self._steps_job = het_job_id or job_id  # the job record that holds our steps
         self._release_lock = threading.Lock()
         self._launched: list[SrunStep] = []  # srun clients still running (hetjob release ends them)
@@ -322,7 +326,7 @@ class SrunLauncher:
         Raises:
             SlurmCommandError: the requeue failed.
         """
-        self.clean_containers([n for n in self._addr if n not in self._isolated])
+        self.clean_containers([n for n in self.step_nodes if n not in self._isolated])
         with _deferred(signal.SIGTERM), self._release_lock:  # after a release in flight
             problem = commands.requeue_excluding(self.job_id, sorted(self._isolated))
         if problem:

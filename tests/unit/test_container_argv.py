@@ -154,3 +154,13 @@ def test_golden_file_is_valid_shell_words():
     for line in GOLDEN.read_text().splitlines():
         if not line.startswith("#") and not line.startswith("("):
             assert shlex.split(line) and json.dumps(shlex.split(line))
+
+
+def test_local_mode_refuses_a_container_in_one_line(tmp_path, capsys):
+    from slurm_resilience.cli import main
+
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("container:\n  runtime: podman\n  image: localhost/x:1\n")
+    assert main(["local", "--config", str(cfg), "--", "true"]) == 2
+    err = capsys.readouterr().err
+    assert "container.runtime=podman applies to Slurm jobs" in err and err.count("\n") == 1
