@@ -30,11 +30,18 @@ for d in /opt/wheels /opt/pypi /opt/pypi-more; do
     volumes+=(-v "$d:$d:ro")
     if [ "$d" = /opt/wheels ]; then pip_opts+=(--find-links "$d"); else pip_opts+=(--extra-index-url "file://$d/simple"); fi
 done
+# A site proxy's CA (pip on this host trusts it through the system bundle; Debian's
+# bundle in the image does not have it).
+if [ -f /etc/ssl/certs/ca-certificates.crt ]; then
+    volumes+=(-v /etc/ssl/certs/ca-certificates.crt:/opt/host-ca.crt:ro)
+    pip_opts+=(--cert /opt/host-ca.crt)
+fi
 torch_index=https://download.pytorch.org/whl/cpu
 ls /opt/wheels/torch-*+cpu-* >/dev/null 2>&1 && torch_index=""  # the CPU wheel is on disk
 podman build --network host "${volumes[@]}" --build-arg BASE="$BASE" --build-arg TORCH_INDEX="$torch_index" \
     --build-arg PIP_OPTS="${pip_opts[*]}" -f "$REPO/containers/Containerfile" -t "$IMAGE" "$REPO" >"$OUT/build.log" 2>&1
 t2=$(date +%s)
+echo "base ${BASE}: $((t1 - t0)) s, build: $((t2 - t1)) s; running the demo" >&2
 # --privileged: slurmd's task/proctrack cgroup plugins create cgroups under
 # /sys/fs/cgroup (read-only in an unprivileged container), and the demo's kill-node
 # freezes and kills a node's cgroup. --cgroupns=private: the container's Slurm
