@@ -5,6 +5,16 @@
 # first. Anything else runs as a command (e.g. `bash`), after the cluster started.
 set -euo pipefail
 cd /opt/slurm_resilience
+# Slurm resolves even "127.0.0.1" with getaddrinfo(AI_ADDRCONFIG), which finds nothing
+# while the only IPv4 address is the loopback's (`--network none`): slurmctld then
+# never answers. A veth pair with a private address inside the container's own
+# network namespace is enough (needs --privileged; measured in docs/containers.md).
+if ! ip -4 -o addr show scope global | grep -q inet; then
+    ip link add sr0 type veth peer name sr1
+    ip addr add 10.254.254.1/30 dev sr0
+    ip link set sr0 up
+    ip link set sr1 up
+fi
 cmd="${1:-demo}"
 [ $# -gt 0 ] && shift
 case "$cmd" in
