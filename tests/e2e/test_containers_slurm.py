@@ -68,7 +68,7 @@ def test_ranks_and_spares_in_podman_lose_a_node_finish_bit_identical_and_clean_u
     standby = status["spares"][0]["worker_id"]
     assert container_name(job_id, spare, standby) in running
     table = json.loads((run.job_dir / "ranktable.json").read_text())
-    assert [s["worker_id"] for s in table["slots"] if s["rank"] == 1] == [standby]
+    assert [s["worker_id"] for s in table["ranks"] if s["rank"] == 1] == [standby]
     assert len(list((run.job_dir / "logs").glob("*.log"))) == len(status["ranks"]) + 1  # no worker launched later
     # survivors and spares: removed at the end of the job
     assert [w for w in job_containers(job_id) if not w.startswith(node_prefix(job_id, victim))] == []
