@@ -13,7 +13,6 @@ is checked by the job's container-name prefix ``sr-<job>-``.
 import json
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
