@@ -18,6 +18,7 @@ Another fault plugs in as one more :func:`register` call, e.g. the freeze-node c
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import signal
 import sys
@@ -37,7 +38,7 @@ Status = dict[str, Any]
 class Case:
     name: str
     inject: Callable[[Status], float]
-    config: str = ""
+    config: str | Callable[[], str] = ""  # YAML appended to the lab's config (a callable: built when run)
     spares: int = 1
     cleanup: Callable[[Status], None] | None = None
     measure: str = "recovery"
@@ -81,6 +82,18 @@ register(Case("process-restart", inject=lambda st: lab.kill_node(st["ranks"][1][
 register(Case("requeue", inject=lambda st: lab.kill_node(st["ranks"][1]["node"]), spares=0,
               config="recovery:\n  scale_in: false\n  max_requeues: 1\n", measure="restart"))
 register(Case("supervisor", inject=lambda st: _kill_pid(st["supervisor_pid"]), measure="reattach"))
+
+
+def _podman_config() -> str:
+    """Every rank and warm standby in a podman container (docs/containers.md); the test
+    image (containers/test-image.sh) is built once per machine."""
+    section = lab.podman_section(lab.podman_test_image())
+    return "container:\n" + "".join(f"  {k}: {json.dumps(v)}\n" for k, v in section.items())
+
+
+register(Case("kill-node-podman", inject=lambda st: lab.kill_node(st["ranks"][1]["node"]),
+              config=_podman_config, expect="node-replacement"))
+
 if hasattr(lab, "freeze_node") and hasattr(lab, "thaw_node"):  # the silent node loss (branch freeze-node)
     register(Case("freeze-node", inject=lambda st: lab.freeze_node(st["ranks"][1]["node"]),
                   cleanup=lambda st: lab.thaw_node(st["ranks"][1]["node"]), expect="node-replacement"))
@@ -100,7 +113,7 @@ def run_case(case: Case, root: Path, args) -> dict:
     """One run: reset the lab (outside the window), submit, wait for --kill-at, inject,
     wait for the job, read its event log."""
     cfg = root / f"{case.name}.yaml"
-    cfg.write_text(lab.LOCAL_CONFIG.read_text() + case.config)
+    cfg.write_text(lab.LOCAL_CONFIG.read_text() + (case.config() if callable(case.config) else case.config))
     lab.cluster("reset")
     run = lab.submit(root / case.name, spares=case.spares, tasks_per_node=args.tasks_per_node, steps=args.steps,
                      step_time=args.step_time, config=cfg)

@@ -15,6 +15,12 @@ if [ "$(id -u)" -ne 0 ]; then
     exit 1
 fi
 
+# The image of containers/Containerfile has everything baked in, and no network.
+if [ "${SR_DEPS_BAKED:-}" = 1 ]; then
+    echo "install-deps.sh: everything is installed in this image (SR_DEPS_BAKED=1)"
+    exit 0
+fi
+
 # System packages. Open MPI goes in together with Slurm on purpose: if it is added
 # after the Slurm daemons started, `srun --mpi=pmix` hangs (see SLURM_LOCAL.md).
 missing=0
@@ -27,6 +33,20 @@ if [ "$missing" -eq 1 ]; then
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
         slurmctld slurmd slurm-client munge openmpi-bin libopenmpi-dev iproute2 procps \
         >/dev/null
+fi
+
+# podman for the container tests (tests/e2e/test_containers_slurm.py), with runc and
+# a containers.conf for a root box on cgroup v1 without systemd: podman's default
+# runtime crun and its default ulimits are refused there (docs/containers.md).
+# debootstrap builds the base image of containers/Containerfile without a registry.
+if ! command -v podman >/dev/null 2>&1 || ! command -v runc >/dev/null 2>&1; then
+    echo "install-deps.sh: installing podman, runc and debootstrap (apt)"
+    apt-get update -qq >/dev/null
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends podman runc debootstrap \
+        >/dev/null
+fi
+if [ ! -e /etc/containers/containers.conf ]; then
+    install -D -m 0644 "$REPO/containers/containers.conf" /etc/containers/containers.conf
 fi
 
 # torch is pinned: 2.13.0 is a CPU wheel already on disk; any other version (or an

@@ -129,6 +129,9 @@ def cmd_local(args) -> int:
     from .supervisor.keeper import keep_supervisor, read_store_address
 
     cfg, command = _load(args)
+    if cfg.container.runtime != "none":
+        raise ResilienceError(f"container.runtime={cfg.container.runtime} applies to Slurm jobs (submit, run); "
+                              "`local` starts plain processes on this host: set runtime: none")
     nodes = [f"local{i}" for i in range(1, cfg.job.nodes + cfg.job.spares + 1)]
     if not args.child:
         _no_reattach(args)

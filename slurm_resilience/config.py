@@ -7,6 +7,7 @@ Each section of the YAML file maps to one dataclass::
     recovery:  {...}
     reconnect: {...}
     checkpoint: {...}
+    container: {runtime: podman, image: ...}
 
 Unknown sections/keys and wrong types are ``ConfigError``s whose one-line
 message names the key and the fix.
@@ -20,6 +21,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from slurm_resilience.config_container import ContainerConfig
 from slurm_resilience.config_io import check_type, read_source
 from slurm_resilience.config_job import JobConfig
 from slurm_resilience.errors import ConfigError
@@ -30,6 +32,7 @@ __all__ = [
     "RecoveryConfig",
     "ReconnectConfig",
     "CheckpointConfig",
+    "ContainerConfig",
     "ResilienceConfig",
     "load_config",
     "config_to_dict",
@@ -302,6 +305,7 @@ class ResilienceConfig:
     recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
     reconnect: ReconnectConfig = field(default_factory=ReconnectConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    container: ContainerConfig = field(default_factory=ContainerConfig)
 
     def __post_init__(self) -> None:
         from .config_timeouts import check_hierarchy
@@ -315,6 +319,7 @@ _SECTIONS: dict[str, type] = {
     "recovery": RecoveryConfig,
     "reconnect": ReconnectConfig,
     "checkpoint": CheckpointConfig,
+    "container": ContainerConfig,
 }
 
 

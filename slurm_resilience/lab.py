@@ -35,6 +35,26 @@ def cluster(*args: str, timeout: float = 120) -> str:
     return proc.stdout
 
 
+def podman_test_image() -> str:
+    """Build (once per machine) the podman image of the container tests and benchmark
+    (``containers/test-image.sh``); returns its name."""
+    out = subprocess.run([str(REPO / "containers" / "test-image.sh")], capture_output=True, text=True, timeout=120)
+    if out.returncode != 0:
+        raise RuntimeError(f"containers/test-image.sh failed: {out.stderr.strip()}")
+    return out.stdout.strip().splitlines()[-1]
+
+
+def podman_section(image: str) -> dict[str, Any]:
+    """A ``container:`` section that runs the steps in ``image`` with the host's /usr,
+    this interpreter and the repository bind-mounted (the lab's nodes share them)."""
+    prefix = Path(sys.prefix).resolve()
+    mounts = ["/usr:/usr:ro", "/etc/passwd:/etc/passwd:ro", "/etc/group:/etc/group:ro", "/tmp:/tmp",
+              f"{REPO}:{REPO}:ro"]
+    if not str(prefix).startswith("/usr/"):
+        mounts.append(f"{prefix}:{prefix}:ro")
+    return {"runtime": "podman", "image": image, "mounts": mounts, "env": ["PYTHONPATH", "USER"]}
+
+
 def kill_node(node: str) -> float:
     """Hard node loss; returns the wall time of the kill."""
     out = cluster("kill-node", node, timeout=30)

@@ -64,6 +64,7 @@ def supervise_allocation(cfg: ResilienceConfig, command: Sequence[str], job_dir:
         ResilienceError: not inside an allocation, too few nodes for the config, or a
             heterogeneous job without a worker component.
     """
+    from ..container.argv import for_job
     from ..slurm.options import srun_args
     from ..slurm.parse import SlurmEnv
     from ..slurm.steps import SrunLauncher
@@ -75,9 +76,13 @@ def supervise_allocation(cfg: ResilienceConfig, command: Sequence[str], job_dir:
     me = env.node_name
     workers = worker_pool(env, cfg.job.supervisor_node)
     pool = list(workers.nodes)
-    launcher = SrunLauncher(env.job_id, [*pool, me] if me else pool, het_group=workers.het_group,
-                            het_job_id=workers.het_job_id, srun_options=srun_args(cfg.job.srun_options))
     job_dir = os.path.abspath((job_dir or cfg.job.job_dir.format(job_id=env.job_id)).replace("%j", env.job_id))
+    launcher = SrunLauncher(env.job_id, [*pool, me] if me else pool, het_group=workers.het_group,
+                            het_job_id=workers.het_job_id, srun_options=srun_args(cfg.job.srun_options),
+                            container=for_job(cfg.container, job_id=env.job_id, job_dir=job_dir, cwd=os.getcwd()),
+                            step_nodes=pool)
+    if not reattach:  # a node back in service starts clean: what ended jobs left there goes
+        launcher.clean_containers(pool, stale=True)
     sup = Supervisor(config=cfg, command=command, job_dir=job_dir, nodes=pool, launcher=launcher,
                      store_host=launcher.address(me) if me else "127.0.0.1", job_id=env.job_id,
                      requeue_count=env.requeue_count, store_port=store_port, reattach=reattach)

@@ -73,6 +73,7 @@ def supervise_restart(cfg: ResilienceConfig, command: Sequence[str], job_dir: st
     Raises:
         ResilienceError: not inside an allocation, or too few nodes.
     """
+    from ..container.argv import for_job
     from ..slurm.parse import SlurmEnv
     from ..slurm.steps import SrunLauncher
     from ..supervisor.relaunch import RelaunchExecutor, layout
@@ -82,7 +83,9 @@ def supervise_restart(cfg: ResilienceConfig, command: Sequence[str], job_dir: st
         raise ResilienceError("not inside a Slurm allocation (no SLURM_JOB_ID): use `slurm-resilience run`")
     lay = layout(env.nodelist, env.node_name, cfg.job.nodes, supervisor_node=cfg.job.supervisor_node)
     job_dir = os.path.abspath(job_dir or cfg.job.job_dir.format(job_id=env.job_id))
-    launcher = SrunLauncher(env.job_id, [*lay.workers, *lay.spares])
+    launcher = SrunLauncher(env.job_id, [*lay.workers, *lay.spares],
+                            container=for_job(cfg.container, job_id=env.job_id, job_dir=job_dir, cwd=os.getcwd()))
+    launcher.clean_containers([*lay.workers, *lay.spares], stale=True)  # what ended jobs left there
     sup = RelaunchExecutor(config=cfg, command=command, job_dir=job_dir, job_id=env.job_id, layout=lay,
                             allocation=env.nodelist, launcher=launcher, mpi=mpi)
     return write_result(job_dir, sup.run())

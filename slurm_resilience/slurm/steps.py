@@ -24,6 +24,7 @@ import threading
 import time
 from typing import Mapping, Sequence
 
+from ..container import argv as container
 from ..errors import RecoveryError
 from . import commands
 from .parse import config_seconds, expand_hostlist, validate_node_name
@@ -112,16 +113,25 @@ class SrunLauncher:
     ``het_group``/``het_job_id``: in a heterogeneous job, the worker component every
     step runs on and that component's own job id; None for an ordinary job.
     ``srun_options``: the site's step options as argv (``job.srun_options``).
+    ``container``: the image every worker and standby step runs in (None: the node).
+    ``step_nodes``: the nodes steps may run on, cleaned before a requeue (default:
+    ``nodes``, which may also hold the supervisor's own node, probed only).
     """
 
+    CLEAN_TIMEOUT_S = 30.0
+
     def __init__(self, job_id: str, nodes: Sequence[str], het_group: int | None = None,
-                 het_job_id: str | None = None, srun_options: Sequence[str] = ()) -> None:
+                 het_job_id: str | None = None, srun_options: Sequence[str] = (),
+                 container: "container.StepContainer | None" = None,
+                 step_nodes: Sequence[str] | None = None) -> None:
         if (het_group is None) != (het_job_id is None):
             raise ValueError("het_group and het_job_id go together (a hetjob's worker component)")
         self.job_id = job_id
         self.het_group = het_group
         self.het_job_id = het_job_id
         self.srun_options = tuple(srun_options)
+        self.container = container
+        self.step_nodes = tuple(nodes if step_nodes is None else step_nodes)
         self._steps_job = het_job_id or job_id  # the job record that holds our steps
         self._release_lock = threading.Lock()
         self._launched: list[SrunStep] = []  # srun clients still running (hetjob release ends them)
@@ -135,7 +145,9 @@ class SrunLauncher:
     def launch(self, *, name: str, node: str, argv: Sequence[str],
                env: Mapping[str, str], log_path: str) -> SrunStep:
         srun = srun_argv(job_id=self.job_id, name=name, nodes=[node], het_group=self.het_group,
-                         options=self.srun_options)
+                         options=[*self.srun_options, *container.srun_options(self.container)])
+        cname = container.container_name(self.job_id, node, name.removeprefix("sr-"))
+        argv = container.wrap(self.container, argv, name=cname, env_names=env)
         fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         with os.fdopen(fd, "ab") as log:
             proc = subprocess.Popen([*srun, *argv], env={**os.environ, **env},
@@ -212,6 +224,8 @@ class SrunLauncher:
             that is still in a component DOWN would requeue the whole hetjob.
         """
         self._isolated.add(validate_node_name(node))
+        if self.container is not None and self.node_reachable(node, 1.0):
+            self.clean_containers([node])  # before the release: a released node takes no step of ours
         released, note = False, ""
         if self.het_job_id is not None:
             released = self._release(node)
@@ -292,6 +306,26 @@ class SrunLauncher:
         # the check prints its one line on stdout; srun's own complaints go to stderr
         return out.returncode, out.stdout if out.stdout.strip() else out.stderr
 
+    def clean_containers(self, nodes: Sequence[str], *, stale: bool = False) -> dict[str, object]:
+        """Remove this job's containers on those of ``nodes`` that answer (one step on
+        them all, ``container.cleanup_argv``); ``stale``: instead, those that ended
+        jobs left there (``container.stale_cleanup_argv``, at the job's start). Never
+        raises: a failure is logged and returned (``{"nodes", "code", "output"}``)."""
+        argv = (container.stale_cleanup_argv if stale else container.cleanup_argv)(self.container)
+        live = [n for n in nodes if self.node_reachable(n, 1.0)] if argv else []
+        if not live:
+            return {"nodes": [], "code": 0, "output": ""}
+        srun = srun_argv(job_id=self.job_id, name=f"sr-clean-{self.job_id}", nodes=live, het_group=self.het_group)
+        try:
+            out = subprocess.run([*srun, *argv], capture_output=True, text=True, timeout=self.CLEAN_TIMEOUT_S,
+                                 stdin=subprocess.DEVNULL, check=False)
+            code, text = out.returncode, (out.stdout + out.stderr).strip()
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            code, text = None, str(exc)
+        (log.info if code == 0 else log.warning)("job %s: container cleanup on %s: %s", self.job_id,
+                                                 ",".join(live), text)
+        return {"nodes": live, "code": code, "output": text}
+
     def requeue(self) -> None:
         """Job-level: put the whole job back in the queue (it resumes from checkpoints),
         excluding every node this job isolated (``ExcNodeList``, see
@@ -301,6 +335,7 @@ class SrunLauncher:
         Raises:
             SlurmCommandError: the requeue failed.
         """
+        self.clean_containers([n for n in self.step_nodes if n not in self._isolated])
         with deferred(signal.SIGTERM), self._release_lock:  # after a release in flight
             problem = commands.requeue_excluding(self.job_id, sorted(self._isolated))
         if problem:

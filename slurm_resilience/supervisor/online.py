@@ -149,6 +149,8 @@ class Supervisor:
             self.watcher.close()
             self.liveness.close()
             self.isolator.join()
+            if hasattr(self.launcher, "clean_containers"):  # the spares' too: a node leaves the job clean
+                self.launcher.clean_containers(self.nodes)
             self._write_status(self.state, force=True)
             self.events.close()
 

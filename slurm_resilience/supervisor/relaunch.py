@@ -29,6 +29,7 @@ from typing import Callable, Sequence
 
 from ..config import ResilienceConfig
 from ..config_timeouts import nccl_environ
+from ..container import argv as container
 from ..errors import ResilienceError, SlurmCommandError
 from ..events import EventLog
 from ..files import makedirs_private
@@ -87,16 +88,23 @@ def master_node(nodes: Sequence[str], allocation: Sequence[str]) -> str:
 
 def step_argv(*, job_id: str, name: str, nodes: Sequence[str], command: Sequence[str], mpi: bool,
               master_addr: str, port: int, attempt: int, tasks_per_node: int = 1,
-              python: str = sys.executable, srun_options: Sequence[str] = ()) -> list[str]:
+              python: str = sys.executable, srun_options: Sequence[str] = (),
+              step_container: "container.StepContainer | None" = None) -> list[str]:
     """The all-ranks step's argv (never a shell): G tasks on each of ``nodes``; torch
     mode wraps ``command`` in ``launch.rankenv`` (the torchrun environment per task).
-    ``srun_options``: the site's step options as argv (``job.srun_options``)."""
+    ``srun_options``: the site's step options as argv (``job.srun_options``).
+    ``step_container``: every task runs in it (``rankenv`` then runs as the image's
+    ``python3``; a podman container per task, ``sr-JOB-{node}-restartN-{task}``)."""
     argv = srun_argv(job_id=job_id, name=name, nodes=nodes, tasks_per_node=tasks_per_node, mpi=mpi,
-                     options=srun_options)
+                     options=[*srun_options, *container.srun_options(step_container)])
     if mpi:
-        return [*argv, "--", *command]
-    return [*argv, "--", python, "-m", "slurm_resilience.launch.rankenv", "--master-addr", master_addr,
-            "--master-port", str(port), "--restart", str(attempt), "--", *command]
+        inner = list(command)
+    else:
+        inner = [python if step_container is None else "python3", "-m", "slurm_resilience.launch.rankenv",
+                 "--master-addr", master_addr, "--master-port", str(port), "--restart", str(attempt), "--",
+                 *command]
+    cname = container.container_name(job_id, "{node}", f"restart{attempt}-{{task}}")
+    return [*argv, "--", *container.wrap(step_container, inner, name=cname, env_names=["SR_RESTART"])]
 
 
 @dataclasses.dataclass
@@ -143,6 +151,8 @@ class RelaunchExecutor:
             return code
         finally:
             self.isolator.join()
+            if hasattr(self.launcher, "clean_containers"):
+                self.launcher.clean_containers([*self.state.worker_nodes, *self.state.spare_nodes])
             self.events.close()
 
     # -- the executor's side of loop.run -----------------------------------------------
@@ -200,7 +210,8 @@ class RelaunchExecutor:
         argv = step_argv(job_id=self.job_id, name=name, nodes=nodes, command=self.command, mpi=self.mpi,
                          master_addr=self.launcher.address(master), port=master_port(self.job_id, attempt),
                          attempt=attempt, tasks_per_node=table.tasks_per_node,
-                         srun_options=srun_args(self.cfg.job.srun_options))
+                         srun_options=srun_args(self.cfg.job.srun_options),
+                         step_container=getattr(self.launcher, "container", None))
         log_path = os.path.join(self.job_dir, f"step-{attempt:03d}.log")
         fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         with os.fdopen(fd, "ab") as log:
