@@ -5,6 +5,11 @@ liveness socket and Slurm node-state thread (``detect.py``, through a queue), th
 workers' job steps, heartbeats in the store (stale → suspect; compute time →
 stragglers), the workers' events in the store (logged; recovery marks), done keys,
 the preemption request, and excluded nodes that may have come back.
+
+Suspects of a silent node (every worker there heartbeat-stale, ``probe.silent_nodes``)
+are held while a probe thread asks that node's slurmd a Slurm request
+(``probe.NodeProber``, bounded by ``detect.slurmd_probe_deadline_s``); they go to
+``decide`` with its answer, so the loop never waits on the node.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from ..protocol import EventKind, StoreKey, WorkerEvent, done_key, event_key, he
 from .classify import node_unhealthy
 from .detect import Observation as Seen, read_heartbeats, stale_workers
 from .launcher import Launcher, StepHandle
+from .probe import NodeProbed, NodeProber, silent_nodes
 from .messages import (
     AllDone, Connected, NodeBack, Observation, Preempted, Straggler, Suspect, Suspects, Tick, WorkerMark,
 )
@@ -51,6 +57,9 @@ class Watch:
         self._late: dict[int, float] = {}  # skipped holes still looked for (number → since)
         self._last_hb = self._last_return = 0.0
         self._preempt_sent = False
+        self.prober = (NodeProber(launcher.node_reachable, launcher.probe_slurmd, cfg.detect.slurmd_probe_deadline_s)
+                       if hasattr(launcher, "probe_slurmd") else None)
+        self._held: dict[str, dict[str, dict[str, Any]]] = {}  # silent node → its suspects, probe running
 
     def observe(self, state: SupervisorState) -> list[Observation]:
         out: list[Observation] = []
@@ -66,8 +75,11 @@ class Watch:
         if now - self._last_hb >= self.cfg.detect.heartbeat_period_s:
             self._last_hb = now
             out += self._heartbeats(state, suspects, now)
-        if suspects:
-            out.append(self._probe(state, suspects))
+        if suspects and self.prober is not None:
+            self._hold_silent(state, suspects)
+        probed = self._probed(state)
+        if suspects or probed:
+            out.append(self._probe(state, suspects, probed))
         out += self.poll_events(state)
         if state.table.slots and self.store.check([done_key(s.rank) for s in state.table.slots]):
             out.append(AllDone())
@@ -122,18 +134,53 @@ class Watch:
                 suspects.setdefault(wid, {"t": now})["heartbeat_stale"] = True
         return out
 
-    def _probe(self, state: SupervisorState, suspects: dict[str, dict[str, Any]]) -> Suspects:
+    def _hold_silent(self, state: SupervisorState, suspects: dict[str, dict[str, Any]]) -> None:
+        """Move the suspects of silent nodes (and of nodes already held) out of
+        ``suspects`` into ``_held``, and start a probe of each such node."""
+        by_node: dict[str, list[str]] = {}
+        for wid, w in state.workers.items():
+            if state.watched(wid):
+                by_node.setdefault(w.node, []).append(wid)
+        touched = {state.workers[wid].node for wid in suspects}
+        for node in silent_nodes({n: by_node.get(n, []) for n in touched}, suspects) | (touched & set(self._held)):
+            held = self._held.setdefault(node, {})
+            for wid in [x for x in suspects if state.workers[x].node == node]:
+                o = suspects.pop(wid)
+                held[wid] = {**o, **held.get(wid, {}), **{k: v for k, v in o.items() if k != "t"}}
+            if self.prober.start(node, [state.workers[w].step_name for w in by_node.get(node, [])]):
+                log.info("node %s silent (every worker's heartbeat stale): asking its slurmd", node)
+
+    def _probed(self, state: SupervisorState) -> dict[str, tuple[dict[str, Any], NodeProbed | None]]:
+        """Held suspects whose probe answered (or is overdue: no verdict), by worker."""
+        out: dict[str, tuple[dict[str, Any], NodeProbed | None]] = {}
+        if self.prober is None:
+            return out
+        results = {r.node: r for r in self.prober.drain()}
+        for node in list(self._held):
+            if node in results or self.prober.overdue(node):
+                for wid, o in self._held.pop(node).items():
+                    if state.watched(wid):
+                        out[wid] = (o, results.get(node))
+        return out
+
+    def _probe(self, state: SupervisorState, suspects: dict[str, dict[str, Any]],
+               probed: dict[str, tuple[dict[str, Any], NodeProbed | None]] | None = None) -> Suspects:
         items = []
-        for wid, o in suspects.items():
+        both = [(wid, o, None) for wid, o in suspects.items()] + [(w, o, r) for w, (o, r) in (probed or {}).items()]
+        for wid, o, res in both:
             w = state.workers[wid]
             slot = state.slot_of(wid)
             finished = slot is not None and self.store.check([done_key(slot.rank)])
-            reachable = None if finished else self.launcher.node_reachable(w.node, self.cfg.detect.probe_timeout_s)
+            if res is not None and not finished:
+                reachable = res.reachable
+            else:
+                reachable = None if finished else self.launcher.node_reachable(w.node, self.cfg.detect.probe_timeout_s)
             h = self.handles.get(wid)
             items.append(Suspect(worker_id=wid, t=o["t"], process_exited=o.get("process_exited", False),
                                  heartbeat_stale=o.get("heartbeat_stale", False), node_state=o.get("node_state"),
                                  slurmd_reachable=reachable, still_running=h is not None and h.exit_code() is None,
-                                 finished=finished))
+                                 finished=finished, slurmd_answers=None if res is None else res.answered,
+                                 probe_s=None if res is None else res.ended - o["t"]))
         return Suspects(tuple(items))
 
     def poll_events(self, state: SupervisorState) -> list[Observation]:
