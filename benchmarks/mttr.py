@@ -14,6 +14,11 @@ MTTR = fault injection → first completed step after recovery (the last rank's)
     requeue           node killed, no spare, scale-in off → scontrol requeue
     supervisor        the supervisor SIGKILLed → the batch step restarts it and it
                       re-attaches (MTTR = kill → re-attached; training never pauses)
+    freeze-node       node frozen (slurmd SIGSTOPped, job cgroups frozen: a silent
+                      node, nothing closes) → classified lost by the slurmd probe →
+                      warm spare adopts its ranks; phases fault → detection →
+                      classify (the probe) → plan → first step. Goal: MTTR <=
+                      detect.heartbeat_timeout_s + 0.5 s with the default config
     baseline          node killed → scancel + sbatch a new job that restores from the
                       last L2 checkpoint (what a job without this toolkit does, with
                       instant detection granted to it)
@@ -98,6 +103,38 @@ def run_case(name: str, root: Path, args) -> dict:
     return out
 
 
+def freeze_node(root: Path, args) -> dict:
+    """Silent node loss: freeze rank 1's node; the frozen node is thawed and revived after."""
+    from slurm_resilience.config import DetectConfig
+
+    lab.cluster("reset")
+    run = lab.submit(root / "freeze-node", spares=1, tasks_per_node=args.tasks_per_node, steps=args.steps,
+                     config=config(root, "freeze-node", ""))
+    status = run.wait_for_step(args.kill_at)
+    victim = status["ranks"][1]["node"]
+    t_fault = lab.freeze_node(victim)
+    try:
+        code = run.wait()
+    finally:
+        lab.thaw_and_revive(victim)
+    events = read_events(str(run.job_dir / "events.jsonl"))
+    done = [e for e in events if e["kind"] == EventKind.RECOVERY_DONE]
+    faults = [e for e in events if e["kind"] == EventKind.FAULT_DETECTED]
+    out = {"exit_code": code, "tasks_per_node": args.tasks_per_node,
+           "fault_kinds": sorted({f["fault"]["kind"] for f in faults}),
+           "goal_s": DetectConfig().heartbeat_timeout_s + 0.5}
+    if not done:
+        return {**out, "mttr_s": None, "level": "?"}
+    d = done[0]
+    phases = {e["phase"]: e["duration_ms"] for e in events
+              if e["kind"] == EventKind.PHASE and e["recovery"] == d["recovery"]}
+    probe = next((f for f in faults if f.get("probe_s") is not None), {})
+    return {**out, "mttr_s": round(d["first_step"] - t_fault, 3), "level": d["level"],
+            "fault_to_detection_ms": round((d["detected"] - t_fault) * 1000, 1),
+            "probe_s": probe.get("probe_s"), "slurmd_answers": probe.get("slurmd_answers"),
+            "phases_ms": phases}
+
+
 def baseline(root: Path, args) -> dict:
     """Kill a node, cancel the job at once, resubmit, restore from the shared checkpoint."""
     lab.cluster("reset")
@@ -120,11 +157,14 @@ def baseline(root: Path, args) -> dict:
             "level": "cancel + resubmit + restore (L2)", "tasks_per_node": args.tasks_per_node}
 
 
+OWN_CASES = {"freeze-node": freeze_node, "baseline": baseline}  # cases with their own function
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--kill-at", type=int, default=25)
-    ap.add_argument("--cases", default=",".join([*CASES, "baseline"]))
+    ap.add_argument("--cases", default=",".join([*CASES, *OWN_CASES]))
     ap.add_argument("--tasks-per-node", type=int, default=1, metavar="G",
                     help="ranks per worker node, for every case alike (G <= the local cluster's CPUs per node)")
     ap.add_argument("--repeats", type=int, default=1, metavar="N",
@@ -141,7 +181,7 @@ def main() -> int:
         for name in args.cases.split(","):
             case_root = root / f"r{rep}"
             case_root.mkdir(exist_ok=True)
-            r = baseline(case_root, args) if name == "baseline" else run_case(name, case_root, args)
+            r = OWN_CASES[name](case_root, args) if name in OWN_CASES else run_case(name, case_root, args)
             runs.setdefault(name, []).append(r)
             print(f"{name:<18} run {rep + 1}/{args.repeats} {json.dumps(r)}", flush=True)
     results = {}
