@@ -9,7 +9,11 @@ the preemption request, and excluded nodes that may have come back.
 Suspects of a silent node (every worker there heartbeat-stale, ``probe.silent_nodes``)
 are held while a probe thread asks that node's slurmd a Slurm request
 (``probe.NodeProber``, bounded by ``detect.slurmd_probe_deadline_s``); they go to
-``decide`` with its answer, so the loop never waits on the node.
+``decide`` with its answer, so the loop never waits on the node. The probe starts
+early: once every rank on a node has been quiet for ``heartbeat_timeout_s -
+slurmd_probe_deadline_s - heartbeat_period_s``, so that its verdict is usually in
+when the heartbeats go stale. A verdict counts only if its probe started after the
+node's newest heartbeat (the node was silent throughout).
 """
 
 from __future__ import annotations
@@ -60,6 +64,8 @@ class Watch:
         self.prober = (NodeProber(launcher.node_reachable, launcher.probe_slurmd, cfg.detect.slurmd_probe_deadline_s)
                        if hasattr(launcher, "probe_slurmd") else None)
         self._held: dict[str, dict[str, dict[str, Any]]] = {}  # silent node → its suspects, probe running
+        self._verdicts: dict[str, NodeProbed] = {}  # newest probe result per node
+        self._beats: dict[str, float] = {}  # newest heartbeat time per worker
 
     def observe(self, state: SupervisorState) -> list[Observation]:
         out: list[Observation] = []
@@ -127,6 +133,9 @@ class Watch:
                 out.append(Straggler(rank, compute[rank], tuple(v for r, v in compute.items() if r != rank)))
         times = {wid: (b["t"] if b else None) for wid, b in beats.items()}
         ranks_t = {w: t for w, t in times.items() if w in ranks}
+        if self.prober is not None:
+            self._beats.update({w: t for w, t in times.items() if t is not None})
+            self._probe_early(state, ranks_t, now)
         idle_t = {w: t for w, t in times.items() if w not in ranks}  # warm standbys
         for group, timeout in ((ranks_t, self.cfg.detect.heartbeat_timeout_s),
                                (idle_t, self.cfg.detect.standby_heartbeat_timeout_s)):
@@ -136,7 +145,7 @@ class Watch:
 
     def _hold_silent(self, state: SupervisorState, suspects: dict[str, dict[str, Any]]) -> None:
         """Move the suspects of silent nodes (and of nodes already held) out of
-        ``suspects`` into ``_held``, and start a probe of each such node."""
+        ``suspects`` into ``_held`` (``_probed`` gets each a verdict)."""
         by_node: dict[str, list[str]] = {}
         for wid, w in state.workers.items():
             if state.watched(wid):
@@ -147,20 +156,41 @@ class Watch:
             for wid in [x for x in suspects if state.workers[x].node == node]:
                 o = suspects.pop(wid)
                 held[wid] = {**o, **held.get(wid, {}), **{k: v for k, v in o.items() if k != "t"}}
-            if self.prober.start(node, [state.workers[w].step_name for w in by_node.get(node, [])]):
-                log.info("node %s silent (every worker's heartbeat stale): asking its slurmd", node)
+
+    def _probe_early(self, state: SupervisorState, ranks_t: Mapping[str, float | None], now: float) -> None:
+        """Start the probe of a node whose every rank has been quiet long enough that
+        its heartbeats will be stale about when the probe's deadline ends."""
+        d = self.cfg.detect
+        quiet_for = max(0.0, d.heartbeat_timeout_s - d.slurmd_probe_deadline_s - d.heartbeat_period_s)
+        by_node: dict[str, list[str]] = {}
+        for wid in ranks_t:
+            by_node.setdefault(state.workers[wid].node, []).append(wid)
+        for node, wids in by_node.items():
+            ts = [ranks_t[w] for w in wids]
+            if node not in self._held and all(t is not None for t in ts) and now - max(ts) >= quiet_for:
+                self.prober.start(node, [state.workers[w].step_name for w in wids])
 
     def _probed(self, state: SupervisorState) -> dict[str, tuple[dict[str, Any], NodeProbed | None]]:
-        """Held suspects whose probe answered (or is overdue: no verdict), by worker."""
+        """Held suspects with a verdict on their node (or none: the probe is overdue), by
+        worker. A verdict counts if its probe started after the node's newest beat;
+        a held node without one gets a probe (no-op while one runs)."""
         out: dict[str, tuple[dict[str, Any], NodeProbed | None]] = {}
         if self.prober is None:
             return out
-        results = {r.node: r for r in self.prober.drain()}
-        for node in list(self._held):
-            if node in results or self.prober.overdue(node):
-                for wid, o in self._held.pop(node).items():
-                    if state.watched(wid):
-                        out[wid] = (o, results.get(node))
+        self._verdicts.update({r.node: r for r in self.prober.drain()})
+        for node, held in list(self._held.items()):
+            newest = max((self._beats.get(w, 0.0) for w in held), default=0.0)
+            v = self._verdicts.get(node)
+            if v is None or v.started < newest:
+                if not self.prober.overdue(node):
+                    self.prober.start(node, [state.workers[w].step_name for w in held])
+                    continue
+                v = None
+            del self._held[node]
+            self._verdicts.pop(node, None)
+            for wid, o in held.items():
+                if state.watched(wid):
+                    out[wid] = (o, v)
         return out
 
     def _probe(self, state: SupervisorState, suspects: dict[str, dict[str, Any]],

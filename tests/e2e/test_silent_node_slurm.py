@@ -11,7 +11,6 @@ and revived afterwards whatever happens, so the shared cluster is left healthy.
 import pytest
 
 from slurm_resilience import lab
-from slurm_resilience.config import DetectConfig
 from slurm_resilience.events import read_events
 
 from .conftest import STEPS
@@ -42,11 +41,12 @@ def test_frozen_node_is_lost_and_replaced_on_the_spare(cluster, jobs_root, refer
     assert lost and all(f["fault"]["kind"] == "node_lost" for f in lost), faults
     assert all(f["fault"]["kind"] != "process_hung" for f in faults), faults
     first = lost[0]
-    assert first["slurmd_answers"] is False, first
-    # detection → the probe's verdict: the probe waited its deadline, not Slurm's
-    # MessageTimeout (5 s) nor SlurmdTimeout; loose bound for a loaded 2-core box
-    assert first["probe_s"] >= DetectConfig().slurmd_probe_deadline_s * 0.9, first
+    # the verdict came from the slurmd probe (sstat unanswered), not from Slurm
+    # flagging the node after SlurmdTimeout; probe_s = detection → verdict (negative
+    # when the early probe had answered before the heartbeats went stale)
+    assert first["slurmd_answers"] is False and isinstance(first["probe_s"], float), first
     assert first["observed_at"] >= frozen_at
+    assert "did not answer" in first["fault"]["detail"], first
     done = _events(run.job_dir, "recovery_done")
     assert [d["level"] for d in done] == ["node-replacement"], done
     plans = _events(run.job_dir, "plan")

@@ -238,3 +238,40 @@ def test_watch_reports_partial_staleness_at_once_without_a_node_probe():
     assert s.slurmd_answers is None
     state2, _ = decide(state, m.Suspects((s,)), 2.0, p)
     assert state2.recovery.level == "online"
+
+
+def test_the_probe_starts_early_and_its_verdict_counts_only_if_it_began_after_the_last_beat():
+    p = policy()
+    state, _ = started(p)
+    launcher = Launcher(False)
+    w = _watch(launcher)
+    frozen = state.table.slots[1]
+    node, wid = frozen.node, frozen.worker_id
+    now = 100.0
+    beats = {s.worker_id: now for s in state.table.slots}
+    beats[wid] = now - 1.5  # quiet for 1.5 s: heartbeat_timeout 2.0 - deadline 0.3 - period 0.25 = 1.45
+    w._beats.update(beats)
+    w._probe_early(state, beats, now)
+    deadline = time.monotonic() + 5
+    while not w._verdicts and time.monotonic() < deadline:
+        w._verdicts.update({r.node: r for r in w.prober.drain()})
+        time.sleep(0.005)
+    assert list(w._verdicts) == [node] and launcher.asked == [(node, (state.workers[wid].step_name,))]
+    # a verdict older than the node's newest beat is stale: a new probe is asked
+    w._beats[wid] = w._verdicts[node].started + 0.001
+    time.sleep(0.01)
+    w._hold_silent(state, {wid: {"t": now + 0.5, "heartbeat_stale": True}})
+    assert w._probed(state) == {} and node in w._held
+    obs = _released(w, state)
+    assert obs.items[0].slurmd_answers is False and len(launcher.asked) == 2
+
+
+def test_quiet_ranks_below_the_lead_are_not_probed():
+    p = policy()
+    state, _ = started(p)
+    launcher = Launcher(False)
+    w = _watch(launcher)
+    beats = {s.worker_id: 100.0 - 1.0 for s in state.table.slots}
+    w._probe_early(state, beats, 100.0)
+    time.sleep(0.05)
+    assert launcher.asked == [] and w.prober.drain() == []
