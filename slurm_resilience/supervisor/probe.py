@@ -8,7 +8,10 @@ watch holds those suspects and asks the node's slurmd something it must answer
 itself — ``sstat`` of one of our steps there (``Launcher.probe_slurmd``) — in a
 thread, bounded by ``detect.slurmd_probe_deadline_s``. The answer comes back as a
 :class:`NodeProbed` and rides on the suspects into ``decide``: silent past the
-deadline → NODE_LOST (``classify.py``), answered → a process-level fault.
+deadline → NODE_LOST (``classify.py``), answered → a process-level fault. The watch
+starts the probe early, once every rank on the node has been quiet for the heartbeat
+time-out less the deadline and one period, so that the verdict is usually in when
+the heartbeats go stale (``watch.Watch._probe_early``).
 
 Measured on the lab cluster (Slurm 22.05, frozen node = slurmd SIGSTOPped and the
 job cgroups frozen): healthy, the connect + step list + sstat take 10-20 ms;
