@@ -14,7 +14,9 @@ after recovery (the last rank's). Cases:
     process-restart   node killed, online recovery forced to time out → all relaunched
     requeue           node killed, no spare, scale-in off → scontrol requeue
     supervisor        the supervisor SIGKILLed → restarted, re-attaches (training never pauses)
-    freeze-node       (when lab.freeze_node exists) a node stopped silently
+    freeze-node       a node frozen (slurmd and its job cgroups stopped: nothing closes) →
+                      classified lost by the slurmd probe → the spare adopts its ranks
+    kill-node-podman  kill-node with every rank and standby in a podman container
 
 Baselines (benchmarks/mttr_baseline.py): the ordinary torchrun-style script
 examples/train_torchrun.py under a plain sbatch, resubmitted by hand after the kill,

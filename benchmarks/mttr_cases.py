@@ -8,11 +8,7 @@ cleans up after the job (``cleanup``), and what ends its window (``measure``):
     reattach   the supervisor's re-attachment (training never pauses)
     restart    the first step of the world formed after the fault (requeue)
 
-Another fault plugs in as one more :func:`register` call, e.g. the freeze-node case
-(registered below when ``lab.freeze_node``/``lab.thaw_node`` exist)::
-
-    register(Case("freeze-node", inject=lambda st: lab.freeze_node(st["ranks"][1]["node"]),
-                  cleanup=lambda st: lab.thaw_node(st["ranks"][1]["node"])))
+Another fault plugs in as one more :func:`register` call (see the freeze-node case below).
 """
 
 from __future__ import annotations
@@ -94,9 +90,10 @@ def _podman_config() -> str:
 register(Case("kill-node-podman", inject=lambda st: lab.kill_node(st["ranks"][1]["node"]),
               config=_podman_config, expect="node-replacement"))
 
-if hasattr(lab, "freeze_node") and hasattr(lab, "thaw_node"):  # the silent node loss (branch freeze-node)
-    register(Case("freeze-node", inject=lambda st: lab.freeze_node(st["ranks"][1]["node"]),
-                  cleanup=lambda st: lab.thaw_node(st["ranks"][1]["node"]), expect="node-replacement"))
+# The silent node loss: slurmd and the node's job cgroups stopped, nothing closes; the
+# node is thawed and revived after the job (outside the window).
+register(Case("freeze-node", inject=lambda st: lab.freeze_node(st["ranks"][1]["node"]),
+              cleanup=lambda st: lab.thaw_and_revive(st["ranks"][1]["node"]), expect="node-replacement"))
 
 
 def first_step_after(events: list[dict], t: float) -> float | None:

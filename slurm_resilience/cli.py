@@ -264,7 +264,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_status)
     from .inject import FAULTS
 
-    p = sub.add_parser("inject", help="inject a fault into a running job (tests, drills)")
+    import argparse as _ap
+    from .inject import __doc__ as faults_doc
+
+    p = sub.add_parser("inject", help="inject a fault into a running job (tests, drills)",
+                       description=faults_doc, formatter_class=_ap.RawDescriptionHelpFormatter)
     p.add_argument("fault", choices=FAULTS)
     p.add_argument("--job", required=True, help="the job directory")
     p.add_argument("--rank", type=int, default=1)

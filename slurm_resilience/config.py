@@ -50,7 +50,11 @@ class DetectConfig:
             heartbeat thread must not cost a spare; a standby that is really hung does not
             pass the adoption (its node's check needs every standby connected).
         node_poll_s: how often Slurm node states are polled (> 0).
-        probe_timeout_s: timeout of one slurmd reachability probe (> 0).
+        probe_timeout_s: timeout of one slurmd reachability probe, a TCP connect (> 0).
+        slurmd_probe_deadline_s: when every worker on a node is heartbeat-stale, its slurmd
+            must answer a Slurm request (``sstat`` of a step there) within this, or the node
+            is lost (> 0, < heartbeat_timeout_s). Asked off the loop; healthy answers take
+            10-20 ms on the lab cluster, so the deadline is only spent on a silent node.
         straggler_threshold: a rank whose own compute time exceeds this × the
             median of the others is slow (> 1).
         straggler_window: ... for this many consecutive heartbeat checks (>= 1).
@@ -76,6 +80,7 @@ class DetectConfig:
     standby_heartbeat_timeout_s: float = 10.0
     node_poll_s: float = 2.0
     probe_timeout_s: float = 0.3
+    slurmd_probe_deadline_s: float = 0.3
     straggler_threshold: float = 1.5
     straggler_window: int = 8
     headless_timeout_s: float = 30.0
@@ -101,12 +106,16 @@ class DetectConfig:
             )
         if self.straggler_threshold <= 1 or self.straggler_window < 1:
             raise ConfigError("detect.straggler_threshold must be > 1 and detect.straggler_window >= 1")
-        for name in ("node_poll_s", "probe_timeout_s"):
+        for name in ("node_poll_s", "probe_timeout_s", "slurmd_probe_deadline_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"detect.{name}={getattr(self, name)} must be > 0")
         if self.headless_timeout_s != 0 and self.headless_timeout_s <= self.heartbeat_timeout_s:
             raise ConfigError(f"detect.headless_timeout_s={self.headless_timeout_s} must be > heartbeat_timeout_s="
                               f"{self.heartbeat_timeout_s} (or 0 to turn it off)")
+        if self.slurmd_probe_deadline_s >= self.heartbeat_timeout_s:
+            raise ConfigError(f"detect.slurmd_probe_deadline_s={self.slurmd_probe_deadline_s} must be < "
+                              f"heartbeat_timeout_s={self.heartbeat_timeout_s}: the probe only decides what "
+                              "a stale heartbeat means, it must not take longer than noticing it")
 
 
 # What ``recovery.isolate_state`` may say (see RecoveryConfig).

@@ -6,6 +6,8 @@ by name. Node-level faults need the one-machine cluster (``scripts/local-cluster
 
     kill-rank     SIGKILL one rank's process
     kill-node     hard loss of the node running a rank (slurmd, slurmstepd, tasks)
+    freeze-node   silent loss of that node: slurmd stopped, its job cgroups frozen; no
+                  connection closes (thaw: ``scripts/local-cluster thaw-node NODE``)
     hang-rank     SIGSTOP one rank (found by its stale heartbeat)
     slow-rank     straggler: SIGSTOP/SIGCONT duty cycle for a while
     kill-spare    SIGKILL a warm standby
@@ -27,7 +29,7 @@ from typing import Any
 
 from .errors import ResilienceError
 
-FAULTS = ("kill-rank", "kill-node", "hang-rank", "slow-rank", "kill-spare", "kill-supervisor",
+FAULTS = ("kill-rank", "kill-node", "freeze-node", "hang-rank", "slow-rank", "kill-spare", "kill-supervisor",
           "corrupt-checkpoint", "fill-disk", "preempt")
 
 
@@ -72,6 +74,11 @@ def inject(fault: str, job_dir: str, *, rank: int = 1, seconds: float = 5.0,
 
         node = _rank(st, rank)["node"]
         return {"fault": fault, "rank": rank, "node": node, "at": lab.kill_node(node)}
+    if fault == "freeze-node":
+        from . import lab
+
+        node = _rank(st, rank)["node"]
+        return {"fault": fault, "rank": rank, "node": node, "at": lab.freeze_node(node)}
     if fault == "kill-spare":
         spares = [s for s in st["spares"] if s["pid"]]
         if not spares:

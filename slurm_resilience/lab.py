@@ -2,7 +2,7 @@
 
 Shared by ``scripts/demo.py``, the end-to-end tests and the benchmarks, so each of
 them proves the same path. Faults are injected only into processes this job
-started (by PID) or through ``scripts/local-cluster kill-node``.
+started (by PID) or through ``scripts/local-cluster kill-node`` / ``freeze-node``.
 """
 
 from __future__ import annotations
@@ -60,6 +60,20 @@ def kill_node(node: str) -> float:
     out = cluster("kill-node", node, timeout=30)
     m = re.search(r"killed_at=([0-9.]+)", out)
     return float(m.group(1)) if m else time.time()
+
+
+def freeze_node(node: str) -> float:
+    """Silent node loss (``local-cluster freeze-node``: slurmd stopped, job cgroups
+    frozen, nothing closed); returns the wall time of the freeze."""
+    out = cluster("freeze-node", node, timeout=30)
+    m = re.search(r"frozen_at=([0-9.]+)", out)
+    return float(m.group(1)) if m else time.time()
+
+
+def thaw_and_revive(node: str) -> None:
+    """Undo ``freeze_node``: thaw the node and make it usable again (revive-node)."""
+    cluster("thaw-node", node, timeout=30)
+    cluster("revive-node", node, timeout=60)
 
 
 @dataclasses.dataclass

@@ -90,6 +90,10 @@ class LocalLauncher:
     def node_reachable(self, node: str, timeout_s: float) -> bool:
         return node not in self.lost
 
+    def probe_slurmd(self, node: str, step_names: Sequence[str], deadline_s: float) -> tuple[bool | None, str]:
+        """No slurmd here: a node is silent once ``fail_node`` took it."""
+        return (False, "node failed") if node in self.lost else (True, "local")
+
     def node_states(self, nodes: Sequence[str]) -> dict[str, str]:
         return {n: ("DOWN*" if n in self.lost else "ALLOCATED") for n in nodes}
 

@@ -200,6 +200,41 @@ class SrunLauncher:
         except OSError:
             return False
 
+    def probe_slurmd(self, node: str, step_names: Sequence[str], deadline_s: float) -> tuple[bool | None, str]:
+        """Does ``node``'s slurmd answer a Slurm request within ``deadline_s``?
+
+        (True, how) answered; (False, why) refused or silent past the deadline; (None,
+        why) nothing to ask (none of ``step_names`` runs there: the step list comes
+        from slurmctld). The request is ``sstat`` of one of our steps on the node
+        (``commands.step_stat``): slurmd must relay it to the step's slurmstepd. A
+        TCP connect alone is no proof: a stopped slurmd's port still accepts
+        (``node_reachable`` is asked first). Blocks up to ``deadline_s``: call it off the supervisor's loop (``probe.py``).
+        """
+        t0 = time.monotonic()
+        try:
+            out = commands.run(["squeue", "-h", "-s", "-j", self._steps_job, "-o", "%i %j"],
+                               timeout=max(0.05, deadline_s - (time.monotonic() - t0))).stdout
+        except commands.SlurmCommandError as exc:
+            return None, f"step list unavailable ({exc})"
+        ids = {}
+        for line in out.splitlines():
+            parts = line.split()
+            if len(parts) == 2 and "." in parts[0]:
+                ids[parts[1]] = parts[0].split(".", 1)[1]
+        step = next((ids[n] for n in step_names if n in ids and ids[n].isdigit()), None)
+        if step is None:
+            return None, "no step of ours runs there to ask about"
+        left = deadline_s - (time.monotonic() - t0)
+        if left <= 0:
+            return None, "the step list took the whole deadline"
+        try:
+            commands.step_stat(self._steps_job, step, timeout=left)
+        except commands.SlurmCommandError as exc:
+            if exc.returncode is None and "timed out" in exc.stderr:
+                return False, f"slurmd did not answer sstat of step {self._steps_job}.{step} within {deadline_s:g}s"
+            return None, f"sstat of step {self._steps_job}.{step} failed ({exc})"
+        return True, f"slurmd answered sstat of step {self._steps_job}.{step}"
+
     def node_states(self, nodes: Sequence[str]) -> dict[str, str]:
         info = commands.show_nodes(list(nodes))
         return {n: info[n].get("State", "UNKNOWN") for n in nodes if n in info}

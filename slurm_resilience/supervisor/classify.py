@@ -8,9 +8,15 @@ observation                             slurmd reachable     kind
 Slurm state DOWN/DRAIN/FAIL/NOT_RESP.   False                NODE_LOST
 Slurm state DOWN/DRAIN/FAIL/NOT_RESP.   True / None          NODE_UNHEALTHY
 any                                     False                NODE_LOST
+heartbeat stale, node silent            no Slurm answer      NODE_LOST
 process exited                          True / None          PROCESS_DIED
 heartbeat stale                         True / None          PROCESS_HUNG
 ======================================  ===================  ==============
+
+"slurmd reachable" is a TCP connect to slurmd's port; a stopped or hung slurmd
+still accepts one. "No Slurm answer" (``slurmd_answers`` False) is the silent-node
+probe (``probe.py``): every worker on the node was heartbeat-stale and the node's
+slurmd did not answer a step-stat request within ``detect.slurmd_probe_deadline_s``.
 
 Anything else is not a fault: ``RecoveryError`` is raised, since the caller
 should only classify when something looks wrong.
@@ -51,12 +57,14 @@ def classify_fault(
     heartbeat_stale: bool,
     slurm_node_state: str | None,
     now: float,
+    slurmd_answers: bool | None = None,
 ) -> Fault:
     """Classify one observation; ``detail`` says which rule fired and why.
 
     Args:
         slurmd_reachable: None when not probed.
         slurm_node_state: scontrol ``State=`` value (e.g. ``IDLE+DRAIN``, ``DOWN*``).
+        slurmd_answers: the silent-node probe (None: not asked).
 
     Raises:
         RecoveryError: nothing in the observation indicates a fault.
@@ -72,6 +80,9 @@ def classify_fault(
     elif slurmd_reachable is False:
         kind = FaultKind.NODE_LOST
         detail = "slurmd unreachable"
+    elif slurmd_answers is False and heartbeat_stale and not process_exited:
+        kind = FaultKind.NODE_LOST
+        detail = "every rank on the node silent and slurmd did not answer a Slurm request in time"
     elif process_exited:
         kind = FaultKind.PROCESS_DIED
         detail = "process exited (connection closed or step ended)"
@@ -81,7 +92,8 @@ def classify_fault(
     else:
         raise RecoveryError(f"no fault to classify for rank {rank} on {node}: all observations healthy")
     if kind in (FaultKind.PROCESS_DIED, FaultKind.PROCESS_HUNG):
-        detail += ", node reachable" if slurmd_reachable else ", slurmd not probed"
+        detail += (", slurmd answered" if slurmd_answers else ", node reachable" if slurmd_reachable
+                   else ", slurmd not probed")
     return Fault(kind=kind, rank=rank, node=node, time=now, detail=detail)
 
 

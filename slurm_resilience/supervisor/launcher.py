@@ -39,6 +39,10 @@ class Launcher(Protocol):
     def node_reachable(self, node: str, timeout_s: float) -> bool:
         """Is the node's agent (slurmd) answering? False means the node is lost."""
 
+    def probe_slurmd(self, node: str, step_names: Sequence[str], deadline_s: float) -> tuple[bool | None, str]:
+        """Does the node's agent answer a real request (not only a TCP connect) within
+        ``deadline_s``? (True/False/None unknown, why). Blocking: run off the loop."""
+
     def node_states(self, nodes: Sequence[str]) -> dict[str, str]:
         """Resource manager's state per node (e.g. ``IDLE``, ``DOWN*``)."""
 

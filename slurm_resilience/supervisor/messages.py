@@ -40,6 +40,9 @@ class Suspect:
 
     ``slurmd_reachable`` None: not probed. ``finished``: the rank had reported done
     (its exit is not a fault). ``still_running``: its process or step has not exited.
+    ``slurmd_answers``: every worker on the node was silent, so its slurmd was asked a
+    Slurm request (``probe.py``): True answered, False not within the deadline, None
+    not asked. ``probe_s``: how long that probe took (detection → its answer).
     """
 
     worker_id: str
@@ -51,6 +54,8 @@ class Suspect:
     still_running: bool = False
     finished: bool = False
     evidence: str = ""  # the watchdog's reason when it confirmed a hang (progress.py)
+    slurmd_answers: bool | None = None
+    probe_s: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -193,7 +193,7 @@ class Supervisor:
             self._launch(state, action)
         elif isinstance(action, Kill):
             if action.worker_id in self.handles:
-                self.launcher.kill(self.handles[action.worker_id])
+                self._kill(action.worker_id)
         elif isinstance(action, Publish):
             publish_plan(self.store, action.plan, self.job_dir)
             self.watch.stragglers.reset()  # ranks may be renumbered
@@ -238,6 +238,21 @@ class Supervisor:
         self.handles[a.worker_id] = self.launcher.launch(
             name=state.workers[a.worker_id].step_name, node=a.node, argv=self.command, env=env, log_path=log_path)
         self._save(state)
+
+    def _kill(self, worker_id: str) -> None:
+        """End a worker's step in a thread: the step may sit on a node that answers
+        nothing, and no recovery may wait on the faulty node (its replacement is
+        published right after). A failed kill is logged; Slurm ends the step with
+        the node at the latest."""
+        handle = self.handles[worker_id]
+
+        def work() -> None:
+            try:
+                self.launcher.kill(handle)
+            except Exception as exc:
+                log.warning("killing worker %s failed: %s", worker_id, exc)
+
+        threading.Thread(target=work, name=f"sr-kill-{worker_id}", daemon=True).start()
 
     def _reap(self, state: SupervisorState, grace_s: float) -> None:
         deadline = time.time() + grace_s

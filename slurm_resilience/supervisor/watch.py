@@ -6,6 +6,15 @@ workers' job steps, heartbeats in the store and the ranks' pulses, weighed by th
 watchdog (``progress.py``: hung → suspect, starved → reported; compute time →
 stragglers), the workers' events in the store (logged; recovery marks), done keys,
 the preemption request, and excluded nodes that may have come back.
+
+Suspects of a silent node (every worker there heartbeat-stale, ``probe.silent_nodes``)
+are held while a probe thread asks that node's slurmd a Slurm request
+(``probe.NodeProber``, bounded by ``detect.slurmd_probe_deadline_s``); they go to
+``decide`` with its answer, so the loop never waits on the node. The probe starts
+early: once every rank on a node has been quiet for ``heartbeat_timeout_s -
+slurmd_probe_deadline_s - heartbeat_period_s``, so that its verdict is usually in
+when the heartbeats go stale. A verdict counts only if its probe started after the
+node's newest heartbeat (the node was silent throughout).
 """
 
 from __future__ import annotations
@@ -22,6 +31,7 @@ from ..protocol import EventKind, StoreKey, WorkerEvent, done_key, event_key, he
 from .classify import node_unhealthy
 from .detect import Observation as Seen, read_heartbeats, stale_workers
 from .launcher import Launcher, StepHandle
+from .probe import NodeProbed, NodeProber, silent_nodes
 from .messages import (
     AllDone, Connected, LivenessChange, NodeBack, Observation, Preempted, Straggler, Suspect, Suspects, Tick, WorkerMark,
 )
@@ -61,6 +71,11 @@ class Watch:
         self._late: dict[int, float] = {}  # skipped holes still looked for (number → since)
         self._last_hb = self._last_return = 0.0
         self._preempt_sent = False
+        self.prober = (NodeProber(launcher.node_reachable, launcher.probe_slurmd, cfg.detect.slurmd_probe_deadline_s)
+                       if hasattr(launcher, "probe_slurmd") else None)
+        self._held: dict[str, dict[str, dict[str, Any]]] = {}  # silent node → its suspects, probe running
+        self._verdicts: dict[str, NodeProbed] = {}  # newest probe result per node
+        self._beats: dict[str, float] = {}  # newest heartbeat time per worker
 
     def observe(self, state: SupervisorState) -> list[Observation]:
         out: list[Observation] = []
@@ -76,8 +91,11 @@ class Watch:
         if now - self._last_hb >= self.cfg.detect.heartbeat_period_s:
             self._last_hb = now
             out += self._heartbeats(state, suspects, now)
-        if suspects:
-            out.append(self._probe(state, suspects))
+        if suspects and self.prober is not None:
+            self._hold_silent(state, suspects)
+        probed = self._probed(state)
+        if suspects or probed:
+            out.append(self._probe(state, suspects, probed))
         out += self.poll_events(state)
         if state.table.slots and self.store.check([done_key(s.rank) for s in state.table.slots]):
             out.append(AllDone())
@@ -127,6 +145,9 @@ class Watch:
         pulses = self.pulses()
         # Ranks: the watchdog decides (a stale heartbeat alone is a suspect, not a fault).
         ranks_t = {w: (t if t is not None else self.connected_at[w]) for w, t in times.items() if w in ranks}
+        if self.prober is not None:  # the slurmd probe of a node gone quiet (probe.py)
+            self._beats.update({w: t for w, t in times.items() if t is not None})
+            self._probe_early(state, {w: t for w, t in times.items() if w in ranks}, now)
         changes = self.progress.observe(ranks_t, pulses, now, paused=state.recovery is not None)
         for wid, (verdict, why) in self.progress.verdicts.items():
             if verdict in ACTED_ON:
@@ -146,18 +167,75 @@ class Watch:
         v = self.progress.verdicts.get(worker_id)
         return v[0].value if v else "ok"
 
-    def _probe(self, state: SupervisorState, suspects: dict[str, dict[str, Any]]) -> Suspects:
+    def _hold_silent(self, state: SupervisorState, suspects: dict[str, dict[str, Any]]) -> None:
+        """Move the suspects of silent nodes (and of nodes already held) out of
+        ``suspects`` into ``_held`` (``_probed`` gets each a verdict)."""
+        by_node: dict[str, list[str]] = {}
+        for wid, w in state.workers.items():
+            if state.watched(wid):
+                by_node.setdefault(w.node, []).append(wid)
+        touched = {state.workers[wid].node for wid in suspects}
+        for node in silent_nodes({n: by_node.get(n, []) for n in touched}, suspects) | (touched & set(self._held)):
+            held = self._held.setdefault(node, {})
+            for wid in [x for x in suspects if state.workers[x].node == node]:
+                o = suspects.pop(wid)
+                held[wid] = {**o, **held.get(wid, {}), **{k: v for k, v in o.items() if k != "t"}}
+
+    def _probe_early(self, state: SupervisorState, ranks_t: Mapping[str, float | None], now: float) -> None:
+        """Start the probe of a node whose every rank has been quiet long enough that
+        its heartbeats will be stale about when the probe's deadline ends."""
+        d = self.cfg.detect
+        quiet_for = max(0.0, d.heartbeat_timeout_s - d.slurmd_probe_deadline_s - d.heartbeat_period_s)
+        by_node: dict[str, list[str]] = {}
+        for wid in ranks_t:
+            by_node.setdefault(state.workers[wid].node, []).append(wid)
+        for node, wids in by_node.items():
+            ts = [ranks_t[w] for w in wids]
+            if node not in self._held and all(t is not None for t in ts) and now - max(ts) >= quiet_for:
+                self.prober.start(node, [state.workers[w].step_name for w in wids])
+
+    def _probed(self, state: SupervisorState) -> dict[str, tuple[dict[str, Any], NodeProbed | None]]:
+        """Held suspects with a verdict on their node (or none: the probe is overdue), by
+        worker. A verdict counts if its probe started after the node's newest beat;
+        a held node without one gets a probe (no-op while one runs)."""
+        out: dict[str, tuple[dict[str, Any], NodeProbed | None]] = {}
+        if self.prober is None:
+            return out
+        self._verdicts.update({r.node: r for r in self.prober.drain()})
+        for node, held in list(self._held.items()):
+            newest = max((self._beats.get(w, 0.0) for w in held), default=0.0)
+            v = self._verdicts.get(node)
+            if v is None or v.started < newest:
+                if not self.prober.overdue(node):
+                    self.prober.start(node, [state.workers[w].step_name for w in held])
+                    continue
+                v = None
+            del self._held[node]
+            self._verdicts.pop(node, None)
+            for wid, o in held.items():
+                if state.watched(wid):
+                    out[wid] = (o, v)
+        return out
+
+    def _probe(self, state: SupervisorState, suspects: dict[str, dict[str, Any]],
+               probed: dict[str, tuple[dict[str, Any], NodeProbed | None]] | None = None) -> Suspects:
         items = []
-        for wid, o in suspects.items():
+        both = [(wid, o, None) for wid, o in suspects.items()] + [(w, o, r) for w, (o, r) in (probed or {}).items()]
+        for wid, o, res in both:
             w = state.workers[wid]
             slot = state.slot_of(wid)
             finished = slot is not None and self.store.check([done_key(slot.rank)])
-            reachable = None if finished else self.launcher.node_reachable(w.node, self.cfg.detect.probe_timeout_s)
+            if res is not None and not finished:
+                reachable = res.reachable
+            else:
+                reachable = None if finished else self.launcher.node_reachable(w.node, self.cfg.detect.probe_timeout_s)
             h = self.handles.get(wid)
             items.append(Suspect(worker_id=wid, t=o["t"], process_exited=o.get("process_exited", False),
                                  heartbeat_stale=o.get("heartbeat_stale", False), node_state=o.get("node_state"),
                                  slurmd_reachable=reachable, still_running=h is not None and h.exit_code() is None,
-                                 finished=finished, evidence=o.get("evidence", "")))
+                                 finished=finished, evidence=o.get("evidence", ""),
+                                 slurmd_answers=None if res is None else res.answered,
+                                 probe_s=None if res is None else res.ended - o["t"]))
         return Suspects(tuple(items))
 
     def poll_events(self, state: SupervisorState) -> list[Observation]:

@@ -85,7 +85,7 @@ def test_set_node_state(fake):
 def test_cancel_step(fake):
     commands.cancel_step("12", "0")
     commands.cancel_step("12", "3", signal="KILL")
-    assert fake.calls == [["scancel", "12.0"], ["scancel", "--signal=KILL", "12.3"]]
+    assert fake.calls == [["scancel", "--ctld", "12.0"], ["scancel", "--ctld", "--signal=KILL", "12.3"]]
     with pytest.raises(ValueError):
         commands.cancel_step("12; rm", "0")
     with pytest.raises(ValueError):

@@ -64,8 +64,8 @@ def test_unknown_key(tmp_path):
     p.write_text("detect:\n  heartbeat: 1\n")
     assert _err(p) == (
         "unknown key 'detect.heartbeat' in cfg.yaml; valid keys: heartbeat_period_s, heartbeat_timeout_s,"
-        " standby_heartbeat_timeout_s, node_poll_s, probe_timeout_s, straggler_threshold, straggler_window,"
-        " headless_timeout_s, pulse, progress_soft_s, progress_hard_s, progress_factor"
+        " standby_heartbeat_timeout_s, node_poll_s, probe_timeout_s, slurmd_probe_deadline_s, straggler_threshold,"
+        " straggler_window, headless_timeout_s, pulse, progress_soft_s, progress_hard_s, progress_factor"
     )
 
 
@@ -110,6 +110,10 @@ def test_wrong_type(doc, want):
         ({"detect": {"heartbeat_timeout_s": 0.5}}, "detect.heartbeat_timeout_s=0.5 must be > 2 * heartbeat_period_s (0.5)"),
         ({"detect": {"node_poll_s": 0}}, "detect.node_poll_s=0.0 must be > 0"),
         ({"detect": {"probe_timeout_s": -1}}, "detect.probe_timeout_s=-1.0 must be > 0"),
+        ({"detect": {"slurmd_probe_deadline_s": 0}}, "detect.slurmd_probe_deadline_s=0.0 must be > 0"),
+        ({"detect": {"slurmd_probe_deadline_s": 2}},
+         "detect.slurmd_probe_deadline_s=2.0 must be < heartbeat_timeout_s=2.0: the probe only decides what a "
+         "stale heartbeat means, it must not take longer than noticing it"),
         ({"recovery": {"online_timeout_s": 0}}, "recovery.online_timeout_s=0.0 must be > 0"),
         ({"recovery": {"fault_retry_times": -1}}, "recovery.fault_retry_times=-1 must be >= 0"),
         ({"recovery": {"isolate_state": "IDLE"}}, "recovery.isolate_state='IDLE' must be one of auto, none, DRAIN, DOWN"),

@@ -1,0 +1,112 @@
+"""Probe a silent node: does its slurmd answer a real Slurm request? Off the loop.
+
+A node that loses power or hangs sends nothing: its ranks' connections stay open,
+their heartbeats just stop, and its slurmd port may still accept TCP connections
+(the kernel queues them for the stopped daemon). So when *every* watched worker on
+a node is heartbeat-stale and none is known to have exited (``silent_nodes``), the
+watch holds those suspects and asks the node's slurmd something it must answer
+itself — ``sstat`` of one of our steps there (``Launcher.probe_slurmd``) — in a
+thread, bounded by ``detect.slurmd_probe_deadline_s``. The answer comes back as a
+:class:`NodeProbed` and rides on the suspects into ``decide``: silent past the
+deadline → NODE_LOST (``classify.py``), answered → a process-level fault. The watch
+starts the probe early, once every rank on the node has been quiet for the heartbeat
+time-out less the deadline and one period, so that the verdict is usually in when
+the heartbeats go stale (``watch.Watch._probe_early``).
+
+Measured on the lab cluster (Slurm 22.05, frozen node = slurmd SIGSTOPped and the
+job cgroups frozen): healthy, the connect + step list + sstat take 10-20 ms;
+frozen, the connect still succeeds in 1 ms and sstat never answers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+import threading
+import time
+from typing import Any, Callable, Mapping, Sequence
+
+__all__ = ["NodeProbed", "NodeProber", "silent_nodes"]
+
+HOLD_GRACE_S = 1.0  # a probe thread past its deadline by this much is given up on
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeProbed:
+    """One probe's outcome. ``reachable``: the TCP connect to slurmd's port;
+    ``answered``: the Slurm request (None: nothing to ask, or the probe broke)."""
+
+    node: str
+    reachable: bool
+    answered: bool | None
+    detail: str
+    started: float
+    ended: float
+
+
+def silent_nodes(workers_by_node: Mapping[str, Sequence[str]], suspects: Mapping[str, Mapping[str, Any]]) -> set[str]:
+    """Pure: the nodes whose every watched worker (``workers_by_node``) is a suspect
+    with a stale heartbeat, none seen exiting and no bad Slurm state reported. A node
+    with one healthy worker is not silent: its suspects are process-level."""
+    out = set()
+    for node, wids in workers_by_node.items():
+        if wids and all(suspects.get(w, {}).get("heartbeat_stale") and not suspects[w].get("process_exited")
+                        and not suspects[w].get("node_state") for w in wids):
+            out.add(node)
+    return out
+
+
+class NodeProber:
+    """Runs probes in daemon threads (one per node at a time); ``drain`` collects.
+
+    ``reachable(node, timeout_s)`` and ``probe(node, step_names, deadline_s)`` are
+    the launcher's ``node_reachable`` and ``probe_slurmd``.
+    """
+
+    def __init__(self, reachable: Callable[[str, float], bool],
+                 probe: Callable[[str, Sequence[str], float], tuple[bool | None, str]], deadline_s: float) -> None:
+        self._reachable, self._probe, self.deadline_s = reachable, probe, deadline_s
+        self._running: dict[str, float] = {}
+        self._results: "queue.Queue[NodeProbed]" = queue.Queue()
+        self._lock = threading.Lock()
+
+    def start(self, node: str, step_names: Sequence[str]) -> bool:
+        """Probe ``node`` unless a probe of it runs; True when one was started."""
+        with self._lock:
+            if node in self._running:
+                return False
+            self._running[node] = time.monotonic()
+        threading.Thread(target=self._work, args=(node, tuple(step_names)), name=f"sr-probe-{node}",
+                         daemon=True).start()
+        return True
+
+    def _work(self, node: str, names: tuple[str, ...]) -> None:
+        t0 = time.time()
+        t_mono = time.monotonic()
+        reachable, answered, detail = True, None, ""
+        try:
+            reachable = self._reachable(node, self.deadline_s)
+            if not reachable:
+                answered, detail = False, "slurmd port refused or silent"
+            else:
+                left = self.deadline_s - (time.monotonic() - t_mono)
+                answered, detail = self._probe(node, names, left) if left > 0 else (None, "no time left")
+        except Exception as exc:  # a probe that breaks is no verdict
+            answered, detail = None, f"probe failed: {exc}"
+        with self._lock:
+            self._running.pop(node, None)
+        self._results.put(NodeProbed(node, reachable, answered, detail, t0, time.time()))
+
+    def overdue(self, node: str) -> bool:
+        """A probe of ``node`` runs past its deadline plus ``HOLD_GRACE_S`` (stuck)."""
+        with self._lock:
+            since = self._running.get(node)
+        return since is not None and time.monotonic() - since > self.deadline_s + HOLD_GRACE_S
+
+    def drain(self) -> list[NodeProbed]:
+        out = []
+        while True:
+            try:
+                out.append(self._results.get_nowait())
+            except queue.Empty:
+                return out
