@@ -7,6 +7,7 @@ Each section of the YAML file maps to one dataclass::
     recovery:  {...}
     reconnect: {...}
     checkpoint: {...}
+    run:       {warm: true, preload: [numpy]}
 
 Unknown sections/keys and wrong types are ``ConfigError``s whose one-line
 message names the key and the fix.
@@ -22,6 +23,7 @@ from typing import Any, Mapping
 
 from slurm_resilience.config_io import check_type, read_source
 from slurm_resilience.config_job import JobConfig
+from slurm_resilience.config_run import RunConfig
 from slurm_resilience.errors import ConfigError
 
 __all__ = [
@@ -30,6 +32,7 @@ __all__ = [
     "RecoveryConfig",
     "ReconnectConfig",
     "CheckpointConfig",
+    "RunConfig",
     "ResilienceConfig",
     "load_config",
     "config_to_dict",
@@ -273,6 +276,7 @@ class ResilienceConfig:
     recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
     reconnect: ReconnectConfig = field(default_factory=ReconnectConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    run: RunConfig = field(default_factory=RunConfig)
 
 
 _SECTIONS: dict[str, type] = {
@@ -281,6 +285,7 @@ _SECTIONS: dict[str, type] = {
     "recovery": RecoveryConfig,
     "reconnect": ReconnectConfig,
     "checkpoint": CheckpointConfig,
+    "run": RunConfig,
 }
 
 
