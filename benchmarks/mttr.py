@@ -18,6 +18,13 @@ MTTR = fault injection → first completed step after recovery (the last rank's)
                       last L2 checkpoint (what a job without this toolkit does, with
                       instant detection granted to it)
 
+    run-cold/run-warm `slurm-resilience run` of the unmodified examples/train_torchrun.py
+                      (3 nodes + 1 spare), a worker node killed after its first
+                      snapshot, relaunched cold (`run.warm: false`: a new srun step
+                      imports torch) or warm (forked by the per-node zygotes):
+                      MTTR = kill → rank 0's first step of the relaunched program,
+                      its own snapshot load included
+
 Needs the cluster: scripts/local-cluster start; eval "$(scripts/local-cluster env)".
 """
 
@@ -120,6 +127,35 @@ def baseline(root: Path, args) -> dict:
             "level": "cancel + resubmit + restore (L2)", "tasks_per_node": args.tasks_per_node}
 
 
+def run_relaunch(root: Path, args, *, warm: bool) -> dict:
+    """`slurm-resilience run` relaunch of an unmodified script: kill a worker node once
+    the first snapshot exists; MTTR = kill → the relaunched rank 0's first step."""
+    import subprocess
+
+    lab.cluster("reset")
+    job = root / f"run-{'warm' if warm else 'cold'}"
+    job.mkdir(parents=True)
+    (job / "config.yaml").write_text(f"run:\n  warm: {str(warm).lower()}\n")
+    stamps = job / "stamps.txt"
+    argv = [sys.executable, "-m", "slurm_resilience.cli", "run", "--wait", "--config", str(job / "config.yaml"),
+            "--nodes", "3", "--spares", "1", "--job-dir", str(job / "job"), "--", sys.executable,
+            str(lab.REPO / "examples" / "train_torchrun.py"), "--steps", str(args.steps), "--ckpt", str(job / "ckpt"),
+            "--out", str(job / "final.pt"), "--stamps", str(stamps)]
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+                            env={**os.environ, "GLOO_SOCKET_IFNAME": "lo"})
+    deadline = time.time() + 180
+    while not (job / "ckpt" / "snapshot.pt").exists():
+        assert time.time() < deadline and proc.poll() is None, "no snapshot"
+        time.sleep(0.02)
+    victim = json.loads((job / "job" / "status.json").read_text())["nodes"][1]
+    t_fault = lab.kill_node(victim)
+    code = proc.wait(timeout=300)
+    lines = [ln.split() for ln in stamps.read_text().splitlines()] if stamps.exists() else []
+    after = [float(t) for restart, _, t in lines if int(restart) >= 1 and float(t) > t_fault]
+    return {"exit_code": code, "mttr_s": round(min(after) - t_fault, 3) if after else None,
+            "level": f"run relaunch ({'warm: zygote fork' if warm else 'cold: new srun step'})"}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=60)
@@ -141,7 +177,10 @@ def main() -> int:
         for name in args.cases.split(","):
             case_root = root / f"r{rep}"
             case_root.mkdir(exist_ok=True)
-            r = baseline(case_root, args) if name == "baseline" else run_case(name, case_root, args)
+            if name in ("run-cold", "run-warm"):
+                r = run_relaunch(case_root, args, warm=name == "run-warm")
+            else:
+                r = baseline(case_root, args) if name == "baseline" else run_case(name, case_root, args)
             runs.setdefault(name, []).append(r)
             print(f"{name:<18} run {rep + 1}/{args.repeats} {json.dumps(r)}", flush=True)
     results = {}
