@@ -175,10 +175,12 @@ class WarmStep:
         for conn in wait(list(by_conn), timeout):
             try:
                 reply = decode(conn.recv_bytes())
-            except (EOFError, OSError, ValueError):
+            except (EOFError, OSError, ValueError):  # the zygote is gone, and its ranks with its step
                 node = by_conn[conn]
                 self.conns.pop(node, None)
                 self.pool.drop(node)
+                for rank in [r for r, (where, _) in self.pids.items() if where == node]:
+                    self.codes.setdefault(rank, -9)  # fenced with the zygote's step
                 continue
             if isinstance(reply, Reply):
                 self._note(by_conn[conn], reply)
