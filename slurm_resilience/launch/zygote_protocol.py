@@ -152,7 +152,7 @@ def task_slurm_vars(req: ForkRequest, *, job_nodelist: str) -> dict[str, str]:
         "SLURM_JOB_NUM_NODES_STEP": str(nodes),
         "SLURM_STEP_NUM_TASKS": str(world), "SLURM_STEP_NUM_NODES": str(nodes),
         "SLURM_STEP_NODELIST": job_nodelist, "SLURM_NODELIST": job_nodelist,
-        "SLURM_STEP_TASKS_PER_NODE": per_node, "SLURM_TASKS_PER_NODE": per_node,
+        "SLURM_STEP_TASKS_PER_NODE": per_node, "SLURM_TASKS_PER_NODE": per_node, "SLURM_NTASKS_PER_NODE": str(g),
         "SLURM_GTIDS": ",".join(str(r) for r in range(first, first + g)), "SLURM_JOB_NAME": req.step_name,
     }
 

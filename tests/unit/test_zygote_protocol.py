@@ -55,7 +55,7 @@ def test_task_slurm_vars_block_distribution():
     assert (v["SLURM_PROCID"], v["SLURM_LOCALID"], v["SLURM_NODEID"]) == ("3", "1", "1")
     assert v["SLURM_NTASKS"] == v["SLURM_STEP_NUM_TASKS"] == "6" and v["SLURM_STEP_NUM_NODES"] == "3"
     assert v["SLURM_STEP_TASKS_PER_NODE"] == "2(x3)" and v["SLURM_GTIDS"] == "2,3"
-    assert v["SLURM_JOB_NAME"] == "sr-restart-2"
+    assert v["SLURM_JOB_NAME"] == "sr-restart-2" and v["SLURM_NTASKS_PER_NODE"] == "2"
     one = task_slurm_vars(_req(rank=0, local_rank=0, node_index=0, step_nodes=("n2",), tasks_per_node=1),
                           job_nodelist="n2")
     assert one["SLURM_STEP_TASKS_PER_NODE"] == "1" and one["SLURM_GTIDS"] == "0"
