@@ -49,6 +49,7 @@ class Zygote:
         self.key, self.dispositions, self.sigmask = key, dispositions, sigmask
         self.ranks: dict[int, tuple[int, Connection]] = {}  # pid → (rank, the connection that asked)
         self.conns: list[Connection] = []
+        self.groups: dict[tuple[int, str], int] = {}  # (connection, step) → the step's process group here
         self.stop = False
 
     # -- the loop ------------------------------------------------------------------------
@@ -115,9 +116,15 @@ class Zygote:
             return
         sys.stdout.flush()
         sys.stderr.flush()
+        group = self.groups.get((id(conn), req.step_name), 0)  # slurmstepd: the node's first task's pid
         pid = os.fork()
         if pid == 0:  # the child: never returns
-            _become_rank(req, env, self.dispositions, self.sigmask)
+            _become_rank(req, env, self.dispositions, self.sigmask, group)
+        try:
+            os.setpgid(pid, group or pid)  # also here, so a KILL right after the fork finds the group
+        except OSError:
+            pass  # the child did it first, or already exited
+        self.groups.setdefault((id(conn), req.step_name), pid)
         self.ranks[pid] = (req.rank, conn)
         print(f"zygote: forked rank {req.rank} as pid {pid} ({req.step_name})", flush=True)
         self._send(conn, Reply(kind=Kind.FORKED, rank=req.rank, pid=pid))
@@ -139,9 +146,12 @@ class Zygote:
         mine = {pid for pid, (_, c) in self.ranks.items() if c is conn}
         for pid in mine:
             try:
-                os.killpg(pid, signal.SIGKILL)  # the rank's own session: it and what it started
-            except ProcessLookupError:
-                pass
+                group = os.getpgid(pid)
+                if group != os.getpgid(0):  # never the zygote's own group
+                    os.killpg(group, signal.SIGKILL)  # the step's ranks here, and what they started
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass  # already gone (a zombie is reaped below)
         self._reap(block_for=mine)
 
     def _kill_all(self) -> None:
@@ -149,11 +159,13 @@ class Zygote:
             self._kill(conn)
 
 
-def _become_rank(req: ForkRequest, env: dict[str, str], dispositions: dict, sigmask: set) -> None:
+def _become_rank(req: ForkRequest, env: dict[str, str], dispositions: dict, sigmask: set, group: int) -> None:
     """In the forked child: become a cold task of the relaunch step, run the script, exit."""
     code = 1
     try:
-        os.setsid()  # its own session and process group, like a task slurmstepd starts
+        # slurmstepd puts a step's tasks on a node in one process group, the first task's
+        # (``group`` 0: this is the first); the session stays the step's, as for a cold task
+        os.setpgid(0, group)
         signal.set_wakeup_fd(-1)
         for sig, handler in dispositions.items():
             signal.signal(sig, handler)

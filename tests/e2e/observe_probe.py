@@ -32,8 +32,7 @@ observed = {
     "sigmask": sorted(int(s) for s in signal.pthread_sigmask(signal.SIG_BLOCK, [])),
     "cwd": os.getcwd(),
     "umask": umask,
-    "session_leader": os.getsid(0) == os.getpid(),
-    "group_leader": os.getpgid(0) == os.getpid(),
+    "ids": {"pid": os.getpid(), "pgid": os.getpgid(0), "sid": os.getsid(0)},
     "fds": sorted(int(fd) for fd in os.listdir("/proc/self/fd") if int(fd) > 2),
     "stdin": os.path.realpath("/proc/self/fd/0"),
 }

@@ -57,9 +57,17 @@ def test_cold_and_warm_ranks_observe_the_same(cluster, jobs_root):
     assert codes["cold-raise"] != 0 and codes["warm-raise"] == 1
     assert set(codes["warm-raise-ranks"].values()) == {1} and set(codes["warm-exit3-ranks"].values()) == {3}
     for case in ("ok", "exit3", "raise"):
+        groups = {}
+        for mode in ("cold", "warm"):  # process groups and sessions, as relations between the ranks
+            ids = [json.loads((out / f"{mode}-{case}-{r}.json").read_text())["ids"] for r in range(4)]
+            pids = [i["pid"] for i in ids]
+            groups[mode] = [(pids.index(i["pgid"]) if i["pgid"] in pids else None,
+                             pids.index(i["sid"]) if i["sid"] in pids else None) for i in ids]
+        assert groups["warm"] == groups["cold"], groups
         for rank in range(4):
             cold = json.loads((out / f"cold-{case}-{rank}.json").read_text())
             warm = json.loads((out / f"warm-{case}-{rank}.json").read_text())
+            cold.pop("ids"), warm.pop("ids")
             ce, we = cold.pop("env"), warm.pop("env")
             assert we["RANK"] == str(rank) and we["SR_RESTART"] == ce["SR_RESTART"]
             diff = {k for k in set(ce) | set(we) if ce.get(k) != we.get(k)}
