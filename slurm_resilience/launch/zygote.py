@@ -183,6 +183,7 @@ def _become_rank(req: ForkRequest, env: dict[str, str], dispositions: dict, sigm
         _reseed()
         script = os.path.abspath(req.command[1])
         sys.argv = list(req.command[1:])
+        sys.orig_argv = list(req.command)  # what rankenv's exec would have given the interpreter
         sys.path[0] = os.path.dirname(script)
         code = _run_main(script)
     except BaseException as exc:  # the setup failed: say so in the step's log
