@@ -25,6 +25,7 @@ observed = {
     "env": dict(os.environ),
     "name": __name__,
     "argv": sys.argv,
+    "orig_argv": sys.orig_argv,
     "file": __file__,
     "path0": sys.path[0],
     "signals": {str(int(s)): disposition(s) for s in signal.valid_signals()
