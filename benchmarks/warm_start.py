@@ -63,9 +63,9 @@ def command(root: Path, steps: int) -> list[str]:
             "--out", str(root / "final.pt"), "--stamps", str(root / "stamps.txt")]
 
 
-def first_stamp(root: Path, t0: float, timeout: float = 120) -> float:
+def first_stamp(root: Path, t0: float, ended=lambda: False, timeout: float = 120) -> float:
     deadline = time.time() + timeout
-    while time.time() < deadline:
+    while time.time() < deadline and not ended():
         try:
             lines = [ln.split() for ln in (root / "stamps.txt").read_text().splitlines()]
             after = [float(t) for restart, _, t in lines if restart == "1" and float(t) > t0]
@@ -74,7 +74,7 @@ def first_stamp(root: Path, t0: float, timeout: float = 120) -> float:
         except FileNotFoundError:
             pass
         time.sleep(0.005)
-    raise RuntimeError("no step within the time-out")
+    raise RuntimeError(f"no step within the time-out, or the ranks ended: see {root}")
 
 
 def cold(root: Path, port: int) -> float:
@@ -84,7 +84,7 @@ def cold(root: Path, port: int) -> float:
     t0 = time.time()
     procs = [subprocess.Popen(command(root, 11), env={**base, "RANK": str(r), "LOCAL_RANK": str(r)},
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for r in range(WORLD)]
-    took = first_stamp(root, t0)
+    took = first_stamp(root, t0, ended=lambda: any(p.poll() not in (None, 0) for p in procs))
     assert all(p.wait(timeout=120) == 0 for p in procs), "a cold rank failed"
     return took
 
@@ -95,7 +95,7 @@ def warm(root: Path, pool: ZygotePool, port: int) -> float:
     step = pool.fork_step(name="sr-restart-1", nodes=["local"], tasks_per_node=WORLD, command=command(root, 11),
                           master_addr="127.0.0.1", port=port, attempt=1, log_path=str(root / "warm.log"))
     assert step is not None, (root / "zygote-local.log").read_text()
-    took = first_stamp(root, t0)
+    took = first_stamp(root, t0, ended=lambda: step.poll() not in (None, 0))
     while (code := step.poll()) is None:
         time.sleep(0.01)
     assert code == 0, f"a warm rank failed: {(root / 'warm.log').read_text()[-2000:]}"

@@ -138,6 +138,7 @@ class Zygote:
             if pid == 0:
                 return
             rank, conn = self.ranks.pop(pid, (None, None))
+            self.groups = {k: g for k, g in self.groups.items() if g != pid}  # a later step: a new group
             if conn is not None:
                 self._send(conn, Reply(kind=Kind.EXITED, rank=rank, pid=pid, code=os.waitstatus_to_exitcode(status)))
             block_for = block_for - {pid}

@@ -109,8 +109,9 @@ def test_kill_reaps_running_ranks(pool_factory):
     for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
-    # the zygote is still there for the next generation
-    assert _wait(_fork(pool, job, [sys.executable, str(PROBE), str(job / "again-{rank}.json")], name="again")) == 0
+    # the zygote is still there for the next generation (the same step name: a new process group)
+    again = _fork(pool, job, [sys.executable, str(PROBE), str(job / "again-{rank}.json")])
+    assert _wait(again) == 0 and again.codes == {0: 0, 1: 0}, (job / "sr-restart-1.log").read_text()
 
 
 def test_a_dead_zygote_counts_its_ranks_killed_and_is_replaced(pool_factory):
