@@ -39,7 +39,7 @@ INFO_DIR = "zygotes"  # job_dir/zygotes/<node>.json: {"addr", "port", "pid"}, wr
 STEP_VARS = (
     "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NODEID", "SLURM_NTASKS", "SLURM_NPROCS", "SLURM_NNODES",
     "SLURM_JOB_NUM_NODES_STEP", "SLURM_STEP_NUM_TASKS", "SLURM_STEP_NUM_NODES", "SLURM_STEP_NODELIST",
-    "SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE", "SLURM_NODELIST", "SLURM_GTIDS", "SLURM_JOB_NAME",
+    "SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE", "SLURM_GTIDS", "SLURM_JOB_NAME",
     "SLURM_NTASKS_PER_NODE", "SLURM_DISTRIBUTION", "SLURM_STEP_ID", "SLURM_STEPID", "SLURM_TASK_PID",
     "SLURM_SRUN_COMM_PORT", "SLURM_STEP_LAUNCHER_PORT", "SLURM_STEP_RESV_PORTS",
     "SLURM_CPUS_PER_TASK", "SLURM_CPU_BIND", "SLURM_CPU_BIND_LIST", "SLURM_CPU_BIND_TYPE",
@@ -149,9 +149,8 @@ def task_slurm_vars(req: ForkRequest, *, job_nodelist: str) -> dict[str, str]:
     return {
         "SLURM_PROCID": str(req.rank), "SLURM_LOCALID": str(req.local_rank), "SLURM_NODEID": str(req.node_index),
         "SLURM_NTASKS": str(world), "SLURM_NPROCS": str(world), "SLURM_NNODES": str(nodes),
-        "SLURM_JOB_NUM_NODES_STEP": str(nodes),
         "SLURM_STEP_NUM_TASKS": str(world), "SLURM_STEP_NUM_NODES": str(nodes),
-        "SLURM_STEP_NODELIST": job_nodelist, "SLURM_NODELIST": job_nodelist,
+        "SLURM_STEP_NODELIST": job_nodelist,  # SLURM_NODELIST stays the job's, as srun leaves it
         "SLURM_STEP_TASKS_PER_NODE": per_node, "SLURM_TASKS_PER_NODE": per_node, "SLURM_NTASKS_PER_NODE": str(g),
         "SLURM_GTIDS": ",".join(str(r) for r in range(first, first + g)), "SLURM_JOB_NAME": req.step_name,
     }
