@@ -74,6 +74,9 @@ def test_cold_and_warm_ranks_observe_the_same(cluster, jobs_root):
             assert diff <= DIFFERS, {k: (ce.get(k), we.get(k)) for k in diff - DIFFERS}
             for key in ("argv", "orig_argv"):  # the probe's output path names its mode
                 warm[key] = [a.replace(f"warm-{case}", f"cold-{case}") for a in warm[key]]
+            # stdin: srun gives a cold task a pipe fed from the executor's /dev/null, a warm rank
+            # gets /dev/null itself; both read EOF at once (listed in docs/restart.md)
+            assert warm.pop("stdin") == "/dev/null" and cold.pop("stdin").startswith(("/dev/null", "/proc/", "pipe:"))
             assert warm == cold, (case, rank)
         for mode in ("cold", "warm"):  # stdout and stderr of every rank land in the step's log
             log = (out / f"{mode}-{case}.log").read_text()
