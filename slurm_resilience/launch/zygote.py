@@ -223,7 +223,8 @@ def _run_main(script: str) -> int:
             code = 1
     except BaseException:
         kind, exc, tb = sys.exc_info()
-        sys.excepthook(kind, exc, tb.tb_next if tb is not None else None)  # from the script's frame, as cold
+        exc = exc.with_traceback(tb.tb_next if tb is not None else None)  # from the script's frame, as cold
+        sys.excepthook(kind, exc, exc.__traceback__)
         code = 1
     threading._shutdown()  # what the interpreter does at exit: wait for non-daemon threads
     atexit._run_exitfuncs()
