@@ -26,6 +26,13 @@ Every case runs --repeats times (interleaved: a slow spell of the box hits all a
 median, min and max are printed with the ratio of each baseline's median to the case's
 median, and everything goes to --json (default mttr.json).
 
+    run-cold/run-warm `slurm-resilience run` of the unmodified examples/train_torchrun.py
+                      (3 nodes + 1 spare), a worker node killed after its first
+                      snapshot, relaunched cold (`run.warm: false`: a new srun step
+                      imports torch) or warm (forked by the per-node zygotes):
+                      MTTR = kill → rank 0's first step of the relaunched program,
+                      its own snapshot load included
+
 Needs the cluster: scripts/local-cluster start; eval "$(scripts/local-cluster env)".
 """
 
@@ -44,6 +51,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from mttr_baseline import BASELINES, config_note, run_baseline  # noqa: E402
 from mttr_cases import CASES, run_case  # noqa: E402
+from mttr_run import RUN_CASES, run_relaunch  # noqa: E402
 
 
 def stats(values: list[float]) -> dict:
@@ -90,16 +98,17 @@ def main() -> int:
     ap.add_argument("--kill-at", type=int, default=25)
     ap.add_argument("--step-time", type=float, default=0.05, help="emulated compute per step (s), all cases alike")
     ap.add_argument("--cases", default=",".join([*CASES, *BASELINES]),
-                    help=f"comma-separated, of: {', '.join([*CASES, *BASELINES])}")
+                    help=f"comma-separated, of: {', '.join([*CASES, *RUN_CASES, *BASELINES])} "
+                         "(default: all but the run-* cases)")
     ap.add_argument("--tasks-per-node", type=int, default=1, metavar="G",
                     help="ranks per worker node, for every case alike (G <= the local cluster's CPUs per node)")
     ap.add_argument("--repeats", type=int, default=5, metavar="N", help="runs of every case (interleaved)")
     ap.add_argument("--json", default="mttr.json", help="write the results here (default: %(default)s)")
     args = ap.parse_args()
     names = [n for n in args.cases.split(",") if n]
-    unknown = [n for n in names if n not in CASES and n not in BASELINES]
+    unknown = [n for n in names if n not in CASES and n not in BASELINES and n not in RUN_CASES]
     if unknown:
-        ap.error(f"unknown case(s) {', '.join(unknown)}: choose from {', '.join([*CASES, *BASELINES])}")
+        ap.error(f"unknown case(s) {', '.join(unknown)}: choose from {', '.join([*CASES, *RUN_CASES, *BASELINES])}")
     if args.tasks_per_node < 1 or args.repeats < 1 or not 0 < args.kill_at < args.steps:
         ap.error("need --tasks-per-node >= 1, --repeats >= 1 and 0 < --kill-at < --steps")
     root = Path(tempfile.mkdtemp(prefix="mttr-"))
@@ -110,7 +119,10 @@ def main() -> int:
             case_root = root / f"r{rep}" / name
             case_root.mkdir(parents=True, exist_ok=True)
             try:
-                r = run_baseline(name, case_root, args) if name in BASELINES else run_case(CASES[name], case_root, args)
+                if name in RUN_CASES:
+                    r = run_relaunch(case_root, args, warm=RUN_CASES[name])
+                else:
+                    r = run_baseline(name, case_root, args) if name in BASELINES else run_case(CASES[name], case_root, args)
             except Exception as exc:  # one failed run is reported, the others still run
                 r = {"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc(limit=3)}
             runs.setdefault(name, []).append(r)

@@ -46,6 +46,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=16, help="samples per rank per step")
     ap.add_argument("--step-time", type=float, default=0.1, help="extra seconds per step (emulated compute)")
     ap.add_argument("--ckpt", required=True, help="directory of the snapshot (shared by all ranks)")
+    ap.add_argument("--stamps", help="rank 0 appends `SR_RESTART step unix-time` after every step (benchmarks)")
     ap.add_argument("--out", required=True,
                     help="final state, written by rank 0; with {rank} in it, by every rank")
     ap.add_argument("--progress", help="benchmarks: rank 0 appends 'STEP UNIX_TIME' here after each step")
@@ -87,6 +88,9 @@ def main() -> None:
         if rank == 0 and args.progress:
             with open(args.progress, "a") as f:
                 f.write(f"{step + 1} {time.time():.6f}\n")
+        if args.stamps and rank == 0:
+            with open(args.stamps, "a") as f:
+                f.write(f"{os.environ.get('SR_RESTART', '0')} {step + 1} {time.time():.6f}\n")
         if rank == 0 and (step + 1) % SNAPSHOT_EVERY == 0:
             os.makedirs(args.ckpt, exist_ok=True)
             save_atomic({"step": step + 1, "model": model.state_dict(), "optimizer": opt.state_dict()},

@@ -8,6 +8,7 @@ Each section of the YAML file maps to one dataclass::
     reconnect: {...}
     checkpoint: {...}
     container: {runtime: podman, image: ...}
+    run:       {warm: true, preload: [numpy]}
 
 Unknown sections/keys and wrong types are ``ConfigError``s whose one-line
 message names the key and the fix.
@@ -24,6 +25,7 @@ from typing import Any, Mapping
 from slurm_resilience.config_container import ContainerConfig
 from slurm_resilience.config_io import check_type, read_source
 from slurm_resilience.config_job import JobConfig
+from slurm_resilience.config_run import RunConfig
 from slurm_resilience.errors import ConfigError
 
 __all__ = [
@@ -33,6 +35,7 @@ __all__ = [
     "ReconnectConfig",
     "CheckpointConfig",
     "ContainerConfig",
+    "RunConfig",
     "ResilienceConfig",
     "load_config",
     "config_to_dict",
@@ -315,6 +318,7 @@ class ResilienceConfig:
     reconnect: ReconnectConfig = field(default_factory=ReconnectConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     container: ContainerConfig = field(default_factory=ContainerConfig)
+    run: RunConfig = field(default_factory=RunConfig)
 
     def __post_init__(self) -> None:
         from .config_timeouts import check_hierarchy
@@ -329,6 +333,7 @@ _SECTIONS: dict[str, type] = {
     "reconnect": ReconnectConfig,
     "checkpoint": CheckpointConfig,
     "container": ContainerConfig,
+    "run": RunConfig,
 }
 
 

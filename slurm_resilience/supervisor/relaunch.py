@@ -35,6 +35,7 @@ from ..events import EventLog
 from ..files import makedirs_private
 from ..lifecycle import JobPhase
 from ..model import RankTable
+from ..launch.zygote_protocol import warm_entry
 from ..slurm.options import srun_args
 from ..slurm.steps import srun_argv
 from . import loop
@@ -45,6 +46,7 @@ from .messages import (
 )
 from .report import status_dict, write_status
 from .state import Mode, Policy, SupervisorState
+from .warm import WarmStep, ZygotePool
 
 PORT_BASE = 20000  # below Linux's ephemeral range (32768-60999), above the usual services
 
@@ -141,7 +143,14 @@ class RelaunchExecutor:
             job_id=job_id, phase=JobPhase.STARTING, table=RankTable(generation=0, slots=()),
             target_world=len(layout.workers), worker_nodes=layout.workers, spare_nodes=layout.spares,
             addresses={n: launcher.address(n) for n in nodes}, tasks_per_node=config.job.tasks_per_node)
-        self.step: _Step | None = None
+        self.step: _Step | WarmStep | None = None
+        self.lost: set[str] = set()  # unreachable at the last probe: a warm kill does not wait on them
+        self.zygotes: ZygotePool | None = None
+        # The zygotes run on the host: ranks in a container (container.runtime) start cold.
+        if (config.run.warm and not mpi and config.container.runtime == "none"
+                and warm_entry(self.command, sys.executable) is not None):
+            self.zygotes = ZygotePool(job_dir=job_dir, nodes=nodes, launcher=launcher, preload=config.run.preload,
+                                      env=self._nccl_env)
 
     def run(self) -> int:
         start = Start(info={"job_id": self.job_id, "mode": "mpi" if self.mpi else "torch",
@@ -150,6 +159,8 @@ class RelaunchExecutor:
             code, self.state = loop.run(self, self.state, self.policy, [start], clock=self.clock)
             return code
         finally:
+            if self.zygotes is not None:
+                self.zygotes.close()
             self.isolator.join()
             if hasattr(self.launcher, "clean_containers"):
                 self.launcher.clean_containers([*self.state.worker_nodes, *self.state.spare_nodes])
@@ -176,6 +187,7 @@ class RelaunchExecutor:
                 next_states = now + self.cfg.detect.node_poll_s
             faults = find_faults(nodes, exit_code=code, reachable=reachable, states=states, now=self.clock())
             if code is not None or faults:
+                self.lost = {n for n, ok in reachable.items() if ok is False}
                 if not faults:
                     return [AllDone()]
                 return [StepFaults(tuple(faults), self.clock(), step=self.step.name, bad_spares=self._bad_spares(state))]
@@ -203,16 +215,26 @@ class RelaunchExecutor:
         return []
 
     # -- adapters ------------------------------------------------------------------------
-    def _launch(self, table: RankTable, attempt: int) -> _Step:
+    def _launch(self, table: RankTable, attempt: int) -> _Step | WarmStep:
         name = f"sr-restart-{attempt}"
         nodes = list(table.node_list)
         master = master_node(nodes, self.allocation)
+        log_path = os.path.join(self.job_dir, f"step-{attempt:03d}.log")
+        if self.zygotes is not None:
+            if attempt == 0:  # the zygotes started with the job; later ones are long up
+                self.zygotes.wait_ready(nodes, self.cfg.run.zygote_start_s)
+            order = sorted(nodes, key=lambda n: self.allocation.index(n) if n in self.allocation else len(nodes))
+            warm = self.zygotes.fork_step(name=name, nodes=order, tasks_per_node=table.tasks_per_node,
+                                          command=self.command, master_addr=self.launcher.address(master),
+                                          port=master_port(self.job_id, attempt), attempt=attempt,
+                                          log_path=log_path)
+            if warm is not None:
+                return warm
         argv = step_argv(job_id=self.job_id, name=name, nodes=nodes, command=self.command, mpi=self.mpi,
                          master_addr=self.launcher.address(master), port=master_port(self.job_id, attempt),
                          attempt=attempt, tasks_per_node=table.tasks_per_node,
                          srun_options=srun_args(self.cfg.job.srun_options),
                          step_container=getattr(self.launcher, "container", None))
-        log_path = os.path.join(self.job_dir, f"step-{attempt:03d}.log")
         fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         with os.fdopen(fd, "ab") as log:
             proc = subprocess.Popen(argv, env={**os.environ, **self._nccl_env, "SR_RESTART": str(attempt)},
@@ -236,8 +258,12 @@ class RelaunchExecutor:
         reachable, states = self._probe(free), self._states(free)
         return frozenset(s for s in free if reachable.get(s) is False or node_unhealthy(states.get(s)))
 
-    def _cancel(self, step: _Step) -> None:
-        """``scancel --signal=KILL J.S`` (step found by name), then the srun client itself."""
+    def _cancel(self, step: _Step | WarmStep) -> None:
+        """``scancel --signal=KILL J.S`` (step found by name), then the srun client itself;
+        a warm step: SIGKILL through the zygotes, lost nodes fenced by Slurm (``warm.py``)."""
+        if isinstance(step, WarmStep):
+            step.kill(skip=tuple(self.lost))
+            return
         self.launcher.kill(step)
         try:
             step.process.wait(timeout=15)

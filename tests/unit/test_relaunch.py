@@ -169,7 +169,8 @@ def fake_srun(tmp_path, monkeypatch):
 
 
 def _supervisor(tmp_path, launcher, spares=("n5",), retries=3):
-    cfg = load_config({"recovery": {"fault_retry_times": retries}, "detect": {"node_poll_s": 0.1}})
+    cfg = load_config({"recovery": {"fault_retry_times": retries}, "detect": {"node_poll_s": 0.1},
+                       "run": {"warm": False}})  # the cold srun path; warm: tests/e2e/test_warm_restart_slurm.py
     lay = layout(["n1", "n2", "n3", "n4", *spares], "n1", 3)
     return RelaunchExecutor(config=cfg, command=["python", "t.py"], job_dir=str(tmp_path / "job"), job_id="77",
                              layout=lay, allocation=["n1", "n2", "n3", "n4", *spares], launcher=launcher,

@@ -1,0 +1,4 @@
+import time
+
+print("sleeper up", flush=True)
+time.sleep(3600)
