@@ -70,6 +70,8 @@ def pool_factory(tmp_path):
     yield make
     for pool in pools:
         pool.close()
+        for step in pool.launcher.steps:  # a zygote started in the background too: leave none behind
+            pool.launcher.kill(step)
 
 
 def _fork(pool, job, command, name="sr-restart-1", ranks=2):
