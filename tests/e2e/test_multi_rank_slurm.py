@@ -4,6 +4,7 @@ compared (its digest, from its ``rank_done`` event), not only rank 0's ``final.p
 
 import os
 import shutil
+import time
 import signal
 
 import pytest
@@ -116,8 +117,16 @@ def test_g2_no_spare_scales_in_by_a_node_and_reshards_8_to_6(cluster, jobs_root,
     cfg = _cfg(tmp_path, "zero", lab.LOCAL_CONFIG.read_text().replace("shared_every_kth: 2", "shared_every_kth: 1")
                .replace("local_every: 10", "local_every: 5") + "  shared_keep: 20\n")  # B starts from A's step
     a = lab.submit(jobs_root / "g2-scale-in-a", spares=0, tasks_per_node=G, steps=STEPS, config=cfg,
-                   script=lab.ZERO_EXAMPLE)
-    st = a.wait_for_step(KILL_AT)
+                   script=lab.ZERO_EXAMPLE, step_time=FAULT_STEP_TIME)
+    st = a.wait_for_step(11)
+    # Kill once step 10 is in L2 on every rank and well before step 15's checkpoint (4
+    # slow steps away): a kill during a checkpoint's L2 flush leaves that step in L1 only,
+    # and B is started from A's L2 step directory.
+    deadline = time.time() + 60
+    while len({e["rank"] for e in _events(a.job_dir, "rank_checkpoint_durable")
+               if e.get("step") == 10 and e.get("tier") == "L2"}) < 8:
+        assert time.time() < deadline, "step 10 never reached L2 on every rank"
+        time.sleep(0.05)
     lab.kill_node(st["ranks"][2]["node"])
     assert a.wait() == 0, a.output()
     assert _levels(a) == ["scale-in"]

@@ -53,7 +53,8 @@ def test_a_rank_killed_after_done_while_peers_drain_does_not_start_a_recovery(jo
 
 def test_no_writer_stall_after_a_node_is_lost(job_factory, reference):
     job = job_factory(checkpoint={"local_every": 2, "shared_every_kth": 1},
-                      reconnect={"pg_timeout_s": PG_TIMEOUT_S})
+                      reconnect={"pg_timeout_s": PG_TIMEOUT_S,
+                                     "nccl_heartbeat_timeout_s": PG_TIMEOUT_S + 60})  # the timeout order
     st = job.wait_for_step(INJECT_AFTER)
     job.launcher.fail_node(st["ranks"][-1]["node"])  # the last rank's node, while its writer transfers
     assert job.wait(timeout_s=PG_TIMEOUT_S) == 0, job.diag()
