@@ -6,6 +6,7 @@ dist.all_reduce; every rank's final state must equal the fault-free run's, and t
 same script under plain torchrun must give the fault-free result too."""
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -13,6 +14,9 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from slurm_resilience.checkpoint import manifest as mf
+from slurm_resilience.checkpoint.hdf5_format import shard_crc32
 
 from .localjob import LocalJob, rank_digests
 
@@ -47,9 +51,15 @@ def _equal(a, b, where="state"):
         assert a == b, where
 
 
+EVERY_STEP_KEPT = {"local_every": 1, "local_keep": STEPS + 1, "shared_every_kth": 0}  # L1: each step's state
+
+
 @pytest.fixture(scope="module")
 def ddp_reference(tmp_path_factory):
-    job = _job(tmp_path_factory.mktemp("ddp-reference"))
+    """Fault-free: every rank's final state and digest, and where its L1 checkpoint of
+    every step lies (a fresh job can start from any step of the fault-free run)."""
+    root = tmp_path_factory.mktemp("ddp-reference")
+    job = _job(root, checkpoint=EVERY_STEP_KEPT)
     try:
         assert job.wait(240) == 0, job.diag()
         assert not any(e["kind"] == "fault_detected" for e in job.events()), job.diag()
@@ -58,13 +68,13 @@ def ddp_reference(tmp_path_factory):
         assert finals[0]["optimizer"]["state"] and finals[0]["scaler"]["scale"] > 0
         for r in range(1, RANKS):  # DDP keeps the replicas equal
             _equal(finals[r]["model"], finals[0]["model"], f"rank {r} model")
-        return finals, rank_digests(job)
+        return finals, rank_digests(job), root / "local" / "local1" / "ckpt"  # rank 0 ran on local1
     finally:
         job.kill_leftovers()
 
 
 def _same_as_reference(job, reference):
-    finals, digests = reference
+    finals, digests, _ = reference
     got = _finals(job.job_dir)
     for r in range(RANKS):
         _equal(got[r], finals[r], f"rank {r}")
@@ -116,7 +126,7 @@ def test_same_script_under_plain_torchrun_gives_the_fault_free_result(tmp_path, 
                          env=env, capture_output=True, text=True, timeout=240)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "running unsupervised (torchrun" in run.stderr
-    finals, _ = ddp_reference
+    finals = ddp_reference[0]
     got = _finals(tmp_path)
     for r in range(RANKS):
         _equal(got[r], finals[r], f"rank {r}")
@@ -154,8 +164,30 @@ def test_the_plain_ddp_version_runs_under_torchrun(tmp_path):
     _equal(a["model"], b["model"], "replicas")
 
 
-@pytest.mark.timeout(300)
-def test_ddp_scale_in_continues_at_the_exact_data_position(tmp_path):
+def _fresh_job_from(tmp_path, src_shard: Path, step: int, world: int, nodes: int) -> LocalJob:
+    """A fresh ``nodes``-rank job whose only checkpoint is ``src_shard`` (replicated state:
+    one shard restores every rank), committed as step ``step`` of its shared tier."""
+    assert src_shard.exists(), f"no L1 checkpoint of step {step}: {src_shard}"
+    dst = tmp_path / "fresh" / "checkpoints"
+    to = Path(mf.shard_path(str(dst), step, 0))
+    to.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(src_shard, to)
+    mf.write_manifest(str(dst), mf.Manifest(step=step, world_size=world, tier="L2", created=0.0, extra={},
+                                            shards={0: mf.ShardRecord(mf.shard_name(0), to.stat().st_size,
+                                                                      shard_crc32(str(to)))}))
+    mf.set_latest(str(dst), step)
+    return LocalJob(tmp_path, nodes=nodes, spares=0, steps=STEPS, step_time=0.1, script=SCRIPT, detect=SLOW_BOX,
+                    job_name="fresh", local_dir=tmp_path / "local-fresh").start()
+
+
+@pytest.mark.timeout(400)
+def test_ddp_scale_in_continues_at_the_exact_data_position(tmp_path, ddp_reference):
+    """No spare: a node is lost and the survivors continue at world 2 from step k (their
+    live state). The data continue at k's global sample position, and the run ends equal,
+    on every rank, to a fresh 2-rank job started from step k (the docs' definition of
+    identical after a world-size change, docs/determinism.md). Step k's checkpoint comes
+    from the fault-free run: the faulty run's own L1 commit of step k is collective and
+    usually dies with the lost node; its state at k is the fault-free run's (no fault yet)."""
     job = LocalJob(tmp_path, nodes=RANKS, spares=0, steps=STEPS, step_time=0.1, script=SCRIPT, detect=SLOW_BOX).start()
     try:
         st = job.wait_for_step(8)
@@ -173,6 +205,19 @@ def test_ddp_scale_in_continues_at_the_exact_data_position(tmp_path):
         _equal(finals[0]["model"], finals[1]["model"], "replicas after scale-in")
     finally:
         job.kill_leftovers()
+
+    fresh = _fresh_job_from(tmp_path, Path(mf.shard_path(str(ddp_reference[2]), k, 0)), k, RANKS, nodes=2)
+    try:
+        assert fresh.wait(240) == 0, fresh.diag()
+    finally:
+        fresh.kill_leftovers()
+    started = [e for e in fresh.events() if e["kind"] == "rank_restored" and e["generation"] == 0]
+    assert {(e["step"], e["position"]) for e in started} == {(k, k * RANKS * per_step)}, started
+    assert not [e for e in fresh.events() if e["kind"] == "fault_detected"], fresh.diag()
+    for r in range(2):
+        _equal(torch.load(fresh.job_dir / f"final-rank{r}.pt", weights_only=False), finals[r], f"rank {r}")
+    assert rank_digests(fresh) == rank_digests(job), "every rank's done digest"
+    _equal(torch.load(fresh.job_dir / "final.pt", weights_only=False)["objects"], final["objects"], "final.pt")
 
 
 @pytest.mark.timeout(300)
