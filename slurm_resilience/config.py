@@ -157,6 +157,9 @@ class RecoveryConfig:
             (> 0); at adoption, in parallel with the recovery.
         max_requeues: job-level requeues (``scontrol requeue``) allowed, counted by
             ``SLURM_RESTART_COUNT`` (>= 0; the sbatch template sets ``--requeue``).
+        requeue_by: ``requeue`` (``scontrol requeue``: same job id, Slurm holds it
+            ~cred_expire s) or ``resubmit`` (the same job.sbatch as a new job id, the job dir
+            and checkpoints kept; docs/recovery-ladder.md, "Requeue or resubmit").
     """
 
     online_timeout_s: float = 30.0
@@ -169,6 +172,7 @@ class RecoveryConfig:
     scale_in: bool = True
     min_world_size: int = 1
     max_requeues: int = 1
+    requeue_by: str = "requeue"
     migrate_stragglers: bool = False
     health_check: tuple[str, ...] = ()
     health_check_timeout_s: float = 30.0
@@ -182,6 +186,8 @@ class RecoveryConfig:
             raise ConfigError(f"recovery.min_world_size={self.min_world_size} must be >= 1")
         if self.max_requeues < 0:
             raise ConfigError(f"recovery.max_requeues={self.max_requeues} must be >= 0: use 0 to never requeue")
+        if self.requeue_by not in ("requeue", "resubmit"):
+            raise ConfigError(f"recovery.requeue_by={self.requeue_by!r} must be requeue or resubmit")
         if self.fault_retry_times < 0:
             raise ConfigError(
                 f"recovery.fault_retry_times={self.fault_retry_times} must be >= 0: use 0 to never restart in place"

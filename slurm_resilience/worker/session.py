@@ -113,7 +113,8 @@ class Session:
                            worker_id=env.worker_id, node=env.node,
                            where=lambda: members.where() if members else (None, None))
         checkpoints = CheckpointEngine(
-            cfg.checkpoint.tiers(), job_id=env.job_id, job_dir=env.job_dir,
+            # a resubmitted job (recovery.requeue_by: resubmit) keeps the first job's paths
+            cfg.checkpoint.tiers(), job_id=os.environ.get("SR_ORIGIN_JOB_ID") or env.job_id, job_dir=env.job_dir,
             node=env.node, emit=events.emit, mtbf_s=cfg.checkpoint.mtbf_s)
         hb = Heartbeat(env, cfg.detect.heartbeat_period_s, pulse=cfg.detect.pulse).start()
         members = Membership(env, cfg.reconnect, store, open_client=lambda: open_store(env), emit=events.emit,
