@@ -3,7 +3,6 @@ init_from) on real files: HDF5 shards written by hdf5_format, DCP read by torch.
 
 import os
 import stat
-import warnings
 
 import pytest
 import torch
