@@ -194,3 +194,12 @@ def test_init_from_bad_input(tmp_path):
     with pytest.raises(ConfigError, match="must be an absolute path"):
         load_config({"checkpoint": {"init_from": "rel/dcp"}})
     assert load_config({"checkpoint": {"init_from": str(tmp_path / "d")}}).checkpoint.init_from == str(tmp_path / "d")
+
+
+def test_cli_refuses_an_init_from_that_is_not_a_dcp_checkpoint(tmp_path, capsys):
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(f"checkpoint: {{init_from: {tmp_path}}}\n")
+    assert main(["local", "--config", str(cfg), "--", "python", "-c", "pass"]) == 2
+    err = capsys.readouterr().err
+    assert f"{tmp_path} is not a DCP checkpoint (no .metadata file)" in err and err.count("\n") == 1, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cfg.yaml"]
