@@ -155,8 +155,10 @@ def read_dcp(path: str, keys: Iterable[str]) -> dict[str, Any]:
     if not wanted:
         return out
     try:  # torch's own dcp_to_torch_save reads a whole checkpoint this way
-        _load_state_dict(out, storage_reader=FileSystemReader(path), planner=_EmptyStateDictLoadPlanner(keys=wanted),
-                         no_dist=True)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            _load_state_dict(out, storage_reader=FileSystemReader(path),
+                             planner=_EmptyStateDictLoadPlanner(keys=wanted), no_dist=True)
     except Exception as exc:  # DCP wraps read errors in CheckpointException
         raise CheckpointError(f"cannot read the DCP checkpoint {path}: {str(exc).splitlines()[0]}") from None
     return out
@@ -213,5 +215,6 @@ def _int_state_keys(obj: Any) -> Any:
     ids = {p for g in obj["param_groups"] if isinstance(g, dict) for p in g.get("params", ())}
     if not ids or not all(isinstance(p, int) for p in ids):
         return obj
-    state = {(int(k) if isinstance(k, str) and k.isdigit() and int(k) in ids else k): v for k, v in obj["state"].items()}
+    back = lambda k: int(k) if isinstance(k, str) and k.isdigit() and int(k) in ids else k  # noqa: E731
+    state = {back(k): v for k, v in obj["state"].items()}
     return dict(obj, state=state)
