@@ -78,6 +78,14 @@ def _load(args):
     from .config_timeouts import nccl_environ
 
     nccl_environ(cfg.reconnect, os.environ)  # a user-set NCCL watchdog out of order: refused here, not in the job
+    if cfg.checkpoint.init_from:  # not a DCP checkpoint: refused here, not at the job's first state sync
+        from .checkpoint.dcp_io import dcp_keys
+        from .errors import CheckpointError, ConfigError
+
+        try:
+            dcp_keys(cfg.checkpoint.init_from)
+        except CheckpointError as exc:
+            raise ConfigError(str(exc)) from None
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     return cfg, command
 

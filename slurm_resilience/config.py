@@ -255,6 +255,10 @@ class CheckpointConfig:
         lustre_stripe_size: Lustre stripe size (``lfs setstripe -S``), e.g. ``"4M"``;
             a multiple of 64K below 4G.
         mtbf_s: mean time between failures assumed until failures are observed.
+        init_from: a DCP checkpoint directory (``ckpt export --format dcp`` or any
+            ``torch.distributed.checkpoint.save``) the job starts from while it has no
+            checkpoint of its own; its top-level keys are the registered object names
+            (``worker/statesync.py``). Empty: start from the script's own step-0 state.
     """
 
     memory_every: int = 10
@@ -272,6 +276,7 @@ class CheckpointConfig:
     lustre_stripe_count: int = 4
     lustre_stripe_size: str = "4M"
     mtbf_s: float = 86400.0
+    init_from: str = ""
 
     def __post_init__(self) -> None:
         for name in ("memory_every", "local_every", "shared_every_kth", "shared_keep_every", "local_min_free_gb"):
@@ -290,6 +295,9 @@ class CheckpointConfig:
             raise ConfigError("checkpoint.shared_every_kth drains L1 checkpoints: set local_every or local_auto")
         if self.mtbf_s <= 0:
             raise ConfigError(f"checkpoint.mtbf_s={self.mtbf_s} must be > 0")
+        if self.init_from and not os.path.isabs(self.init_from):
+            raise ConfigError(f"checkpoint.init_from={self.init_from!r} must be an absolute path "
+                              "(every rank reads it, from its own working directory)")
         from .checkpoint.lustre import check_striping
 
         check_striping("checkpoint.lustre_", self.lustre_stripe_count, self.lustre_stripe_size)

@@ -122,7 +122,8 @@ class Session:
                              progress=lambda: self._state.step, on_abort=self._abort)
         self._parts = _Parts(
             store=store, heartbeat=hb, checkpoints=checkpoints, members=members,
-            sync=StateSync(self._state, checkpoints, store, emit=events.emit, heartbeat=hb, job_dir=env.job_dir),
+            sync=StateSync(self._state, checkpoints, store, emit=events.emit, heartbeat=hb, job_dir=env.job_dir,
+                           init_from=cfg.checkpoint.init_from),
             safepoint=SafePoint(self._state, checkpoints, store, emit=events.emit, heartbeat=hb,
                                 job_dir=env.job_dir),
             endings=Endings(env, self._state, checkpoints, store, emit=events.emit,
