@@ -300,12 +300,12 @@ def validate_step(root: str, step: int, *, deep: bool = False) -> list[str]:
 
 
 def _dedup_problems(root: str, manifest: Manifest) -> list[str]:
-    """A deduplicated step (``dedup``): every rank's skeleton finds each tensor in its own
-    file or its owner's."""
+    """Every rank's skeleton finds each tensor in its own file or (a deduplicated step,
+    ``dedup``) its owner's; metadata only."""
     try:
         owners = owners_of(manifest.extra)
         files = {r: os.path.join(step_dir(root, manifest.step), rec.file) for r, rec in manifest.shards.items()}
-        return [p for path in files.values() for p in coverage_problems(path, owners, files)] if owners else []
+        return [p for path in files.values() for p in coverage_problems(path, owners, files)]
     except (ValueError, CheckpointError) as e:
         return [f"step {manifest.step}: {e}"]
 

@@ -198,3 +198,20 @@ def test_full_shards_when_dedup_is_off(tmp_path):
         assert_equal(eng.load(eng.best()), rank_state(2, 1))
     finally:
         c.close()
+
+
+def test_dedup_file_under_a_manifest_without_the_record_is_invalid(tmp_path):
+    """A headless commit (full-shard manifest) over a dedup step's files: not restorable."""
+    c = Cluster(tmp_path)
+    try:
+        c.save([1, 2])
+        man = mf.read_manifest(c.l2, 2)
+        mf.write_manifest(c.l2, mf.Manifest(step=2, world_size=WORLD, tier="L2", shards=man.shards, extra={}))
+        path = layout.shard_path(c.l2, 2, 0)
+        assert "held by no file" in verify_rank_problems(path)[0]
+        assert mf.validate_step(c.l2, 2, deep=True)
+        events = []
+        best = c.fresh(0, events).best()
+        assert best[:2] == (1, "L2") and [k for k, _ in events] == ["checkpoint_invalid"]
+    finally:
+        c.close()
