@@ -10,7 +10,8 @@ replicated tensor written by its owner only, ``checkpoint/dedup.py``); one untim
 warm-up checkpoint of each first. Per checkpoint: L2 bytes written by all ranks
 (the sum of the engines' L2 ``bytes`` stats, which are the files' sizes) and the
 L2 persist time (the slowest rank's, from the start of its L2 write to the commit).
-Medians, min and max; --json gets every run.
+Also rank 0's restore from each L2 step (verify every file it reads + read, warm
+page cache for both modes). Medians, min and max; --json gets every run.
 
     python3 benchmarks/l2_dedup.py --ranks 4 --size-mb 64 --repeat 5
 """
@@ -25,6 +26,7 @@ import statistics
 import sys
 import tempfile
 import threading
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -32,7 +34,9 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from slurm_resilience.checkpoint import layout  # noqa: E402
 from slurm_resilience.checkpoint.engine import CheckpointEngine  # noqa: E402
+from slurm_resilience.checkpoint.shared_read import read_rank_state, verify_rank_problems  # noqa: E402
 from slurm_resilience.checkpoint.tiers import TierSpec  # noqa: E402
 from slurm_resilience.model import RankSlot, RankTable  # noqa: E402
 from slurm_resilience.worker.reconnect import Generation  # noqa: E402
@@ -92,9 +96,14 @@ def run(args) -> dict:
         if errors:
             raise errors[0]
         l2 = [next(s for s in eng.stats if s["tier"] == "L2" and s["step"] == step) for eng in engines]
+        path = layout.shard_path(str(root / "l2"), step, 0)
+        t0 = time.perf_counter()  # rank 0's restore from L2, page cache warm for both modes
+        assert not verify_rank_problems(path)
+        read_rank_state(path)
         return {"step": step, "l2_bytes": int(sum(s["bytes"] for s in l2)),
                 "l2_bytes_per_rank": [int(s["bytes"]) for s in l2],
-                "l2_persist_s": max(s["seconds"] for s in l2)}
+                "l2_persist_s": max(s["seconds"] for s in l2),
+                "l2_restore_rank0_s": time.perf_counter() - t0}
 
     runs: dict[str, list[dict]] = {"full": [], "dedup": []}
     step = 0
@@ -113,8 +122,7 @@ def run(args) -> dict:
            "dir": str(root), "host": platform.node(), "torch": torch.__version__,
            "when": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "runs": runs}
     for mode, rs in runs.items():
-        out[mode] = {"l2_bytes": stats([r["l2_bytes"] for r in rs]),
-                     "l2_persist_s": stats([r["l2_persist_s"] for r in rs])}
+        out[mode] = {k: stats([r[k] for r in rs]) for k in ("l2_bytes", "l2_persist_s", "l2_restore_rank0_s")}
     out["bytes_ratio_full_over_dedup"] = out["full"]["l2_bytes"]["median"] / out["dedup"]["l2_bytes"]["median"]
     out["persist_ratio_full_over_dedup"] = (out["full"]["l2_persist_s"]["median"]
                                             / out["dedup"]["l2_persist_s"]["median"])
@@ -136,7 +144,8 @@ def main() -> int:
         b, t = r[mode]["l2_bytes"], r[mode]["l2_persist_s"]
         print(f"{mode:>5}: L2 bytes/checkpoint median {b['median'] / 2**20:8.1f} MiB "
               f"(min {b['min'] / 2**20:.1f}, max {b['max'] / 2**20:.1f}); L2 persist median {t['median']:.3f} s "
-              f"(min {t['min']:.3f}, max {t['max']:.3f})")
+              f"(min {t['min']:.3f}, max {t['max']:.3f}); rank 0 L2 verify+read median "
+              f"{r[mode]['l2_restore_rank0_s']['median']:.3f} s")
     print(f"full/dedup: bytes x{r['bytes_ratio_full_over_dedup']:.2f}, persist time x{r['persist_ratio_full_over_dedup']:.2f}"
           f"  -> {args.json}")
     import shutil
