@@ -213,7 +213,7 @@ def persist_shared(spec: TierSpec, root: str, job: Job, state: Any, attrs: dict[
             ok, err = 0, first_line(exc)
     gather(job, 1)  # nobody creates a file in the step directory before it is striped
     owners = agree(job.buffers.tensors, state, rank=job.rank, world=job.world_size,
-                   gather=lambda row: gather_table(job, row)) if dedup else {}
+                   gather=lambda row: gather_table(job, row)) if dedup and job.transfer is not None else {}
     try:
         if ok and owners:  # this rank's part of a deduplicated step (dedup.py)
             mine = {k: t for k, t in job.buffers.tensors.items() if owners.get(k, job.rank) == job.rank}
