@@ -24,7 +24,9 @@ from slurm_resilience.checkpoint.hdf5_format import flatten_state, shard_content
 from slurm_resilience.checkpoint.shared_read import read_rank_state, verify_rank_problems
 from slurm_resilience.checkpoint.tiers import TierSpec
 from slurm_resilience.model import RankSlot, RankTable
+from slurm_resilience.protocol import StoreKey
 from slurm_resilience.worker.reconnect import Generation
+from slurm_resilience.worker.reshard import restore_sharded, shard_range
 
 pytestmark = pytest.mark.timeout(120)
 WORLD = 4
@@ -35,10 +37,11 @@ def rank_state(rank, step):
     g = torch.Generator().manual_seed(step)
     model = {"w": torch.rand(300, 7, generator=g), "b": torch.rand(7, generator=g), "h": torch.rand(33, generator=g).half()}
     opt = {"state": {"0": {"exp_avg": torch.rand(300, 7, generator=g), "step": torch.tensor(float(step))}}}
-    zero = {"shards": {"m": torch.full((5 + rank,), float(rank)), "z": torch.zeros(6)}, "lr": 0.1}
+    a, b = shard_range(26, WORLD, rank)  # the sharded convention: slices of arange(26), zeros(24)
+    zero = {"shards": {"m": torch.arange(a, b, dtype=torch.float64), "z": torch.zeros(6)}, "lr": 0.1}
     return {"step": step, "objects": {"model": model, "optimizer": opt, "zero": zero},
             "rng": {"torch": torch.Generator().manual_seed(1000 * rank + step).get_state()},
-            "shard_totals": {"zero": {"m": sum(5 + r for r in range(WORLD)), "z": 6 * WORLD}}}
+            "shard_totals": {"zero": {"m": 26, "z": 6 * WORLD}}}
 
 
 class Cluster:
@@ -213,5 +216,44 @@ def test_dedup_file_under_a_manifest_without_the_record_is_invalid(tmp_path):
         events = []
         best = c.fresh(0, events).best()
         assert best[:2] == (1, "L2") and [k for k, _ in events] == ["checkpoint_invalid"]
+    finally:
+        c.close()
+
+
+class _Gen:
+    def __init__(self, rank, world):
+        self.generation, self.rank, self.world_size = 7, rank, world
+
+    def interrupted(self):
+        return False
+
+
+class _Store(dict):
+    def set(self, key, value):
+        self[key] = value.encode() if isinstance(value, str) else value
+
+    def check(self, keys):
+        return all(k in self for k in keys)
+
+    def get(self, key):
+        return self[key]
+
+
+def test_resharded_restore_from_a_dedup_step(tmp_path):
+    """worker/reshard.py's shared-tier path reads a dedup step through shared_read: a
+    2-rank world gets the replicated state and its new slices of the 4 old ones."""
+    c = Cluster(tmp_path)
+    try:
+        c.save([3])
+        assert dedup.owners_of(mf.read_manifest(c.l2, 3).extra)
+        store = _Store({StoreKey.RESHARD_HELD.of(7, r): b"[]" for r in range(2)})
+        for r in range(2):
+            state = restore_sharded(_Gen(r, 2), store, c.fresh(r, []), ["zero"])
+            a, b = shard_range(26, 2, r)
+            assert torch.equal(state["objects"]["zero"]["shards"]["m"], torch.arange(a, b, dtype=torch.float64))
+            assert torch.equal(state["objects"]["zero"]["shards"]["z"], torch.zeros(12))
+            want = rank_state(0, 3)  # the base: old rank 0's state, replicated tensors from their owners
+            assert_equal(state["objects"]["model"], want["objects"]["model"])
+            assert_equal(state["objects"]["optimizer"], want["objects"]["optimizer"])
     finally:
         c.close()
