@@ -305,8 +305,7 @@ def read_datasets(path: str, names: Collection[str] | None = None, *, verify: bo
         arrays: dict[str, np.ndarray] = {}
         bulk: list[Bulk] = []
         wanted = set(found) if names is None else set(names)
-        names = found
-        for name, ds in names.items():
+        for name, ds in found.items():
             if name == SKELETON or name not in wanted:
                 continue
             plan = plan_bulk(ds, path, name, allocate=True)
@@ -319,7 +318,7 @@ def read_datasets(path: str, names: Collection[str] | None = None, *, verify: bo
         for b, crc in zip(bulk, bulk_read(path, bulk, keep=True)):
             if verify:
                 _check_crc(path, b.name, b.stored, crc)
-        tensors = {name: _to_tensor(names[name], path, name, arr) for name, arr in arrays.items()}
+        tensors = {name: _to_tensor(found[name], path, name, arr) for name, arr in arrays.items()}
     return tensors, skeleton, attrs
 
 
