@@ -327,7 +327,7 @@ def verify_shard(path: str) -> list[str]:
 
     Reads each dataset once and checks its CRC32 (large ones in parallel through
     small buffers), then that the skeleton unpickles and names only datasets that
-    exist. Never raises for a bad file.
+    exist (a dedup shard holds only some: shared_read checks its step). Never raises for a bad file.
     """
     problems: list[str] = []
     try:
