@@ -124,7 +124,10 @@ def _duty_cycle(pid: int, seconds: float, duty: float) -> None:
 
 
 def corrupt_newest(root: str) -> dict[str, Any]:
-    """Flip one byte inside a tensor's data in the newest complete step's first shard."""
+    """Flip one byte inside a tensor's data in the newest complete step's first shard.
+
+    On a deduplicated L2 step (``checkpoint/dedup.py``) that file may hold tensors
+    every rank reads: the whole step is then invalid for every rank, not one rank's copy."""
     import h5py
 
     from .checkpoint import manifest as mf

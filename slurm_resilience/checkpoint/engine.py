@@ -9,14 +9,16 @@
       ├─ vote: every rank reports durable/failed (collective on the transfer group)
       │     all durable → manifest, then ``latest`` (never before)
       └─ L2: every K-th: rank 0 creates the step directory (on Lustre: ``lfs setstripe``),
-            shard copied to the shared filesystem, vote, rank 0 commits
+            deduplicated (``dedup``): each replicated tensor written by one rank only,
+            every rank's sharded/per-rank tensors by itself; vote, rank 0 commits
 
 A failing checkpoint (disk full, I/O error, a peer lost mid-transfer) is reported
 as an event, never raised into training, and never touches an older checkpoint.
 
 Restore: :meth:`CheckpointEngine.rebuild_missing` (collective) first rebuilds XOR
 shards lost with a node into the rank that now holds the slot; then every rank
-walks ``candidates()`` fastest-first, verifying checksums (``best``).
+walks ``candidates()`` fastest-first, verifying checksums (``best``), and reads
+through ``shared_read`` (a dedup L2 step: its own file + owners' files).
 
 What the writer does per tier is in ``persist``; every path comes from ``layout``.
 """
@@ -36,9 +38,10 @@ import torch
 from ..errors import CheckpointError
 from . import layout
 from . import manifest as mf
-from .hdf5_format import flatten_state, read_shard, unflatten_state, verify_shard
+from .hdf5_format import flatten_state, unflatten_state, verify_shard
 from .intervals import IntervalEstimator
 from .lustre import LustreStriping, Striping
+from .shared_read import read_rank_state, verify_rank_problems
 from .persist import Job, Lazy, first_line, persist_local, persist_shared, prune_local
 from .tiers import Redundancy, TierSpec, base_tier, tier_for_step
 from .xor_rebuild import rebuild_tier
@@ -90,6 +93,7 @@ class CheckpointEngine:
         self._owners = self._root_owners()
         self.stats: list[dict[str, float]] = []
         self.failures: list[tuple[int, str]] = []  # (step, why) of checkpoints not committed
+        self.dedup_shared = True  # shared tiers: each replicated tensor once per step (dedup.py)
         self._verified: dict[str, tuple[int, int, int]] = {}  # path -> stat key of a verified shard
         self._striping = striping if striping is not None else LustreStriping()
         self._on_lustre: dict[str, bool] = {}  # tier root -> detected once (writer thread)
@@ -238,7 +242,7 @@ class CheckpointEngine:
                 local_path, nbytes = persist_local(spec, root, job, state, attrs)
             else:
                 nbytes = persist_shared(spec, root, job, state, attrs, local_path,
-                                        stripe_new_dir=self._stripe_new_dir)
+                                        stripe_new_dir=self._stripe_new_dir, dedup=self.dedup_shared)
             dt = time.perf_counter() - t0  # until committed (latest moved); pruning is after
             self.stats.append({"tier": name, "step": job.step, "seconds": dt, "bytes": nbytes})
             self._emit("checkpoint_durable", step=job.step, tier=name, seconds=round(dt, 4),
@@ -350,7 +354,7 @@ class CheckpointEngine:
         for step, source, path in self.candidates():
             if source == "L0":
                 return step, source, path
-            problems = self._verify(path)
+            problems = verify_rank_problems(path, self._verify)  # a dedup step: every file it reads
             if not problems:
                 return step, source, path
             self._emit("checkpoint_invalid", step=step, source=source, path=path, problems=problems[:3])
@@ -360,5 +364,4 @@ class CheckpointEngine:
         step, source, path = candidate
         if source == "L0":
             return unflatten_state({k: v.clone() for k, v in self._l0.tensors.items()}, self._l0.skeleton)
-        state, _ = read_shard(path)
-        return state
+        return read_rank_state(path)

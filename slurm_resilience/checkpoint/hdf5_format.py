@@ -32,7 +32,7 @@ import os
 import tempfile
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any, Iterator, Mapping
+from typing import Any, Collection, Iterator, Mapping
 
 import h5py
 import numpy as np
@@ -53,9 +53,12 @@ __all__ = [
     "flatten_state",
     "unflatten_state",
     "write_shard",
+    "write_flat",
     "read_shard",
+    "read_datasets",
     "verify_shard",
     "shard_crc32",
+    "shard_contents",
     "combine_checksums",
 ]
 
@@ -165,8 +168,20 @@ def write_shard(path: str, state: Any, *, attrs: Mapping[str, int | float | str]
         CheckpointError: the state cannot be pickled, a dtype cannot be stored, an
             attribute is invalid, or the file cannot be written (disk full ...).
     """
-    _check_attrs(attrs)
     tensors, skeleton = flatten_state(state)
+    return write_flat(path, tensors, skeleton, attrs=attrs)
+
+
+def write_flat(path: str, tensors: Mapping[str, torch.Tensor], skeleton: bytes, *,
+               attrs: Mapping[str, int | float | str] = _NO_ATTRS) -> ShardInfo:
+    """``write_shard`` of an already flattened state; ``tensors`` may be a subset of the
+    skeleton's references (a deduplicated shared-tier shard, ``dedup``: pass
+    ``attrs["dedup"]=1`` so ``verify_shard`` accepts the references it lacks).
+
+    Raises:
+        CheckpointError: as ``write_shard``.
+    """
+    _check_attrs(attrs)
     directory = os.path.dirname(os.path.abspath(path))
     try:
         makedirs_private(directory)
@@ -264,15 +279,34 @@ def read_shard(path: str, *, verify: bool = True) -> tuple[Any, dict[str, int | 
             attribute, a dataset is unreadable or fails its checksum, or the
             skeleton is corrupt.
     """
+    tensors, skeleton, attrs = read_datasets(path, verify=verify)
+    try:
+        state = unflatten_state(tensors, skeleton)
+    except CheckpointError as e:
+        raise CheckpointError(f"corrupt shard {path}: {e}") from e
+    return state, attrs
+
+
+def read_datasets(path: str, names: Collection[str] | None = None, *, verify: bool = True
+                  ) -> tuple[dict[str, torch.Tensor], bytes, dict[str, int | float | str]]:
+    """The shard's tensors (only ``names`` when given), its skeleton and attributes.
+
+    Raises:
+        CheckpointError: as ``read_shard``, or a name in ``names`` is not in the file.
+    """
     with _open(path) as f:
-        names = _datasets(f)
-        if SKELETON not in names:
+        found = _datasets(f)
+        if SKELETON not in found:
             raise CheckpointError(f"corrupt shard {path}: no {SKELETON} dataset")
-        skeleton = _read_dataset(names[SKELETON], path, SKELETON, verify).tobytes()
+        lacking = sorted(set(names or ()) - set(found))
+        if lacking:
+            raise CheckpointError(f"corrupt shard {path}: no dataset {lacking[0]}")
+        skeleton = _read_dataset(found[SKELETON], path, SKELETON, verify).tobytes()
         arrays: dict[str, np.ndarray] = {}
         bulk: list[Bulk] = []
-        for name, ds in names.items():
-            if name == SKELETON:
+        wanted = set(found) if names is None else set(names)
+        for name, ds in found.items():
+            if name == SKELETON or name not in wanted:
                 continue
             plan = plan_bulk(ds, path, name, allocate=True)
             if plan is None:
@@ -284,12 +318,8 @@ def read_shard(path: str, *, verify: bool = True) -> tuple[Any, dict[str, int | 
         for b, crc in zip(bulk, bulk_read(path, bulk, keep=True)):
             if verify:
                 _check_crc(path, b.name, b.stored, crc)
-        tensors = {name: _to_tensor(names[name], path, name, arr) for name, arr in arrays.items()}
-    try:
-        state = unflatten_state(tensors, skeleton)
-    except CheckpointError as e:
-        raise CheckpointError(f"corrupt shard {path}: {e}") from e
-    return state, attrs
+        tensors = {name: _to_tensor(found[name], path, name, arr) for name, arr in arrays.items()}
+    return tensors, skeleton, attrs
 
 
 def verify_shard(path: str) -> list[str]:
@@ -297,7 +327,7 @@ def verify_shard(path: str) -> list[str]:
 
     Reads each dataset once and checks its CRC32 (large ones in parallel through
     small buffers), then that the skeleton unpickles and names only datasets that
-    exist. Never raises for a bad file.
+    exist (a dedup shard holds only some: shared_read checks its step). Never raises for a bad file.
     """
     problems: list[str] = []
     try:
@@ -323,7 +353,8 @@ def verify_shard(path: str) -> list[str]:
             elif not problems:
                 skeleton = _read_dataset(names[SKELETON], path, SKELETON, verify=True).tobytes()
                 try:
-                    missing = sorted(set(refs(skeleton)) - set(names))
+                    # a deduplicated shared-tier shard holds only the tensors it owns (dedup.py)
+                    missing = [] if f.attrs.get("dedup") == 1 else sorted(set(refs(skeleton)) - set(names))
                 except Exception as e:  # unpickling raises almost anything on corrupt input
                     problems.append(f"corrupt shard {path}: skeleton cannot be unpickled ({first_line(e)})")
                 else:
@@ -331,6 +362,23 @@ def verify_shard(path: str) -> list[str]:
     except CheckpointError as e:
         problems.append(str(e))
     return problems
+
+
+def shard_contents(path: str) -> tuple[set[str], list[str]]:
+    """(the file's tensor dataset names, the datasets its skeleton names); data unread.
+
+    Raises:
+        CheckpointError: the file is missing or corrupt, or the skeleton does not unpickle.
+    """
+    with _open(path) as f:
+        names = set(_datasets(f)) - {SKELETON}
+        if SKELETON not in f:
+            raise CheckpointError(f"corrupt shard {path}: no {SKELETON} dataset")
+        skeleton = _read_dataset(f[SKELETON], path, SKELETON, verify=True).tobytes()
+    try:
+        return names, refs(skeleton)
+    except Exception as e:  # unpickling raises almost anything on corrupt input
+        raise CheckpointError(f"corrupt shard {path}: skeleton cannot be unpickled ({first_line(e)})") from e
 
 
 def shard_crc32(path: str) -> int:

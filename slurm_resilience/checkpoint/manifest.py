@@ -27,6 +27,7 @@ from typing import Any, Collection, Mapping, Sequence
 
 from ..errors import CheckpointError, ConfigError
 from ..files import fsync_dir, write_private
+from .dedup import coverage_problems, owners_of
 from .hdf5_format import shard_crc32, verify_shard
 from .layout import latest_path, manifest_path, shard_name, shard_path, step_dir, step_dirs
 
@@ -279,7 +280,8 @@ def validate_step(root: str, step: int, *, deep: bool = False) -> list[str]:
 
     Checks the manifest, that each shard exists with the recorded size and, with
     ``deep``, every dataset checksum and the combined checksum against the record
-    (reads all the data). Never raises for a bad checkpoint.
+    (reads all the data) and, for a deduplicated step, that every tensor a rank's
+    skeleton names is in its file or its owner's. Never raises for a bad checkpoint.
     """
     try:
         manifest = read_manifest(root, step)
@@ -293,7 +295,19 @@ def validate_step(root: str, step: int, *, deep: bool = False) -> list[str]:
             problems.extend(shard)
             if not shard and shard_crc32(path) != rec.crc32:
                 problems.append(f"shard of rank {rank} checksum differs from the manifest: {path}")
+        problems += _dedup_problems(root, manifest) if not problems else []
     return problems
+
+
+def _dedup_problems(root: str, manifest: Manifest) -> list[str]:
+    """Every rank's skeleton finds each tensor in its own file or (a deduplicated step,
+    ``dedup``) its owner's; metadata only."""
+    try:
+        owners = owners_of(manifest.extra)
+        files = {r: os.path.join(step_dir(root, manifest.step), rec.file) for r, rec in manifest.shards.items()}
+        return [p for path in files.values() for p in coverage_problems(path, owners, files)]
+    except (ValueError, CheckpointError) as e:
+        return [f"step {manifest.step}: {e}"]
 
 
 # --------------------------------------------------------------------------- retention

@@ -5,7 +5,9 @@
                      owner: manifest listing the root's ranks, ``latest`` → barrier
     prune_local      L1, after the commit: the root's owner alone applies retention
     persist_shared   L2: rank 0 creates the step directory (on Lustre: striped, once)
-                     → barrier → shard (the L1 file's bytes when there) → vote →
+                     → barrier → owner plan (dedup: each replicated tensor once per
+                     step) → shard: skeleton + owned + non-replicated tensors (full
+                     shard, the L1 file's bytes, when nothing dedups) → vote →
                      rank 0: manifest with every rank's size and checksum, ``latest``,
                      retention → barrier
 
@@ -33,7 +35,8 @@ from ..errors import CheckpointError
 from ..files import makedirs_private, write_private
 from . import layout
 from . import manifest as mf
-from .hdf5_format import shard_crc32, write_shard
+from .dedup import DEDUP, agree
+from .hdf5_format import shard_crc32, write_flat, write_shard
 from .partner_tier import exchange_partner
 from .redundancy import partner_map
 from .tiers import Redundancy, TierSpec
@@ -180,8 +183,14 @@ def prune_local(spec: TierSpec, root: str, job: Job) -> list[int]:
 
 
 def persist_shared(spec: TierSpec, root: str, job: Job, state: Any, attrs: dict[str, Any],
-                   local_path: str | None, *, stripe_new_dir: Callable[[TierSpec, str], None]) -> int:
+                   local_path: str | None, *, stripe_new_dir: Callable[[TierSpec, str], None],
+                   dedup: bool = True) -> int:
     """Collective: write this rank's L2 shard; rank 0 commits the step. Returns its size.
+
+    With ``dedup`` (world > 1) the ranks agree on an owner per replicated tensor
+    (``dedup.agree``) and each writes only what it owns plus its non-replicated
+    tensors; the manifest records the owner map (``extra["dedup"]``). Otherwise each
+    rank writes its full shard (the L1 file's bytes when there).
 
     Rank 0 creates the step directory first and, when it is new, hands it to
     ``stripe_new_dir`` (Lustre striping; must not raise); a barrier keeps every
@@ -203,8 +212,14 @@ def persist_shared(spec: TierSpec, root: str, job: Job, state: Any, attrs: dict[
         except OSError as exc:  # this rank's vote fails; the others still meet it below
             ok, err = 0, first_line(exc)
     gather(job, 1)  # nobody creates a file in the step directory before it is striped
+    owners = agree(job.buffers.tensors, state, rank=job.rank, world=job.world_size,
+                   gather=lambda row: gather_table(job, row)) if dedup and job.transfer is not None else {}
     try:
-        if ok and local_path and os.path.exists(local_path):
+        if ok and owners:  # this rank's part of a deduplicated step (dedup.py)
+            mine = {k: t for k, t in job.buffers.tensors.items() if owners.get(k, job.rank) == job.rank}
+            info = write_flat(path, mine, job.buffers.skeleton, attrs=dict(attrs, **{DEDUP: 1}))
+            nbytes, crc = info.nbytes, info.crc32
+        elif ok and local_path and os.path.exists(local_path):
             makedirs_private(os.path.dirname(path))
             with open(local_path, "rb") as f:
                 write_private(path, f.read())
@@ -222,7 +237,8 @@ def persist_shared(spec: TierSpec, root: str, job: Job, state: Any, attrs: dict[
     if job.rank == 0:
         shards = {r: mf.ShardRecord(layout.shard_name(r), sizes[r], crcs[r]) for r in range(job.world_size)}
         mf.write_manifest(root, mf.Manifest(step=job.step, world_size=job.world_size, tier=spec.name,
-                                            shards=shards, created=time.time(), extra={}))
+                                            shards=shards, created=time.time(),
+                                            extra={DEDUP: {"owners": owners}} if owners else {}))
         mf.set_latest(root, job.step)
         mf.prune(root, keep_last=spec.keep, keep_every=spec.keep_every)
     gather(job, 1)  # nobody reports L2 durable before rank 0 committed

@@ -37,7 +37,7 @@ import torch
 
 from ..checkpoint import layout
 from ..checkpoint import manifest as mf
-from ..checkpoint.hdf5_format import read_shard
+from ..checkpoint.shared_read import read_rank_state
 from ..errors import StepAborted
 from ..protocol import StoreKey
 
@@ -157,13 +157,13 @@ def restore_sharded(gen, store, engine, names: Sequence[str]) -> dict[str, Any] 
     sources = assign_sources(all_held, step, old_world, on_shared)
     if on_shared:  # every rank reads what it needs itself
         path = lambda old: layout.shard_path(roots[step], step, old)  # noqa: E731
-        base, _ = read_shard(path(0))
+        base = read_rank_state(path(0))  # a dedup step: replicated tensors from their owners' files
         totals = base["shard_totals"]
-        olds = {old: base if old == 0 else read_shard(path(old))[0]
+        olds = {old: base if old == 0 else read_rank_state(path(old))
                 for old in sorted(needed(totals, old_world, gen.world_size, gen.rank))}
     else:
         paths = {r: p for s, r, p, _ in held if s == step}
-        mine = {old: read_shard(paths[old])[0] for old, src in enumerate(sources) if src == gen.rank}
+        mine = {old: read_rank_state(paths[old]) for old, src in enumerate(sources) if src == gen.rank}
         from .restore import broadcast_state
 
         base = broadcast_state(gen, mine.get(0), sources[0])

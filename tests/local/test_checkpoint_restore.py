@@ -6,7 +6,8 @@ tier it restores from is forced by deleting the faster ones:
 
     own L1 shards present          → restored from L1
     every own L1 shard deleted     → restored from a PARTNER copy on another node
-    all of L1 deleted              → restored from L2 (shared)
+    all of L1 deleted              → restored from L2 (shared, deduplicated: each
+                                     replicated tensor in one rank's file only)
 
 Each resumed run must end bit-identical to an uninterrupted run of the same length.
 A resume at a smaller world size (scale-in) continues from the same state and the
@@ -17,8 +18,11 @@ same checkpoint end with the same bits (there is no fixed-world run to compare t
 import shutil
 from pathlib import Path
 
+import h5py
 import pytest
 import torch
+
+from slurm_resilience.checkpoint import manifest as mf
 
 from .localjob import LocalJob
 
@@ -81,6 +85,15 @@ def test_resume_walks_tiers_and_is_bit_identical(tmp_path, reference, delete, ti
             shutil.rmtree(d)
     elif delete == "all-l1":
         shutil.rmtree(local)
+    if tier == "L2":  # deduplicated: each replicated tensor in one file only, still the whole state
+        owners = mf.read_manifest(str(shared), FIRST).extra["dedup"]["owners"]
+        files = sorted((shared / f"step-{FIRST:08d}").glob("rank-*.h5"))
+        held = []
+        for f in files:
+            with h5py.File(f, "r") as h:
+                held.append(set(_datasets(h)))
+        assert len(files) == 3 and owners and len({owners[k] for k in owners}) > 1
+        assert all(sum(k in h for h in held) == 1 for k in owners)
     resumed = _run(tmp_path, steps=TOTAL, job_name="resumed", local=local)
     ev = _restored(resumed)
     assert ev["tier"] == tier and ev["step"] == FIRST, ev
@@ -90,20 +103,21 @@ def test_resume_walks_tiers_and_is_bit_identical(tmp_path, reference, delete, ti
 def test_corrupt_newest_checkpoint_falls_back(tmp_path, reference):
     local, shared = _first_part(tmp_path)
     shutil.rmtree(local)  # only L2 remains: steps 10 and 20
-    import h5py
-
-    shard = shared / f"step-{FIRST:08d}" / "rank-00000.h5"
+    # L2 is deduplicated: a replicated tensor of step 20 lives in its owner's file only,
+    # so corrupting it there leaves no valid copy of step 20 on any rank: step 10 is used
+    owners = mf.read_manifest(str(shared), FIRST).extra["dedup"]["owners"]
+    name = next(k for k in sorted(owners) if k.startswith("objects/objects/model/"))
+    shard = shared / f"step-{FIRST:08d}" / f"rank-{owners[name]:05d}.h5"
     with h5py.File(shard, "r") as f:
-        name = next(n for n in _datasets(f) if f[n].size > 16)
         offset = f[name].id.get_offset()
     data = bytearray(shard.read_bytes())
     data[offset + 3] ^= 0xFF
     shard.write_bytes(bytes(data))
     resumed = _run(tmp_path, steps=TOTAL, job_name="resumed", local=local)
     ev = _restored(resumed)
-    # rank 0's copy of step 20 is corrupt: another rank's valid copy of step 20 wins
-    assert ev["step"] == FIRST and ev["source"] != 0, ev
-    assert any(e["kind"] == "rank_checkpoint_invalid" for e in resumed.events())
+    assert ev["step"] == FIRST - CKPT["local_every"] and ev["tier"] == "L2", ev
+    invalid = [e for e in resumed.events() if e["kind"] == "rank_checkpoint_invalid"]
+    assert invalid and {e["step"] for e in invalid} == {FIRST}, invalid
     assert _same(_final(resumed), reference)
 
 
