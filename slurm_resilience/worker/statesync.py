@@ -3,8 +3,8 @@
 One path for both kinds of state, ending in one shared tail:
 
 * replicated state: each rank offers the step it can provide (survivors their live
-  state, fresh processes their newest checkpoint); the lowest rank offering the
-  newest step broadcasts it (``restore.py``);
+  state, fresh processes their newest checkpoint); the ranks offering the newest
+  step keep (or load) it and stream it to the others (``restore.py``);
 * sharded state (ZeRO-style): the live state is kept only when every rank survived
   at the same step in an unchanged world; otherwise every rank takes its slice of
   the newest complete checkpoint, resharded (``reshard.py``).
@@ -24,7 +24,8 @@ from ..errors import ResilienceError, StepAborted
 from ..protocol import Plan, WorkerEvent
 from . import replay, reshard
 from .reconnect import Generation
-from .restore import broadcast_state, choose_source
+from ..checkpoint.state_tree import flatten_state
+from .restore import assign_sources, choose_source, stream_state
 
 
 class TrainingState:
@@ -147,7 +148,8 @@ class StateSync:
             self._checkpoints.save(0, self._state.state_dict(), disk)  # step 0 must be restorable too
 
     def _sync_replicated(self, group: Generation) -> tuple[int, list[int], dict[str, Any]]:
-        """Collective: the lowest rank offering the newest step broadcasts its state."""
+        """Collective: ranks at the newest step keep (or load) it; the others receive it,
+        streamed from a source among them (``restore.py``)."""
         st = self._state
         live = st.step if st.live else -1
         # Checkpoints matter when this process holds nothing newer than its start:
@@ -156,16 +158,22 @@ class StateSync:
         offer = max(live, stored[0] if stored else -1)
         offers = group.all_gather_ints(offer)
         choice = choose_source(offers)
+        sources = assign_sources(offers)
         from_live = st.live and st.step == choice.step
-        state, source = None, "peer"
-        if group.rank == choice.source_rank:
+        state, into, extra = None, None, {}
+        if offers[group.rank] == choice.step:
             state = st.state_dict() if from_live else self._checkpoints.load(stored)
-            source = "live" if from_live else stored[1]
-        state = broadcast_state(group, state, choice.source_rank)
-        if not (from_live and group.rank == choice.source_rank):
+            if not from_live:
+                extra["tier"] = stored[1]
+        else:  # receive into this rank's own tensors: its old state is gone from here on
+            st.live = False
+            into = flatten_state(st.state_dict())[0]
+            extra["peer"] = sources[group.rank]
+        state = stream_state(group, sources, state, into=into)
+        if not from_live:
             st.load_state_dict(state)
         st.step = choice.step
-        return choice.source_rank, offers, ({"tier": source} if source != "peer" else {})
+        return choice.source_rank, offers, extra
 
     def _sync_sharded(self, group: Generation, plan: Plan) -> tuple[int, list[int], dict[str, Any]]:
         """Collective: keep the live state only when every rank survived at the same step
