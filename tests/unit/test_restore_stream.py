@@ -86,3 +86,19 @@ def test_tensor_spec_bytes():
     assert TensorSpec("a", torch.bfloat16, (3, 5), False).nbytes == 30
     assert TensorSpec("b", torch.float64, (), False).nbytes == 8
     assert TensorSpec("c", torch.bool, (0, 4), False).nbytes == 0
+
+
+def test_destinations_reuse_own_tensors_where_they_fit():
+    from slurm_resilience.worker.restore import _destinations
+
+    w = torch.zeros(4, 3)
+    own = {"w": w, "tied": w, "h": torch.zeros(5).half(), "t": torch.zeros(3, 4).t()}
+    index = [TensorSpec("w", torch.float32, (4, 3), False), TensorSpec("tied", torch.float32, (4, 3), False),
+             TensorSpec("h", torch.float32, (5,), False), TensorSpec("t", torch.float32, (4, 3), False),
+             TensorSpec("new", torch.int64, (2,), False)]
+    out = _destinations(index, own, torch.device("cpu"))
+    assert out[0] is w  # received in place
+    assert out[1] is not w and out[1].data_ptr() != w.data_ptr()  # tied: one destination each
+    assert out[2].dtype == torch.float32 and out[2].data_ptr() != own["h"].data_ptr()  # dtype differs
+    assert out[3].is_contiguous() and out[3].data_ptr() != own["t"].data_ptr()  # non-contiguous own
+    assert out[4].shape == (2,) and out[4].dtype == torch.int64
