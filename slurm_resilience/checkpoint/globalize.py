@@ -45,7 +45,7 @@ def read_rank_states(root: str, step: int) -> list[dict[str, Any]]:
             root (node-local tiers hold their node's ranks only), or a shard is unreadable.
     """
     from . import manifest as mf
-    from .hdf5_format import read_shard
+    from .shared_read import read_rank_state
 
     complete = mf.complete_steps(root)
     if step not in complete:
@@ -56,7 +56,7 @@ def read_rank_states(root: str, step: int) -> list[dict[str, Any]]:
     if missing:
         raise CheckpointError(f"step {step} under {root} lacks the shards of ranks {missing} (a node-local "
                               "tier holds its node's ranks only): export from the shared tier")
-    return [read_shard(mf.shard_path(root, step, r))[0] for r in range(man.world_size)]
+    return [read_rank_state(mf.shard_path(root, step, r)) for r in range(man.world_size)]  # L2: deduplicated too
 
 
 # -- layouts --------------------------------------------------------------------------

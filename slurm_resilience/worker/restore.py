@@ -1,20 +1,41 @@
-"""State transfer: the newest copy wins, and a survivor sends it to everyone.
+"""State transfer: the newest copy wins, and the ranks holding it stream it to the rest.
 
 Each rank offers the step of the state it can provide — survivors their live state,
-fresh processes their newest node-local snapshot (or -1). The source is the lowest
-rank among those offering the newest step; it broadcasts its serialized state to the
-whole generation. A survivor that finished the step in flight (its all-reduce
-completed before the peer died) is therefore preferred, and the others adopt its
-state — the update it applied used the complete gradient sum.
+fresh processes their newest node-local snapshot (or -1). The newest step wins
+(:func:`choose_source`: a survivor that finished the step in flight, its all-reduce
+completed before the peer died, is preferred and the others adopt its state — the
+update it applied used the complete gradient sum). Ranks offering that step keep
+(or load) their own copy; every other rank receives one from a source that
+:func:`assign_sources` picks round-robin among them, so the ranks of a replaced node
+restore from different survivors in parallel.
+
+The transfer (:func:`stream_state`) moves only what is needed, through bounded
+memory: the source flattens its state (``checkpoint/state_tree.py``) into a small
+skeleton (everything that is not a dense tensor) and its tensors, sends the skeleton
+with an index of the tensors (name, dtype, shape), then the tensors' bytes in
+chunks of ``chunk_bytes`` (:func:`chunk_plan`) through one send and one receive
+buffer. A receiver writes each chunk straight into its destination tensors: its own
+tensors of the same name, dtype and shape when it has them (a survivor or warm
+standby receives in place), else freshly allocated ones — the state itself, not a
+copy. Each chunk round is one bounded-wait all-to-all of the generation
+(``reconnect.py``), so a newer plan or a departed peer aborts it (StepAborted).
+
+``broadcast_state`` (the whole state serialized and broadcast as one byte tensor)
+remains for the resharded restore's small base state (``reshard.py``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import io
-from typing import Any, Sequence
+import pickle
+from typing import Any, Mapping, Sequence
 
 import torch
+
+from ..checkpoint.state_tree import flatten_state, unflatten_state
+
+CHUNK_BYTES = 16 << 20  # bytes per chunk round: the size of the send and the receive buffer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,6 +56,192 @@ def choose_source(offers: Sequence[int]) -> RestorePlan:
     return RestorePlan(source_rank=offers.index(best), step=best)
 
 
+def assign_sources(offers: Sequence[int]) -> dict[int, int]:
+    """Receiver rank → source rank: every rank offering less than the newest step gets
+    one of the ranks offering it, round-robin in rank order (deterministic, so every
+    rank computes the same map). Ranks at the newest step are not in the map.
+    Raises ValueError as :func:`choose_source`."""
+    best = choose_source(offers).step
+    sources = [r for r, o in enumerate(offers) if o == best]
+    receivers = [r for r, o in enumerate(offers) if o < best]
+    return {r: sources[i % len(sources)] for i, r in enumerate(receivers)}
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSpec:
+    """One tensor of the index a source sends before the bytes."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    on_gpu: bool
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n * torch.empty((), dtype=self.dtype).element_size()
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    """Bytes ``[start, start + length)`` of tensor ``tensor`` travel at ``at`` in the chunk."""
+
+    tensor: int
+    start: int
+    length: int
+    at: int
+
+
+def chunk_plan(sizes: Sequence[int], chunk_bytes: int) -> list[list[Piece]]:
+    """Pack the tensors' bytes (``sizes``, in index order) back to back into chunks of
+    ``chunk_bytes`` (the last one shorter); a tensor may span chunks, empty tensors
+    appear in none. Raises ValueError for a chunk size below 1 or a negative size."""
+    if chunk_bytes < 1:
+        raise ValueError(f"chunk_bytes must be at least 1, got {chunk_bytes}")
+    chunks: list[list[Piece]] = []
+    fill = chunk_bytes  # the current chunk is full: the next piece opens a new one
+    for i, size in enumerate(sizes):
+        if size < 0:
+            raise ValueError(f"tensor {i} has negative size {size}")
+        start = 0
+        while start < size:
+            if fill == chunk_bytes:
+                chunks.append([])
+                fill = 0
+            n = min(size - start, chunk_bytes - fill)
+            chunks[-1].append(Piece(tensor=i, start=start, length=n, at=fill))
+            start += n
+            fill += n
+    return chunks
+
+
+def chunk_length(chunk: Sequence[Piece]) -> int:
+    return chunk[-1].at + chunk[-1].length if chunk else 0
+
+
+def stream_state(gen, sources: Mapping[int, int], state: dict[str, Any] | None, *,
+                 into: Mapping[str, torch.Tensor] | None = None,
+                 chunk_bytes: int = CHUNK_BYTES) -> dict[str, Any] | None:
+    """Collective: every receiver in ``sources`` (receiver → source rank, from
+    :func:`assign_sources`) gets its source's ``state``; sources pass their state,
+    receivers ``None``, other ranks take part with whatever they hold. Returns the
+    received state on a receiver, ``state`` elsewhere. With no receiver at all it
+    returns at once, without a collective.
+
+    ``into``: this receiver's own tensors by flattened name (``flatten_state``); a
+    contiguous one of the same dtype and shape receives in place, so its old values
+    are lost even when the transfer aborts. Tensors arrive contiguous (values, dtype
+    and shape exact; a non-contiguous source tensor's strides are not kept).
+    Raises StepAborted when a peer leaves or a newer plan appears meanwhile (every
+    rank recovers again), CheckpointError when the source's skeleton cannot be pickled.
+    """
+    if not sources:
+        return state
+    me = gen.rank
+    mine = sorted(r for r, s in sources.items() if s == me)  # my receivers, in rank order
+    src = sources.get(me)
+    header, tensors, plan, index, skeleton = b"", [], [], [], b""
+    if mine:
+        flat, skeleton = flatten_state(state)
+        tensors = list(flat.values())
+        index = [TensorSpec(n, t.dtype, tuple(t.shape), t.is_cuda) for n, t in flat.items()]
+        plan = chunk_plan([s.nbytes for s in index], chunk_bytes)
+        header = pickle.dumps((skeleton, index), protocol=pickle.HIGHEST_PROTOCOL)
+    lengths = gen.all_gather_ints(len(header))
+    rounds = max(gen.all_gather_ints(len(plan)))
+    hbuf = torch.empty(max(len(header) * len(mine), lengths[src] if src is not None else 0),
+                       dtype=torch.uint8, device=gen.device)
+    if mine:
+        blob = torch.frombuffer(bytearray(header), dtype=torch.uint8)
+        for i in range(len(mine)):
+            hbuf[i * len(header):(i + 1) * len(header)].copy_(blob)
+    got = _round(gen, mine, src, len(header), lengths[src] if src is not None else 0, hbuf)
+    if src is not None:  # a receiver: the index tells what to allocate (or adopt) and the plan
+        skeleton, index = pickle.loads(got.cpu().numpy().tobytes())
+        tensors = _destinations(index, into or {}, gen.device)
+        plan = chunk_plan([s.nbytes for s in index], chunk_bytes)
+    del hbuf, got
+    views = _ByteViews(tensors)
+    buf = torch.empty(chunk_bytes * max(len(mine), 1) if rounds else 0, dtype=torch.uint8, device=gen.device)
+    for k in range(rounds):
+        chunk = plan[k] if k < len(plan) else []
+        n = chunk_length(chunk)
+        if mine:
+            views.pack(chunk, buf, n, len(mine))
+        got = _round(gen, mine, src, n, n, buf)
+        if src is not None:
+            views.unpack(chunk, got)
+    if src is None:
+        return state
+    return unflatten_state({s.name: t for s, t in zip(index, tensors)}, skeleton)
+
+
+def _round(gen, mine: Sequence[int], src: int | None, n_send: int, n_recv: int,
+           buf: torch.Tensor) -> torch.Tensor:
+    """Collective: one all-to-all; ``buf`` holds ``n_send`` bytes per receiver of mine (in
+    rank order) and, on a receiver, takes the ``n_recv`` bytes from ``src``."""
+    w = gen.world_size
+    in_splits, out_splits = [0] * w, [0] * w
+    for r in mine:
+        in_splits[r] = n_send
+    if src is not None:
+        out_splits[src] = n_recv
+    empty = buf[:0]
+    inp = buf[: n_send * len(mine)] if mine else empty
+    out = buf[:n_recv] if src is not None else empty
+    gen.all_to_all(out, inp, out_splits, in_splits)
+    return out
+
+
+def _destinations(index: Sequence[TensorSpec], into: Mapping[str, torch.Tensor],
+                  device: torch.device) -> list[torch.Tensor]:
+    """A tensor per index entry: this rank's own one where it fits (receive in place),
+    else a new one (on the GPU when the source's was and this rank has one)."""
+    out, taken = [], set()
+    for spec in index:
+        t = into.get(spec.name)
+        if (t is not None and t.dtype == spec.dtype and tuple(t.shape) == spec.shape
+                and t.layout == torch.strided and t.is_contiguous() and t.numel() > 0
+                and t.data_ptr() not in taken):  # tied weights: one destination each
+            taken.add(t.data_ptr())
+            out.append(t)
+            continue
+        where = torch.device("cpu")
+        if spec.on_gpu and torch.cuda.is_available():
+            where = device if device.type == "cuda" else torch.device("cuda", torch.cuda.current_device())
+        out.append(torch.empty(spec.shape, dtype=spec.dtype, device=where))
+    return out
+
+
+class _ByteViews:
+    """Each tensor as flat bytes; a non-contiguous one through a contiguous copy, the
+    latest only (a tensor's chunks come one after another)."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
+        self._tensors = tensors
+        self._copy: tuple[int, torch.Tensor] | None = None
+
+    def __call__(self, i: int) -> torch.Tensor:
+        t = self._tensors[i]
+        if t.is_contiguous():
+            return t.reshape(-1).view(torch.uint8)
+        if self._copy is None or self._copy[0] != i:
+            self._copy = (i, t.contiguous().reshape(-1).view(torch.uint8))
+        return self._copy[1]
+
+    def pack(self, chunk: Sequence[Piece], buf: torch.Tensor, n: int, copies: int) -> None:
+        for p in chunk:
+            buf[p.at:p.at + p.length].copy_(self(p.tensor)[p.start:p.start + p.length])
+        for i in range(1, copies):
+            buf[i * n:(i + 1) * n].copy_(buf[:n])
+
+    def unpack(self, chunk: Sequence[Piece], got: torch.Tensor) -> None:
+        for p in chunk:
+            self(p.tensor)[p.start:p.start + p.length].copy_(got[p.at:p.at + p.length])
+
+
 def serialize(state: dict[str, Any]) -> torch.Tensor:
     buf = io.BytesIO()
     torch.save(state, buf)
@@ -46,7 +253,8 @@ def deserialize(data: torch.Tensor) -> dict[str, Any]:
 
 
 def broadcast_state(gen, state: dict[str, Any] | None, source: int) -> dict[str, Any]:
-    """Collective: every rank returns the source's state (size first, then bytes)."""
+    """Collective: every rank returns the source's state (size first, then bytes): the
+    whole state serialized at once. Used for small states (``reshard.py``'s base)."""
     payload = serialize(state) if gen.rank == source else None
     size = _to(torch.tensor([payload.numel() if payload is not None else 0]), gen.device)
     gen.broadcast(size, source)

@@ -3,8 +3,8 @@
 One path for both kinds of state, ending in one shared tail:
 
 * replicated state: each rank offers the step it can provide (survivors their live
-  state, fresh processes their newest checkpoint); the lowest rank offering the
-  newest step broadcasts it (``restore.py``);
+  state, fresh processes their newest checkpoint); the ranks offering the newest
+  step keep (or load) it and stream it to the others (``restore.py``);
 * sharded state (ZeRO-style): the live state is kept only when every rank survived
   at the same step in an unchanged world; otherwise every rank takes its slice of
   the newest complete checkpoint, resharded (``reshard.py``).
@@ -26,11 +26,12 @@ import torch
 import torch.distributed as dist
 
 from ..checkpoint.dcp_io import check_init_from, initial_state
+from ..checkpoint.state_tree import flatten_state
 from ..errors import CheckpointError, ConfigError, ResilienceError, StepAborted
 from ..protocol import Plan, WorkerEvent
 from . import replay, reshard
 from .reconnect import Generation
-from .restore import broadcast_state, choose_source
+from .restore import assign_sources, broadcast_state, choose_source, stream_state
 
 
 class TrainingState:
@@ -155,7 +156,8 @@ class StateSync:
             self._checkpoints.save(self._state.step, self._state.state_dict(), disk)  # so must step 0 (or imported)
 
     def _sync_replicated(self, group: Generation) -> tuple[int, list[int], dict[str, Any]]:
-        """Collective: the lowest rank offering the newest step broadcasts its state."""
+        """Collective: ranks at the newest step keep (or load) it; the others receive it,
+        streamed from a source among them (``restore.py``)."""
         st = self._state
         live = st.step if st.live else -1
         # Checkpoints matter when this process holds nothing newer than its start:
@@ -164,21 +166,28 @@ class StateSync:
         offer = max(live, stored[0] if stored else -1)
         offers = group.all_gather_ints(offer)
         choice = choose_source(offers)
-        imported = self._importing(group, choice.step == 0 and stored is None, choice.step == 0)
-        from_live = st.live and st.step == choice.step and not imported
-        state, source = None, "peer"
-        if group.rank == choice.source_rank:
-            if imported:
-                state, source = initial_state(self._init_from, st.state_dict(), (), group.world_size, 0), "init_from"
-            else:
-                state = st.state_dict() if from_live else self._checkpoints.load(stored)
-                source = "live" if from_live else stored[1]
-        state = broadcast_state(group, state, choice.source_rank)
-        if not (from_live and group.rank == choice.source_rank):
+        if self._importing(group, choice.step == 0 and stored is None, choice.step == 0):
+            state = None  # the lowest rank reads the DCP checkpoint; every rank adopts it
+            if group.rank == choice.source_rank:
+                state = initial_state(self._init_from, st.state_dict(), (), group.world_size, 0)
+            st.load_state_dict(broadcast_state(group, state, choice.source_rank))
+            return choice.source_rank, offers, {"tier": "init_from"}
+        sources = assign_sources(offers)
+        from_live = st.live and st.step == choice.step
+        state, into, extra = None, None, {}
+        if offers[group.rank] == choice.step:
+            state = st.state_dict() if from_live else self._checkpoints.load(stored)
+            if not from_live:
+                extra["tier"] = stored[1]
+        else:  # receive into this rank's own tensors: its old state is gone from here on
+            st.live = False
+            into = flatten_state(st.state_dict())[0]
+            extra["peer"] = sources[group.rank]
+        state = stream_state(group, sources, state, into=into)
+        if not from_live:
             st.load_state_dict(state)
-        if not imported:
-            st.step = choice.step
-        return choice.source_rank, offers, ({"tier": source} if source != "peer" else {})
+        st.step = choice.step
+        return choice.source_rank, offers, extra
 
     def _importing(self, group: Generation, mine: bool, candidate: bool) -> bool:
         """Collective when ``candidate`` (the same on every rank): start from ``init_from``

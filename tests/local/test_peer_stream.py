@@ -1,0 +1,157 @@
+"""Peer restore streamed between real processes over gloo (``worker/restore.py``).
+
+Three processes (torch.multiprocessing, one TCPStore, the real :class:`Generation`):
+ranks at the newest step stream a few-MB state to the others in small chunks, and
+each receiver ends with exactly the source's state — tensors bit for bit, non-tensor
+leaves equal — received in place into its own tensors where they fit. A source that
+stalls mid-transfer while a newer plan appears makes the receiver raise StepAborted.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import pickle
+import traceback
+from datetime import timedelta
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from slurm_resilience.errors import StepAborted
+from slurm_resilience.model import RankSlot, RankTable
+from slurm_resilience.worker.reconnect import Generation
+from slurm_resilience.worker.restore import assign_sources, stream_state
+
+pytestmark = pytest.mark.timeout(120)
+
+CHUNK = 256 << 10  # 256 KiB chunks: a few MB state takes many rounds
+
+
+def source_state(seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    special = torch.tensor([float("nan"), -0.0, float("inf"), -float("inf"), 1e-45])
+    return {
+        "step": 7,
+        "objects": {
+            "model": collections.OrderedDict(w=torch.randn(512, 1024, generator=g),  # 2 MiB
+                                             b=torch.randn(1024, generator=g).double()),
+            "optimizer": {"state": {0: {"exp_avg": torch.randn(300_001, generator=g),
+                                        "step": torch.tensor(7.0)}},
+                          "param_groups": [{"lr": 0.05, "params": [0]}]},
+        },
+        "bf16": torch.randn(70_001, generator=g).to(torch.bfloat16),
+        "special": special, "ints": torch.arange(-3, 3), "bools": torch.tensor([True, False]),
+        "empty": torch.empty(0, 3), "noncontig": torch.arange(12.0).view(3, 4).t(),
+        "rng": torch.Generator().manual_seed(seed).get_state(), "np": np.arange(5), "meta": ("a", 1, None, [1.5, {"x": "y"}]),
+    }
+
+
+def receiver_state() -> dict:
+    """What a fresh rank holds: the model at its initial values, no optimizer state yet."""
+    return {"objects": {"model": collections.OrderedDict(w=torch.zeros(512, 1024), b=torch.zeros(1024).double())}}
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return (isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape
+                and a.reshape(-1).contiguous().view(torch.uint8).tolist()
+                == b.reshape(-1).contiguous().view(torch.uint8).tolist())
+    if isinstance(a, np.ndarray):
+        return isinstance(b, np.ndarray) and np.array_equal(a, b)
+    if isinstance(a, dict):
+        return type(a) is type(b) and list(a) == list(b) and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+class _Stalling(Generation):
+    """A source that stops taking part after two chunk rounds (a hung node) while a newer
+    plan is published: every all-to-all after that never starts on this rank."""
+
+    def __init__(self, *a, newer, **kw) -> None:
+        super().__init__(*a, **kw)
+        self._calls, self._newer = 0, newer
+
+    def all_to_all(self, *a, **kw):
+        self._calls += 1
+        if self._calls > 3:  # the header, then two chunks
+            self._newer.set()
+            raise StepAborted("source stalled (test)")
+        return super().all_to_all(*a, **kw)
+
+
+def _rank(rank: int, world: int, port: int, offers: list[int], mode: str, out: str, newer, done) -> None:
+    try:
+        store = dist.TCPStore("127.0.0.1", port, None, False, timedelta(seconds=30))
+        table = RankTable(generation=1, slots=tuple(RankSlot(rank=i, node=f"n{i}", worker_id=f"w{i}", local_rank=0)
+                                                     for i in range(world)))
+        kw = dict(backend="gloo", timeout_s=60.0, poll_ms=20, interrupted=newer.is_set)
+        sources = assign_sources(offers)
+        at_best = offers[rank] == max(offers)
+        gen = (_Stalling(store, table, rank, newer=newer, **kw) if mode == "stall" and at_best
+               else Generation(store, table, rank, **kw))
+        mine = receiver_state()
+        into = {f"objects/objects/model/{k}": v for k, v in mine["objects"]["model"].items()}
+        ptr = mine["objects"]["model"]["w"].data_ptr()
+        try:
+            got = stream_state(gen, sources, source_state(100 + rank) if at_best else None,
+                               into=None if at_best else into, chunk_bytes=CHUNK)
+        except StepAborted as exc:
+            result = {"aborted": str(exc)}
+        else:
+            want = source_state(100 + sources.get(rank, rank))
+            result = {"same": _same(got, want), "diff": [k for k in want if not _same(got.get(k), want[k])],
+                      "in_place": got["objects"]["model"]["w"].data_ptr() == ptr}
+        with open(out, "wb") as f:
+            pickle.dump(result, f)
+        if not at_best:
+            done.set()
+        elif mode == "stall":  # a hung node: the process stays, its sockets stay open
+            done.wait(60)
+    except BaseException:
+        with open(out, "wb") as f:
+            pickle.dump({"error": traceback.format_exc()}, f)
+
+
+def _run(tmp_path, offers, mode="ok") -> list[dict]:
+    store = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=30), wait_for_workers=False)
+    ctx = mp.get_context("spawn")
+    newer, done = ctx.Event(), ctx.Event()
+    outs = [str(tmp_path / f"r{r}.pkl") for r in range(len(offers))]
+    procs = [ctx.Process(target=_rank, args=(r, len(offers), store.port, offers, mode, outs[r], newer, done))
+             for r in range(len(offers))]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(90)
+        if p.is_alive():
+            p.kill()
+    results = []
+    for r, o in enumerate(outs):
+        assert os.path.exists(o), f"rank {r} left no result"
+        with open(o, "rb") as f:
+            results.append(pickle.load(f))
+    assert not any("error" in r for r in results), results
+    return results
+
+
+def test_two_sources_stream_to_their_receivers_exactly(tmp_path):
+    # ranks 1 and 2 hold step 9; rank 0 (stale survivor) and rank 3 (fresh) receive,
+    # each from a different source (round-robin)
+    offers = [4, 9, 9, -1]
+    assert assign_sources(offers) == {0: 1, 3: 2}
+    res = _run(tmp_path, offers)
+    for r in (0, 3):
+        assert res[r]["same"] and res[r]["in_place"], res[r]
+    assert res[1]["same"] and res[2]["same"]  # sources keep their own state
+
+
+def test_stalled_source_and_newer_plan_abort_the_transfer(tmp_path):
+    res = _run(tmp_path, [9, -1], mode="stall")
+    assert "stalled" in res[0]["aborted"]
+    assert "abandoned" in res[1]["aborted"], res[1]  # the receiver saw the newer plan
