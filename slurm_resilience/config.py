@@ -157,6 +157,9 @@ class RecoveryConfig:
             (> 0); at adoption, in parallel with the recovery.
         max_requeues: job-level requeues (``scontrol requeue``) allowed, counted by
             ``SLURM_RESTART_COUNT`` (>= 0; the sbatch template sets ``--requeue``).
+        local_standbys: online mode: one warm standby (the program, imported up to
+            ``Session()``) on every worker node; a rank restarted in place adopts it
+            instead of a cold process, and a new one starts once the recovery is done.
     """
 
     online_timeout_s: float = 30.0
@@ -173,6 +176,7 @@ class RecoveryConfig:
     health_check: tuple[str, ...] = ()
     health_check_timeout_s: float = 30.0
     spare_check_max_age_s: float = 300.0
+    local_standbys: bool = True
 
     def __post_init__(self) -> None:
         for name in ("online_timeout_s", "fallback_timeout_s", "health_check_timeout_s", "spare_check_max_age_s"):
