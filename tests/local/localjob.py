@@ -33,7 +33,9 @@ class LocalJob:
             "job": {"nodes": nodes, "spares": spares, "tasks_per_node": tasks_per_node},
             "checkpoint": {"local_dir": str((local_dir or root / "local") / "{node}/ckpt"),
                            **(checkpoint or {})},
-            "recovery": recovery or {},
+            # a warm standby per worker node is 3 more torch imports per job on the 2-core CI box:
+            # off unless a test asks for it (test_local_recovery.py's restart in place does)
+            "recovery": {"local_standbys": False, **(recovery or {})},
             "detect": detect or {},
         })
         self.job_dir = root / job_name
