@@ -169,3 +169,19 @@ def test_a_migrated_straggler_node_ends_its_standby():
     state = dataclasses.replace(state, recovery=None)
     state, acts = local.refill(state, p, state.table.generation)
     assert [a.node for a in of(acts, m.Launch)] == ["n5"]  # n3 is excluded
+
+
+def test_a_frozen_node_is_silent_though_its_standby_is_not_stale_yet():
+    """The standby's heartbeat is judged on the longer standby time-out: the node's ranks
+    alone decide that it is silent (else a frozen node would be restarted in place)."""
+    from test_silent_node import Launcher, _released, _watch
+    p = policy()
+    state, _ = started(p)
+    w = _watch(Launcher(False))
+    frozen = state.table.slots[1]
+    suspects = {frozen.worker_id: {"t": 1.0, "heartbeat_stale": True}}
+    w._hold_silent(state, suspects)
+    assert suspects == {} and frozen.node in w._held
+    state, acts = decide(state, _released(w, state), 2.0, p)
+    assert state.recovery.level == "node-replacement" and not of(acts, m.Launch)
+    assert "n3" not in state.local_standbys
