@@ -79,6 +79,16 @@ class LocalJob:
             time.sleep(0.05)
         raise AssertionError(f"ranks did not pass step {step}: status={self.status()}\n{self.diag()}")
 
+    def local_standby(self, node: str, timeout_s: float = 60.0) -> dict:
+        """``node``'s warm standby (recovery.local_standbys) once it is connected (status.json)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            got = [s for s in (self.status() or {}).get("local_standbys", []) if s["node"] == node and s["connected"]]
+            if got and got[0]["pid"]:
+                return got[0]
+            time.sleep(0.05)
+        raise AssertionError(f"no connected standby on {node}: {self.status()}\n{self.diag()}")
+
     def wait(self, timeout_s: float = 120.0) -> int:
         self._thread.join(timeout_s)
         assert not self._thread.is_alive(), f"supervisor still running after {timeout_s}s\n{self.diag()}"

@@ -8,7 +8,6 @@ the same bits as a fault-free reference run.
 
 import os
 import signal
-import time
 
 import pytest
 import torch
@@ -40,7 +39,7 @@ def test_killed_rank_restarts_in_place_bit_identical(job_factory, reference):
     job = job_factory(recovery={"local_standbys": True})
     st = job.wait_for_step(INJECT_AFTER)
     victim = st["ranks"][2]
-    warm = _connected_standby(job, victim["node"])
+    warm = job.local_standby(victim["node"])
     os.kill(victim["pid"], signal.SIGKILL)  # a worker process this job started
     assert job.wait() == 0, job.diag()
     _assert_same_training(_final(job), reference)
@@ -61,16 +60,6 @@ def test_killed_rank_restarts_in_place_bit_identical(job_factory, reference):
     assert refill[0]["worker_id"] not in (warm["worker_id"], victim["worker_id"])
     assert any(s["worker_id"] == refill[0]["worker_id"] for s in final_status["local_standbys"])
 
-
-def _connected_standby(job, node: str, timeout_s: float = 60.0) -> dict:
-    """The warm standby of ``node`` once it is connected (status.json)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        got = [s for s in (job.status() or {}).get("local_standbys", []) if s["node"] == node and s["connected"]]
-        if got and got[0]["pid"]:
-            return got[0]
-        time.sleep(0.05)
-    raise AssertionError(f"no connected standby on {node}: {job.status()}\n{job.diag()}")
 
 
 @pytest.mark.timeout(240)
