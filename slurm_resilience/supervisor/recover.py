@@ -59,12 +59,9 @@ def on_suspects(state: SupervisorState, obs: Suspects, now: float, policy: Polic
                      f"{fault.kind.name} ({fault.detail})")]
         if fault.kind is FaultKind.PROCESS_HUNG or (s.slurmd_reachable and s.still_running):
             acts.append(Kill(s.worker_id))
-        if slot is None and local.is_local(state, s.worker_id):  # a worker node's standby lost
-            state, _ = local.drop(state, w.node, kill=False)
-            if is_node_fault(fault.kind):
-                state, more = _isolate(state, w.node, fault.kind, policy)
-                acts += more
-            continue
+        if slot is None and local.is_local(state, s.worker_id):  # a worker node's standby lost:
+            state, _ = local.drop(state, w.node, kill=False)  # its node's ranks speak for the node
+            continue  # (isolating it here would strand them on an excluded node)
         if slot is None:  # a standby lost: its node can no longer take over a whole node
             pool = state.standbys.get(w.node, ())
             state = dataclasses.replace(state.with_dead(*pool),

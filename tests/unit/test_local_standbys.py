@@ -185,3 +185,14 @@ def test_a_frozen_node_is_silent_though_its_standby_is_not_stale_yet():
     state, acts = decide(state, _released(w, state), 2.0, p)
     assert state.recovery.level == "node-replacement" and not of(acts, m.Launch)
     assert "n3" not in state.local_standbys
+
+
+def test_a_standby_alone_seen_on_a_lost_node_does_not_isolate_its_ranks_node():
+    """Only the node's ranks decide a node fault (an isolated node's ranks would be stranded)."""
+    p = policy()
+    state, _ = started(p)
+    warm = state.local_standbys["n3"]
+    state, acts = decide(state, m.Suspects((m.Suspect(worker_id=warm, t=1.0, process_exited=True,
+                                                      slurmd_reachable=False),)), 1.0, p)
+    assert not of(acts, m.Isolate) and "n3" not in state.excluded and state.recovery is None
+    assert "n3" not in state.local_standbys and state.workers[warm].dead
