@@ -196,3 +196,11 @@ def test_a_standby_alone_seen_on_a_lost_node_does_not_isolate_its_ranks_node():
                                                       slurmd_reachable=False),)), 1.0, p)
     assert not of(acts, m.Isolate) and "n3" not in state.excluded and state.recovery is None
     assert "n3" not in state.local_standbys and state.workers[warm].dead
+
+
+def test_a_standby_preloads_run_preload_and_a_bad_module_is_a_warning(caplog):
+    import sys
+    from slurm_resilience.worker.session import preload
+    sys.modules.pop("colorsys", None)
+    assert preload(["colorsys", "no_such_module_sr"]) == ["no_such_module_sr"]
+    assert "colorsys" in sys.modules and "no_such_module_sr" in caplog.text
