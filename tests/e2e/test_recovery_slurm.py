@@ -72,11 +72,11 @@ def test_rank_killed_on_healthy_node_restarts_in_place(cluster, jobs_root, refer
 def _connected_standby(run, node: str, timeout_s: float = 90.0) -> dict:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        got = [x for x in (run.status() or {}).get("local_standbys", []) if x["node"] == node and x["connected"]]
+        got = [x for x in (run.status or {}).get("local_standbys", []) if x["node"] == node and x["connected"]]
         if got:
             return got[0]
         time.sleep(0.1)
-    raise AssertionError(f"no connected standby on {node}: {run.status()}")
+    raise AssertionError(f"no connected standby on {node}: {run.status}")
 
 
 def test_hung_rank_is_detected_by_heartbeat_and_replaced(cluster, jobs_root, reference):
