@@ -8,7 +8,9 @@ after recovery (the last rank's). Cases:
 
     kill-node         a worker node killed (rank 1's), warm spare adopts its ranks
     rank0-node        rank 0's node killed
-    kill-rank         the last rank SIGKILLed on a healthy node → restarted in place (online)
+    kill-rank         the last rank SIGKILLed on a healthy node → restarted in place (online):
+                      its node's warm standby adopts the slot (recovery.local_standbys)
+    kill-rank-cold    the same with recovery.local_standbys off: a new process imports torch
     hang-rank         the last rank SIGSTOPped → heartbeat stale → recovered
     scale-in          node killed, no spare: the others continue
     process-restart   node killed, online recovery forced to time out → all relaunched

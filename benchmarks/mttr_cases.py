@@ -69,6 +69,9 @@ def _last(st: Status) -> dict:
 register(Case("kill-node", inject=lambda st: lab.kill_node(st["ranks"][1]["node"]), expect="node-replacement"))
 register(Case("rank0-node", inject=lambda st: lab.kill_node(st["ranks"][0]["node"]), expect="node-replacement"))
 register(Case("kill-rank", inject=lambda st: _kill_pid(_last(st)["pid"]), expect="online"))
+# the same without recovery.local_standbys: the restart in place starts a new process (cold import)
+register(Case("kill-rank-cold", inject=lambda st: _kill_pid(_last(st)["pid"]), expect="online",
+              config="recovery:\n  local_standbys: false\n"))
 register(Case("hang-rank", inject=lambda st: _kill_pid(_last(st)["pid"], signal.SIGSTOP),
               cleanup=lambda st: _reap(_last(st)["pid"])))
 # the ladder's other levels, each forced by its configuration
@@ -139,6 +142,7 @@ def run_case(case: Case, root: Path, args) -> dict:
         out["detect_s"] = round(done[0]["detected"] - t_fault, 3)
         out["phases_ms"] = {e["phase"]: e["duration_ms"] for e in events
                             if e["kind"] == EventKind.PHASE and e["recovery"] == done[0]["recovery"]}
+        out["local_standby_adopted"] = any(e["kind"] == EventKind.LOCAL_STANDBY_ADOPTED for e in events)
     out["mttr_s"] = round(t_end - t_fault, 3) if t_end else None
     if case.expect and out.get("level") != case.expect:
         out["unexpected_level"] = f"expected {case.expect}"

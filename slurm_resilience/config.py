@@ -81,6 +81,9 @@ class RecoveryConfig:
         requeue_by: ``requeue`` (``scontrol requeue``: same job id, Slurm holds it
             ~cred_expire s) or ``resubmit`` (the same job.sbatch as a new job id, the job dir
             and checkpoints kept; docs/recovery-ladder.md, "Requeue or resubmit").
+        local_standbys: online mode: one warm standby (the program, imported up to
+            ``Session()``) on every worker node; a rank restarted in place adopts it
+            instead of a cold process, and a new one starts once the recovery is done.
     """
 
     online_timeout_s: float = 30.0
@@ -98,6 +101,7 @@ class RecoveryConfig:
     health_check: tuple[str, ...] = ()
     health_check_timeout_s: float = 30.0
     spare_check_max_age_s: float = 300.0
+    local_standbys: bool = True
 
     def __post_init__(self) -> None:
         for name in ("online_timeout_s", "fallback_timeout_s", "health_check_timeout_s", "spare_check_max_age_s"):

@@ -27,7 +27,7 @@ import dataclasses
 from ..lifecycle import JobPhase
 from ..model import Fault, FaultKind
 from ..protocol import EventKind, Plan, PlanAction, Role, WorkerEvent
-from . import recover, spares
+from . import local, recover, spares
 from .messages import (
     Action, AllDone, Connected, DrainEvents, Exit, Isolate, Kill, NodeBack, Observation, Preempted, Published, Reap,
     LivenessChange, Relaunch, Say, ShutDownStandbys, SpareChecked, Start, StepFaults, Straggler, Suspects, Tick, WorkerMark, emit,
@@ -53,7 +53,7 @@ def decide(state: SupervisorState, obs: Observation, now: float, policy: Policy)
     if isinstance(obs, Published):
         return _published(state, obs, policy)
     if isinstance(obs, WorkerMark):
-        return _mark(state, obs)
+        return _mark(state, obs, policy)
     if isinstance(obs, Tick):
         state, acts = spares.recheck_due(state, now, policy)
         state, more = recover.on_tick(state, now, policy)
@@ -94,6 +94,8 @@ def _start(state: SupervisorState, obs: Start, policy: Policy) -> Decision:
         for node in state.spare_nodes:
             state, more = launch_standbys(state, node, 0)
             acts += more
+        state, more = local.refill(state, policy, 0)
+        acts += more
     acts += [Say(f"job started: {table.world_size} ranks on {','.join(state.worker_nodes)} "
                  f"({state.tasks_per_node} per node); spares {','.join(state.spare_nodes) or 'none'}"),
              emit(EventKind.JOB_START, ranks=list(state.worker_nodes), spares=list(state.spare_nodes),
@@ -132,7 +134,7 @@ _MARKS = {WorkerEvent.RECONNECTED: "reconnected", WorkerEvent.RESTORED: "restore
           WorkerEvent.FIRST_STEP: "first_step", WorkerEvent.DONE: "first_step"}
 
 
-def _mark(state: SupervisorState, obs: WorkerMark) -> Decision:
+def _mark(state: SupervisorState, obs: WorkerMark, policy: Policy) -> Decision:
     rec = state.recovery
     if rec is None or obs.generation != rec.generation or obs.kind not in _MARKS:
         return state, []
@@ -155,6 +157,8 @@ def _mark(state: SupervisorState, obs: WorkerMark) -> Decision:
                  f"{total * 1000:.0f} ms after detection")]
     state = dataclasses.replace(state, recovery=None)
     state, more = move(state, JobPhase.RUNNING, f"recovery {rec.number} done")
+    acts += more
+    state, more = local.refill(state, policy, rec.generation)  # off the critical path: it is done
     return state, acts + more
 
 
@@ -205,6 +209,8 @@ def _spare_checked(state: SupervisorState, obs: SpareChecked, now: float, policy
         fault = Fault(kind=FaultKind.NODE_UNHEALTHY, rank=ranks[0], node=obs.node, time=now,
                       detail=f"health check failed after adoption: {obs.reason}")
         state = state.with_dead(*(state.table.slots[r].worker_id for r in ranks))
+        state, more = local.drop(state, obs.node, kill=True)
+        acts += more
         state, more = recover.incident(state, [fault], obs.t, now, policy, isolate_state="DRAIN")
         return state, acts + more
     if obs.node not in state.excluded:

@@ -71,5 +71,6 @@ def adopt_plans(state: SupervisorState, plans: Iterable[Plan]) -> SupervisorStat
                                                             role=Role.RANK, connected=True))
         taken = {s.worker_id for s in plan.table.slots}
         state = dataclasses.replace(state, table=plan.table, workers=workers,
-                                    standbys={n: w for n, w in state.standbys.items() if not set(w) & taken})
+                                    standbys={n: w for n, w in state.standbys.items() if not set(w) & taken},
+                                    local_standbys={n: w for n, w in state.local_standbys.items() if w not in taken})
     return state

@@ -21,7 +21,7 @@ from ..model import Fault, FaultKind
 from ..protocol import EventKind, Plan, PlanAction, Role
 from .classify import classify_fault, is_node_fault
 from .ladder import FaultCase, LadderInput, Level, RecoveryPlan, choose_level, plan_recovery
-from . import spares
+from . import local, spares
 from .plans import abort, launch, move, publish, requeue
 from .messages import Action, Isolate, Kill, Relaunch, Say, StepFaults, Straggler, Suspects, emit
 from .ranktable import Replacement, grow as grow_table, in_node_order, regenerate, shrink
@@ -59,6 +59,9 @@ def on_suspects(state: SupervisorState, obs: Suspects, now: float, policy: Polic
                      f"{fault.kind.name} ({fault.detail})")]
         if fault.kind is FaultKind.PROCESS_HUNG or (s.slurmd_reachable and s.still_running):
             acts.append(Kill(s.worker_id))
+        if slot is None and local.is_local(state, s.worker_id):  # a worker node's standby lost:
+            state, _ = local.drop(state, w.node, kill=False)  # its node's ranks speak for the node
+            continue  # (isolating it here would strand them on an excluded node)
         if slot is None:  # a standby lost: its node can no longer take over a whole node
             pool = state.standbys.get(w.node, ())
             state = dataclasses.replace(state.with_dead(*pool),
@@ -73,6 +76,8 @@ def on_suspects(state: SupervisorState, obs: Suspects, now: float, policy: Polic
             state = state.with_dead(*mates)
             if s.slurmd_reachable:
                 acts += [Kill(x) for x in mates]
+            state, more = local.drop(state, w.node, kill=s.slurmd_reachable)
+            acts += more
         faults.append(fault)
     if not faults:
         return state, acts
@@ -139,21 +144,25 @@ def carry_out(state: SupervisorState, plan: RecoveryPlan, cases: tuple[FaultCase
             state, more = spares.check(state, spare)  # in parallel: the recovery does not wait
             recheck += more
         for r in state.table.ranks_on(old):
-            local = state.table.slots[r].local_rank
-            if local < len(warm):
-                wid = warm[local]
+            lr = state.table.slots[r].local_rank
+            if lr < len(warm):
+                wid = warm[lr]
             else:
                 state, wid = state.new_id(spare)
             moves.append(Replacement(r, old, spare, wid))
     state = dataclasses.replace(state, standbys=standbys)
     if plan.restarts:
         state = dataclasses.replace(state, fault_retries_used=state.fault_retries_used + 1)
-    in_place = []
-    for r in plan.restarts:
+    in_place, adopted = [], []
+    for r in plan.restarts:  # the node's warm standby takes the slot if it can, else a new process
         node = state.table.slots[r].node
-        state, wid = state.new_id(node)
-        in_place.append(Replacement(r, node, node, wid))
-    moves += in_place
+        state, wid = local.take(state, node, policy)
+        if wid is None:
+            state, wid = state.new_id(node)
+            in_place.append(Replacement(r, node, node, wid))
+        else:
+            adopted.append(Replacement(r, node, node, wid))
+    moves += in_place + adopted
     table = regenerate(state.table, moves, state.addresses)
     if plan.lost:  # whole nodes leave
         lost = [r for rank in plan.lost for r in state.table.ranks_on(state.table.slots[rank].node)]
@@ -169,6 +178,8 @@ def carry_out(state: SupervisorState, plan: RecoveryPlan, cases: tuple[FaultCase
     for m in in_place:  # a restart in place is a new process; a spare's standby already runs
         state, act = launch(state, m.new_node, Role.RANK, table.generation, m.new_worker_id)
         acts.append(act)
+    acts += [emit(EventKind.LOCAL_STANDBY_ADOPTED, rank=m.rank, node=m.new_node, worker_id=m.new_worker_id,
+                  generation=table.generation) for m in adopted]
     state, more = begin(state, plan.level.value, cases, failed, detected, now, table.generation)
     return state, acts + more + recheck
 
@@ -292,6 +303,8 @@ def on_straggler(state: SupervisorState, obs: Straggler, now: float, policy: Pol
     moves = [Replacement(r, slot.node, spare, warm[state.table.slots[r].local_rank]) for r in ranks]
     state = dataclasses.replace(state.with_dead(*(state.table.slots[r].worker_id for r in ranks)),
                                 standbys=standbys, excluded=state.excluded | {slot.node})
+    state, more = local.drop(state, slot.node, kill=True)
+    acts += more
     acts.append(Isolate(slot.node, "DRAIN", f"slurm_resilience job {state.job_id}: straggler"))
     table = regenerate(state.table, moves, state.addresses)
     state, more = move(state, JobPhase.RECOVERING, f"migrating straggler rank {obs.rank}")

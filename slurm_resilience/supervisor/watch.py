@@ -36,6 +36,7 @@ from .messages import (
     AllDone, Connected, LivenessChange, NodeBack, Observation, Preempted, Straggler, Suspect, Suspects, Tick, WorkerMark,
 )
 from .progress import ACTED_ON, ProgressWatch
+from . import local
 from .recover import returning_candidates
 from .state import SupervisorState
 from .straggler import StragglerPolicy, StragglerWatch
@@ -171,8 +172,8 @@ class Watch:
         """Move the suspects of silent nodes (and of nodes already held) out of
         ``suspects`` into ``_held`` (``_probed`` gets each a verdict)."""
         by_node: dict[str, list[str]] = {}
-        for wid, w in state.workers.items():
-            if state.watched(wid):
+        for wid, w in state.workers.items():  # a worker node's own standby is judged on a longer
+            if state.watched(wid) and not local.is_local(state, wid):  # time-out: its ranks decide
                 by_node.setdefault(w.node, []).append(wid)
         touched = {state.workers[wid].node for wid in suspects}
         for node in silent_nodes({n: by_node.get(n, []) for n in touched}, suspects) | (touched & set(self._held)):

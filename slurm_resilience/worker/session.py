@@ -27,6 +27,7 @@ to the supervisor) and ``parking`` (broken groups released after their timeout).
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import logging
 import os
 from typing import Any, Iterator, NoReturn
@@ -37,7 +38,7 @@ import torch.distributed as dist
 from ..checkpoint.engine import CheckpointEngine
 from ..config import ResilienceConfig, load_config
 from ..errors import JobEnded, ResilienceError, StepAborted
-from ..protocol import Plan, PlanAction, StoreKey, WorkerEnv
+from ..protocol import Plan, PlanAction, Role, StoreKey, WorkerEnv
 from .endings import Endings
 from .event_sink import EventSink
 from .headless import REOPEN_S, GuardedStore, HeadlessEnded, StoreWatch
@@ -57,6 +58,19 @@ from .userfault import is_distributed_error, plan_wait_s
 __all__ = ["Session", "Step", "JobEnded", "EXIT_FENCED", "EXIT_ABORTED"]
 
 log = logging.getLogger(__name__)
+
+
+def preload(modules) -> list[str]:
+    """Import ``run.preload`` (a warm standby, before it waits); returns those that failed
+    (a warning each: the rank, once adopted, fails on its own import as a cold one would)."""
+    failed = []
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except Exception as exc:
+            log.warning("run.preload: cannot import %r: %s: %s", name, type(exc).__name__, exc)
+            failed.append(name)
+    return failed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,6 +143,8 @@ class Session:
             endings=Endings(env, self._state, checkpoints, store, emit=events.emit,
                             drain_s=cfg.reconnect.pg_timeout_s))
         self._parts.safepoint.install_preempt_handler(cfg.job.preempt_signum)
+        if env.role is Role.STANDBY:  # the script's later imports, paid before adoption
+            preload(cfg.run.preload)
         try:
             members.enter(env.generation)
         except JobEnded as ended:  # __exit__ is not called when __enter__ raises

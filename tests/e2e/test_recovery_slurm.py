@@ -58,12 +58,26 @@ def test_rank_killed_on_healthy_node_restarts_in_place(cluster, jobs_root, refer
     run = lab.submit(jobs_root / "rank-kill", steps=STEPS, step_time=FAULT_STEP_TIME)
     status = run.wait_for_step(KILL_AT)
     victim = status["ranks"][2]
+    warm = _connected_standby(run, victim["node"])  # recovery.local_standbys (on by default)
     os.kill(victim["pid"], signal.SIGKILL)  # a process this test's job started
     assert run.wait() == 0, run.output()
     assert lab.compare_runs(reference, run.job_dir / "final.pt") == []
     assert [d["level"] for d in _events(run.job_dir, "recovery_done")] == ["online"]
     assert _events(run.job_dir, "plan")[-1]["nodes"][2] == victim["node"]
+    # the node's warm standby took the slot: no new step was started for it
+    assert [(e["rank"], e["worker_id"]) for e in _events(run.job_dir, "local_standby_adopted")] == \
+        [(2, warm["worker_id"])]
     assert "DOWN" not in commands.show_nodes([victim["node"]])[victim["node"]]["State"]
+
+
+def _connected_standby(run, node: str, timeout_s: float = 90.0) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        got = [x for x in (run.status or {}).get("local_standbys", []) if x["node"] == node and x["connected"]]
+        if got:
+            return got[0]
+        time.sleep(0.1)
+    raise AssertionError(f"no connected standby on {node}: {run.status}")
 
 
 def test_hung_rank_is_detected_by_heartbeat_and_replaced(cluster, jobs_root, reference):

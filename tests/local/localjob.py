@@ -33,7 +33,9 @@ class LocalJob:
             "job": {"nodes": nodes, "spares": spares, "tasks_per_node": tasks_per_node},
             "checkpoint": {"local_dir": str((local_dir or root / "local") / "{node}/ckpt"),
                            **(checkpoint or {})},
-            "recovery": recovery or {},
+            # a warm standby per worker node is 3 more torch imports per job on the 2-core CI box:
+            # off unless a test asks for it (test_local_recovery.py's restart in place does)
+            "recovery": {"local_standbys": False, **(recovery or {})},
             "detect": detect or {},
         })
         self.job_dir = root / job_name
@@ -76,6 +78,16 @@ class LocalJob:
                 break
             time.sleep(0.05)
         raise AssertionError(f"ranks did not pass step {step}: status={self.status()}\n{self.diag()}")
+
+    def local_standby(self, node: str, timeout_s: float = 60.0) -> dict:
+        """``node``'s warm standby (recovery.local_standbys) once it is connected (status.json)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            got = [s for s in (self.status() or {}).get("local_standbys", []) if s["node"] == node and s["connected"]]
+            if got and got[0]["pid"]:
+                return got[0]
+            time.sleep(0.05)
+        raise AssertionError(f"no connected standby on {node}: {self.status()}\n{self.diag()}")
 
     def wait(self, timeout_s: float = 120.0) -> int:
         self._thread.join(timeout_s)

@@ -34,17 +34,32 @@ def test_node_loss_recovers_on_spare_bit_identical(job_factory, reference):
 
 @pytest.mark.timeout(240)
 def test_killed_rank_restarts_in_place_bit_identical(job_factory, reference):
-    job = job_factory()
+    """recovery.local_standbys: the dead rank's slot goes to its node's warm standby (no
+    process start), and a new standby is started on that node once the recovery is done."""
+    job = job_factory(recovery={"local_standbys": True})
     st = job.wait_for_step(INJECT_AFTER)
     victim = st["ranks"][2]
+    warm = job.local_standby(victim["node"])
     os.kill(victim["pid"], signal.SIGKILL)  # a worker process this job started
     assert job.wait() == 0, job.diag()
     _assert_same_training(_final(job), reference)
-    done = [e for e in job.events() if e["kind"] == "recovery_done"]
+    events = job.events()
+    done = [e for e in events if e["kind"] == "recovery_done"]
     assert done and done[0]["level"] == "online", job.diag()
     final_status = job.status()
     assert final_status["ranks"][2]["node"] == victim["node"]
-    assert final_status["ranks"][2]["worker_id"] != victim["worker_id"]
+    assert final_status["ranks"][2]["worker_id"] == warm["worker_id"] != victim["worker_id"]
+    assert final_status["ranks"][2]["pid"] == warm["pid"]  # the standby's own process, already running
+    adopted = [e for e in events if e["kind"] == "local_standby_adopted"]
+    assert [(e["rank"], e["worker_id"]) for e in adopted] == [(2, warm["worker_id"])], job.diag()
+    assert not (job.job_dir / "logs" / f"{warm['worker_id']}.log").read_text().count("Traceback")
+    # the background refill: after the recovery, a new standby on the victim's node
+    refill = [e for e in events if e["kind"] == "local_standby_started" and e["generation"] >= 1]
+    assert [e["node"] for e in refill] == [victim["node"]], job.diag()
+    assert events.index(done[0]) < events.index(refill[0])
+    assert refill[0]["worker_id"] not in (warm["worker_id"], victim["worker_id"])
+    assert any(s["worker_id"] == refill[0]["worker_id"] for s in final_status["local_standbys"])
+
 
 
 @pytest.mark.timeout(240)

@@ -53,9 +53,11 @@ def test_g2_node_loss_moves_both_ranks_to_the_spare(job_factory, reference_g2):
 
 @pytest.mark.timeout(300)
 def test_g2_one_local_rank_killed_only_it_restarts(job_factory, reference_g2):
-    job = job_factory(tasks_per_node=G)
+    """With recovery.local_standbys the node's one standby takes local rank 1's slot."""
+    job = job_factory(tasks_per_node=G, recovery={"local_standbys": True})
     st = job.wait_for_step(INJECT_AFTER)
     victim = st["ranks"][3]  # local rank 1 of node index 1
+    warm = job.local_standby(victim["node"])
     others = {r["rank"]: r["pid"] for r in st["ranks"] if r["rank"] != 3}
     os.kill(victim["pid"], signal.SIGKILL)  # a worker process this job started
     assert job.wait(240) == 0, job.diag()
@@ -63,6 +65,7 @@ def test_g2_one_local_rank_killed_only_it_restarts(job_factory, reference_g2):
     assert _levels(job) == ["online"], job.diag()
     final = job.status()
     assert final["ranks"][3]["node"] == victim["node"] and final["ranks"][3]["pid"] != victim["pid"]
+    assert (final["ranks"][3]["worker_id"], final["ranks"][3]["pid"]) == (warm["worker_id"], warm["pid"])
     assert {r["rank"]: r["pid"] for r in final["ranks"] if r["rank"] != 3} == others  # its node-mate too
 
 

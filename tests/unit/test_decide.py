@@ -17,7 +17,9 @@ WORKERS, SPARES = ("n2", "n3", "n4"), ("n5",)
 
 
 def policy(mode=Mode.ONLINE, can_requeue=True, **recovery):
-    cfg = load_config({"recovery": {"online_timeout_s": 10, "fallback_timeout_s": 20, **recovery}})
+    # the path without local standbys; tests/unit/test_local_standbys.py covers them
+    cfg = load_config({"recovery": {"online_timeout_s": 10, "fallback_timeout_s": 20, "local_standbys": False,
+                                    **recovery}})
     return Policy.from_config(cfg, mode=mode, can_requeue=can_requeue)
 
 

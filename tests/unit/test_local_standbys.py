@@ -1,0 +1,206 @@
+"""recovery.local_standbys (supervisor/local.py): one warm standby per worker node takes
+the slot of a rank restarted in place; pure decisions only (no Slurm, torch or files)."""
+
+import dataclasses
+
+from slurm_resilience.config import load_config
+from slurm_resilience.errors import ConfigError
+from slurm_resilience.lifecycle import JobPhase
+from slurm_resilience.model import RankTable
+from slurm_resilience.protocol import EventKind, Role, WorkerEvent
+from slurm_resilience.supervisor import local
+from slurm_resilience.supervisor import messages as m
+from slurm_resilience.supervisor.decide import decide
+from slurm_resilience.supervisor.reattach import adopt_plans
+from slurm_resilience.supervisor.report import status_dict
+from slurm_resilience.supervisor.state import Mode, Policy, SupervisorState
+
+import pytest
+
+WORKERS, SPARES = ("n2", "n3", "n4"), ("n5",)
+
+
+def policy(mode=Mode.ONLINE, **recovery):
+    cfg = load_config({"recovery": {"online_timeout_s": 10, "fallback_timeout_s": 20, **recovery}})
+    return Policy.from_config(cfg, mode=mode, can_requeue=True)
+
+
+def started(p=None, g=1, connect=True):
+    p = p or policy()
+    state = SupervisorState(job_id="7", phase=JobPhase.STARTING, table=RankTable(generation=0, slots=()),
+                            target_world=len(WORKERS), worker_nodes=WORKERS, spare_nodes=SPARES,
+                            addresses={n: f"10.0.0.{n[1:]}" for n in WORKERS + SPARES}, tasks_per_node=g)
+    state, acts = decide(state, m.Start(), 0.0, p)
+    for wid, w in list(state.workers.items()):
+        if w.role is Role.STANDBY and (connect or w.node in SPARES):
+            state, _ = decide(state, m.Connected(wid, 100, 0.1), 0.1, p)
+    state, _ = decide(state, m.SpareChecked("n5", None, 0.2), 0.2, p)
+    return state, acts
+
+
+def of(acts, cls):
+    return [a for a in acts if isinstance(a, cls)]
+
+
+def kinds(acts):
+    return [a.kind for a in of(acts, m.Emit)]
+
+
+def killed(state, rank):  # a process died on a healthy node
+    wid = state.table.slots[rank].worker_id
+    return m.Suspects((m.Suspect(worker_id=wid, t=1.0, process_exited=True, slurmd_reachable=True),))
+
+
+def finish(state, p, now=3.0):
+    acts_all = []
+    for rank in range(state.table.world_size):
+        for kind in (WorkerEvent.RECONNECTED, WorkerEvent.RESTORED, WorkerEvent.FIRST_STEP):
+            state, acts = decide(state, m.WorkerMark(kind, rank, state.table.generation, 2.5), now, p)
+            acts_all += acts
+    return state, acts_all
+
+
+def test_the_key_defaults_on_and_is_online_only():
+    assert load_config({}).recovery.local_standbys is True
+    assert policy().local_standbys and not policy(local_standbys=False).local_standbys
+    assert not policy(mode=Mode.RELAUNCH).local_standbys  # relaunch mode: the zygotes (run.warm)
+    with pytest.raises(ConfigError):
+        load_config({"recovery": {"local_standbys": "sometimes"}})
+
+
+def test_start_launches_one_standby_per_worker_node_whatever_g():
+    for g in (1, 2):
+        state, acts = started(g=g)
+        standbys = [(a.node, a.role) for a in of(acts, m.Launch) if a.role is Role.STANDBY]
+        assert standbys == [("n5", Role.STANDBY)] * g + [(n, Role.STANDBY) for n in WORKERS]
+        assert sorted(state.local_standbys) == list(WORKERS)
+        assert kinds(acts).count(EventKind.LOCAL_STANDBY_STARTED) == 3
+        assert all(state.watched(w) and state.slot_of(w) is None for w in state.local_standbys.values())
+        assert state.free_spares(Mode.ONLINE) == ["n5"]  # not spares: they never take a whole node
+
+
+def test_a_rank_killed_on_a_healthy_node_goes_to_its_node_standby_without_a_process_start():
+    p = policy()
+    state, _ = started(p)
+    warm = state.local_standbys["n3"]
+    state, acts = decide(state, killed(state, 1), 1.1, p)
+    plan = of(acts, m.Publish)[0].plan
+    assert plan.table.slots[1].node == "n3" and plan.table.slots[1].worker_id == warm and plan.joining == (1,)
+    assert not of(acts, m.Launch) and state.recovery.level == "online"
+    assert "n3" not in state.local_standbys and state.fault_retries_used == 1
+    adopted = [a.fields for a in of(acts, m.Emit) if a.kind is EventKind.LOCAL_STANDBY_ADOPTED]
+    assert adopted == [{"rank": 1, "node": "n3", "worker_id": warm, "generation": 1}]
+    # the refill waits until the recovery is done (its import would compete for the CPU)
+    state, acts = decide(state, m.Published(1, 1.2), 1.2, p)
+    assert not of(acts, m.Launch)
+    state, acts = finish(state, p)
+    assert [(a.node, a.role, a.generation) for a in of(acts, m.Launch)] == [("n3", Role.STANDBY, 1)]
+    assert state.local_standbys["n3"] not in (warm, None) and state.phase is JobPhase.RUNNING
+    assert kinds(acts).index(EventKind.RECOVERY_DONE) < kinds(acts).index(EventKind.LOCAL_STANDBY_STARTED)
+
+
+def test_g2_one_standby_serves_either_local_slot_and_a_second_death_runs_cold():
+    p = policy()
+    state, _ = started(p, g=2)
+    warm = state.local_standbys["n3"]
+    state, acts = decide(state, killed(state, 3), 1.0, p)  # n3's local rank 1
+    plan = of(acts, m.Publish)[0].plan
+    assert plan.table.slots[3].worker_id == warm and plan.table.slots[3].local_rank == 1
+    # both ranks of n3 die together: one takes the standby, the other a new process
+    state, _ = started(p, g=2)
+    ids = [state.table.slots[r].worker_id for r in (2, 3)]
+    both = m.Suspects(tuple(m.Suspect(worker_id=w, t=1.0, process_exited=True, slurmd_reachable=True) for w in ids))
+    state, acts = decide(state, both, 1.0, p)
+    plan = of(acts, m.Publish)[0].plan
+    assert plan.table.slots[2].worker_id == warm and plan.table.slots[3].worker_id not in ids + [warm]
+    assert [(a.node, a.role) for a in of(acts, m.Launch)] == [("n3", Role.RANK)]
+
+
+@pytest.mark.parametrize("why", ["off", "not connected", "dead"])
+def test_without_a_usable_standby_the_restart_in_place_launches_as_before(why):
+    p = policy(local_standbys=why != "off")
+    state, acts = started(p, connect=why != "not connected")
+    if why == "dead":
+        state, _ = decide(state, m.Suspects((m.Suspect(worker_id=state.local_standbys["n3"], t=0.5,
+                                                       process_exited=True, slurmd_reachable=True),)), 0.5, p)
+        assert "n3" not in state.local_standbys and state.recovery is None  # an idle standby: no recovery
+    if why == "off":
+        assert state.local_standbys == {} and [a.role for a in of(acts, m.Launch)].count(Role.STANDBY) == 1
+    state, acts = decide(state, killed(state, 1), 1.0, p)
+    assert [(a.node, a.role, a.generation) for a in of(acts, m.Launch)] == [("n3", Role.RANK, 1)]
+    assert EventKind.LOCAL_STANDBY_ADOPTED not in kinds(acts)
+
+
+def test_a_lost_node_takes_its_standby_with_it_and_the_spare_gets_one_after_the_recovery():
+    p = policy()
+    state, _ = started(p)
+    warm = state.local_standbys["n3"]
+    wid = state.table.slots[1].worker_id
+    state, acts = decide(state, m.Suspects((m.Suspect(worker_id=wid, t=1.0, process_exited=True,
+                                                      slurmd_reachable=False),)), 1.0, p)
+    assert state.recovery.level == "node-replacement" and "n3" not in state.local_standbys
+    assert state.workers[warm].dead and m.Kill(warm) not in acts  # nothing waits on the lost node
+    state, _ = decide(state, m.Published(1, 1.2), 1.2, p)
+    state, acts = finish(state, p)
+    assert [(a.node, a.role) for a in of(acts, m.Launch)] == [("n5", Role.STANDBY)]  # n5 is a worker now
+    assert "n3" not in state.local_standbys and "n5" in state.local_standbys
+
+
+def test_state_round_trips_reattach_drops_a_taken_standby_and_status_lists_them():
+    p = policy()
+    state, _ = started(p)
+    back = SupervisorState.from_dict(state.to_dict())
+    assert back.local_standbys == state.local_standbys
+    after, acts = decide(state, killed(state, 1), 1.0, p)
+    plan = of(acts, m.Publish)[0].plan
+    assert "n3" not in adopt_plans(state, [plan]).local_standbys
+    st = status_dict(state, mode="online", retry_budget=3)
+    assert [(x["node"], x["worker_id"], x["pid"]) for x in st["local_standbys"]] == \
+        [(n, state.local_standbys[n], 100) for n in WORKERS]
+    assert local.is_local(state, state.local_standbys["n2"]) and not local.is_local(state, plan.table.slots[0].worker_id)
+
+
+def test_a_migrated_straggler_node_ends_its_standby():
+    p = policy(migrate_stragglers=True)
+    state, _ = started(p)
+    warm = state.local_standbys["n3"]
+    state, acts = decide(state, m.Straggler(1, 50.0, (10.0, 11.0)), 1.0, p)
+    assert m.Kill(warm) in acts and "n3" not in state.local_standbys and state.workers[warm].dead
+    state = dataclasses.replace(state, recovery=None)
+    state, acts = local.refill(state, p, state.table.generation)
+    assert [a.node for a in of(acts, m.Launch)] == ["n5"]  # n3 is excluded
+
+
+def test_a_frozen_node_is_silent_though_its_standby_is_not_stale_yet():
+    """The standby's heartbeat is judged on the longer standby time-out: the node's ranks
+    alone decide that it is silent (else a frozen node would be restarted in place)."""
+    from test_silent_node import Launcher, _released, _watch
+    p = policy()
+    state, _ = started(p)
+    w = _watch(Launcher(False))
+    frozen = state.table.slots[1]
+    suspects = {frozen.worker_id: {"t": 1.0, "heartbeat_stale": True}}
+    w._hold_silent(state, suspects)
+    assert suspects == {} and frozen.node in w._held
+    state, acts = decide(state, _released(w, state), 2.0, p)
+    assert state.recovery.level == "node-replacement" and not of(acts, m.Launch)
+    assert "n3" not in state.local_standbys
+
+
+def test_a_standby_alone_seen_on_a_lost_node_does_not_isolate_its_ranks_node():
+    """Only the node's ranks decide a node fault (an isolated node's ranks would be stranded)."""
+    p = policy()
+    state, _ = started(p)
+    warm = state.local_standbys["n3"]
+    state, acts = decide(state, m.Suspects((m.Suspect(worker_id=warm, t=1.0, process_exited=True,
+                                                      slurmd_reachable=False),)), 1.0, p)
+    assert not of(acts, m.Isolate) and "n3" not in state.excluded and state.recovery is None
+    assert "n3" not in state.local_standbys and state.workers[warm].dead
+
+
+def test_a_standby_preloads_run_preload_and_a_bad_module_is_a_warning(caplog):
+    import sys
+    from slurm_resilience.worker.session import preload
+    sys.modules.pop("colorsys", None)
+    assert preload(["colorsys", "no_such_module_sr"]) == ["no_such_module_sr"]
+    assert "colorsys" in sys.modules and "no_such_module_sr" in caplog.text
