@@ -11,14 +11,14 @@ to start its container would pay it on the critical path. Writes JSON with --jso
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from figures import emit, stats  # noqa: E402
 from slurm_resilience import lab  # noqa: E402
 from slurm_resilience.config import load_config  # noqa: E402
 from slurm_resilience.container.argv import for_job, wrap  # noqa: E402
@@ -47,11 +47,9 @@ def main() -> int:
     for _ in range(args.repeats):
         for name, argv in cases.items():
             runs[name].append(round(timed(argv), 3))
-    out = {k: {"median_s": statistics.median(v), "min_s": min(v), "max_s": max(v), "runs": v} for k, v in runs.items()}
+    out = {k: stats(v) for k, v in runs.items()}
     out["podman_over_bare"] = round(out["podman"]["median_s"] / out["bare"]["median_s"], 2)
-    print(json.dumps(out, indent=2))
-    if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=2))
+    emit(out, args.json)
     return 0
 
 

@@ -13,6 +13,7 @@ after recovery (the last rank's). Cases:
     scale-in          node killed, no spare: the others continue
     process-restart   node killed, online recovery forced to time out → all relaunched
     requeue           node killed, no spare, scale-in off → scontrol requeue
+    requeue-resubmit  the same with recovery.requeue_by: resubmit (a new job id, same job dir)
     supervisor        the supervisor SIGKILLed → restarted, re-attaches (training never pauses)
     freeze-node       a node frozen (slurmd and its job cgroups stopped: nothing closes) →
                       classified lost by the slurmd probe → the spare adopts its ranks

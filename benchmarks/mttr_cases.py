@@ -77,6 +77,8 @@ register(Case("process-restart", inject=lambda st: lab.kill_node(st["ranks"][1][
               config="recovery:\n  online_timeout_s: 0.005\n", expect="process-restart"))
 register(Case("requeue", inject=lambda st: lab.kill_node(st["ranks"][1]["node"]), spares=0,
               config="recovery:\n  scale_in: false\n  max_requeues: 1\n", measure="restart"))
+register(Case("requeue-resubmit", inject=lambda st: lab.kill_node(st["ranks"][1]["node"]), spares=0,
+              config="recovery:\n  scale_in: false\n  max_requeues: 1\n  requeue_by: resubmit\n", measure="restart"))
 register(Case("supervisor", inject=lambda st: _kill_pid(st["supervisor_pid"]), measure="reattach"))
 
 
@@ -131,6 +133,7 @@ def run_case(case: Case, root: Path, args) -> dict:
     elif case.measure == "restart":
         t_end = first_step_after(events, t_fault)
         out["level"] = "requeue" if any(e["kind"] == EventKind.REQUEUE for e in events) else "?"
+        out["parts_s"] = requeue_parts(events, t_fault, run.job_dir)
     elif done:
         t_end, out["level"] = done[0]["first_step"], done[0]["level"]
         out["detect_s"] = round(done[0]["detected"] - t_fault, 3)
@@ -140,3 +143,38 @@ def run_case(case: Case, root: Path, args) -> dict:
     if case.expect and out.get("level") != case.expect:
         out["unexpected_level"] = f"expected {case.expect}"
     return out
+
+
+def requeue_parts(events: list[dict], t_fault: float, job_dir: Path) -> dict[str, float | None]:
+    """The requeue path in parts (s), from the event log and the restarted batch step's
+    ``store.json`` (when its CLI was up, ``started``, and its store, ``t``):
+
+        detect       fault → fault_detected
+        stop         → the ``requeue`` event (stop plan published, survivors stopped and reaped)
+        slurm        → the restarted batch step's CLI up (scontrol requeue or sbatch, Slurm
+                     ending the job, its requeue hold or the successor's scheduling, batch shell)
+        store        batch step up → its store up (in parallel with the supervisor)
+        supervisor   batch step up → the restarted supervisor's plan (workers launched)
+        workers      → every rank reconnected (srun steps, import torch, rendezvous)
+        restore      → every rank restored
+        first_step   → every rank's first step
+    """
+    def t_of(kind: str, after: float, last: bool = False, gen_first: bool = False) -> float | None:
+        ts = [e["t"] for e in events if e["kind"] == kind and e["t"] > after]
+        return (max(ts) if last else min(ts)) if ts else None
+
+    detected = t_of(EventKind.FAULT_DETECTED, t_fault)
+    requeued = t_of(EventKind.REQUEUE, t_fault)
+    try:
+        store = json.loads((Path(job_dir) / "store.json").read_text())
+    except (OSError, ValueError):
+        store = {}
+    started, store_up = store.get("started"), store.get("t")
+    plan = t_of(EventKind.PLAN, started or t_fault)
+    joined = t_of(WorkerEvent.RECONNECTED.logged, plan or t_fault, last=True)
+    restored = t_of(WorkerEvent.RESTORED.logged, plan or t_fault, last=True)
+    stepped = first_step_after(events, t_fault)
+    marks = [("detect", t_fault, detected), ("stop", detected, requeued), ("slurm", requeued, started),
+             ("store", started, store_up), ("supervisor", started, plan), ("workers", plan, joined),
+             ("restore", joined, restored), ("first_step", restored, stepped)]
+    return {name: round(b - a, 3) if a is not None and b is not None else None for name, a, b in marks}

@@ -15,10 +15,8 @@ variables, as tests/local/test_zygote_local.py does). Interleaved repeats; media
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -27,6 +25,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+from figures import emit, stats  # noqa: E402
 from slurm_resilience.supervisor.warm import ZygotePool  # noqa: E402
 
 EXAMPLE = REPO / "examples" / "train_torchrun.py"
@@ -125,12 +125,9 @@ def main() -> int:
                   flush=True)
     finally:
         pool.close()
-    out = {name: {"median_s": statistics.median(v), "min_s": min(v), "max_s": max(v), "runs": v}
-           for name, v in runs.items()}
+    out = {name: stats(v) for name, v in runs.items()}
     out["speedup"] = out["cold"]["median_s"] / out["warm"]["median_s"]
-    print(json.dumps(out, indent=2))
-    if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=2))
+    emit(out, args.json)
     return 0
 
 

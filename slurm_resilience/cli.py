@@ -78,6 +78,14 @@ def _load(args):
     from .config_timeouts import nccl_environ
 
     nccl_environ(cfg.reconnect, os.environ)  # a user-set NCCL watchdog out of order: refused here, not in the job
+    if cfg.checkpoint.init_from:  # not a DCP checkpoint: refused here, not at the job's first state sync
+        from .checkpoint.dcp_io import dcp_keys
+        from .errors import CheckpointError, ConfigError
+
+        try:
+            dcp_keys(cfg.checkpoint.init_from)
+        except CheckpointError as exc:
+            raise ConfigError(str(exc)) from None
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     return cfg, command
 
@@ -115,7 +123,7 @@ def cmd_supervise(args) -> int:
     cfg, command = _load(args)
     if not args.child:
         _no_reattach(args)
-        return keep_allocation(cfg, command, args.job_dir)
+        return keep_allocation(cfg, command, args.job_dir, started=getattr(args, "started", None))
     _, port = read_store_address(args.job_dir, keeper_pid=os.getppid())
     return supervise_allocation(cfg, command, args.job_dir, store_port=port, reattach=args.reattach)
 
@@ -165,8 +173,16 @@ def cmd_submit(args) -> int:
     print(f"submitted job {job_id}; job dir {job_dir}", flush=True)
     if not args.wait:
         return 0
-    while commands.job_state(job_id) is not None:
-        time.sleep(0.5)
+    from .slurm.resubmit import successor
+
+    while True:  # a job requeued by resubmitting (recovery.requeue_by) continues as its successor
+        while commands.job_state(job_id) is not None:
+            time.sleep(0.5)
+        nxt = successor(job_dir, job_id)
+        if nxt is None:
+            break
+        print(f"job {job_id} resubmitted as job {nxt}", flush=True)
+        job_id = nxt
     try:
         with open(os.path.join(job_dir, "result.json")) as f:
             return int(json.load(f)["exit_code"])
@@ -279,7 +295,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    started = time.time()  # the batch step's start, in a requeue's breakdown (store.json)
     args = build_parser().parse_args(argv)
+    args.started = started
     try:
         return args.func(args)
     except ResilienceError as exc:

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from slurm_resilience.config_container import ContainerConfig
+from slurm_resilience.config_detect import DetectConfig
 from slurm_resilience.config_io import check_type, read_source
 from slurm_resilience.config_job import JobConfig
 from slurm_resilience.config_run import RunConfig
@@ -40,86 +41,6 @@ __all__ = [
     "load_config",
     "config_to_dict",
 ]
-
-@dataclass(frozen=True, kw_only=True)
-class DetectConfig:
-    """Fault detection.
-
-    Fields:
-        heartbeat_period_s: how often each worker beats (0 < p <= 0.5).
-        heartbeat_timeout_s: a rank is stale after this silence (> 2 * period).
-        standby_heartbeat_timeout_s: a warm standby is stale after this silence (>= the rank
-            timeout): it is idle and off the critical path, so a busy node starving its
-            heartbeat thread must not cost a spare; a standby that is really hung does not
-            pass the adoption (its node's check needs every standby connected).
-        node_poll_s: how often Slurm node states are polled (> 0).
-        probe_timeout_s: timeout of one slurmd reachability probe, a TCP connect (> 0).
-        slurmd_probe_deadline_s: when every worker on a node is heartbeat-stale, its slurmd
-            must answer a Slurm request (``sstat`` of a step there) within this, or the node
-            is lost (> 0, < heartbeat_timeout_s). Asked off the loop; healthy answers take
-            10-20 ms on the lab cluster, so the deadline is only spent on a silent node.
-        straggler_threshold: a rank whose own compute time exceeds this × the
-            median of the others is slow (> 1).
-        straggler_window: ... for this many consecutive heartbeat checks (>= 1).
-        headless_timeout_s: a rank that has lost the job's store (and with it the
-            supervisor: the batch host is gone) for this long persists its newest state
-            to the shared tier and requeues the job (``worker/headless.py``); 0 turns
-            this off (> heartbeat_timeout_s, or 0).
-        pulse: start a pulse process per rank (``worker/pulse.py``): it reports the rank's
-            process state and progress whatever its interpreter does, so a starved
-            heartbeat is a suspect, not a hang. Off: stale heartbeats alone decide.
-        progress_soft_s: floor of the soft step timeout: a rank without progress this long
-            is reported (``progress_slow``) (> heartbeat_timeout_s).
-        progress_hard_s: floor of the hard step timeout: a rank without progress this long,
-            not waiting on its peers, is hung and recovered (>= progress_soft_s,
-            < reconnect.pg_timeout_s).
-        progress_factor: the timeouts grow with the measured step time: soft =
-            max(progress_soft_s, factor/2 x longest recent step), hard = max(progress_hard_s,
-            factor x longest recent step) (>= 2).
-    """
-
-    heartbeat_period_s: float = 0.25
-    heartbeat_timeout_s: float = 2.0
-    standby_heartbeat_timeout_s: float = 10.0
-    node_poll_s: float = 2.0
-    probe_timeout_s: float = 0.3
-    slurmd_probe_deadline_s: float = 0.3
-    straggler_threshold: float = 1.5
-    straggler_window: int = 8
-    headless_timeout_s: float = 30.0
-    pulse: bool = True
-    progress_soft_s: float = 10.0
-    progress_hard_s: float = 20.0
-    progress_factor: float = 10.0
-
-    def __post_init__(self) -> None:
-        if self.progress_factor < 2:
-            raise ConfigError(f"detect.progress_factor={self.progress_factor} must be >= 2")
-        if not 0 < self.heartbeat_period_s <= 0.5:
-            raise ConfigError(
-                f"detect.heartbeat_period_s={self.heartbeat_period_s} must be > 0 and <= 0.5"
-            )
-        if self.standby_heartbeat_timeout_s < self.heartbeat_timeout_s:
-            raise ConfigError(f"detect.standby_heartbeat_timeout_s={self.standby_heartbeat_timeout_s} must be >= "
-                              f"heartbeat_timeout_s={self.heartbeat_timeout_s}")
-        if self.heartbeat_timeout_s <= 2 * self.heartbeat_period_s:
-            raise ConfigError(
-                f"detect.heartbeat_timeout_s={self.heartbeat_timeout_s} must be > 2 * heartbeat_period_s"
-                f" ({2 * self.heartbeat_period_s:g}): raise the timeout or lower the period"
-            )
-        if self.straggler_threshold <= 1 or self.straggler_window < 1:
-            raise ConfigError("detect.straggler_threshold must be > 1 and detect.straggler_window >= 1")
-        for name in ("node_poll_s", "probe_timeout_s", "slurmd_probe_deadline_s"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"detect.{name}={getattr(self, name)} must be > 0")
-        if self.headless_timeout_s != 0 and self.headless_timeout_s <= self.heartbeat_timeout_s:
-            raise ConfigError(f"detect.headless_timeout_s={self.headless_timeout_s} must be > heartbeat_timeout_s="
-                              f"{self.heartbeat_timeout_s} (or 0 to turn it off)")
-        if self.slurmd_probe_deadline_s >= self.heartbeat_timeout_s:
-            raise ConfigError(f"detect.slurmd_probe_deadline_s={self.slurmd_probe_deadline_s} must be < "
-                              f"heartbeat_timeout_s={self.heartbeat_timeout_s}: the probe only decides what "
-                              "a stale heartbeat means, it must not take longer than noticing it")
-
 
 # What ``recovery.isolate_state`` may say (see RecoveryConfig).
 ISOLATE_STATES = ("auto", "none", "DRAIN", "DOWN")
@@ -157,6 +78,9 @@ class RecoveryConfig:
             (> 0); at adoption, in parallel with the recovery.
         max_requeues: job-level requeues (``scontrol requeue``) allowed, counted by
             ``SLURM_RESTART_COUNT`` (>= 0; the sbatch template sets ``--requeue``).
+        requeue_by: ``requeue`` (``scontrol requeue``: same job id, Slurm holds it
+            ~cred_expire s) or ``resubmit`` (the same job.sbatch as a new job id, the job dir
+            and checkpoints kept; docs/recovery-ladder.md, "Requeue or resubmit").
     """
 
     online_timeout_s: float = 30.0
@@ -169,6 +93,7 @@ class RecoveryConfig:
     scale_in: bool = True
     min_world_size: int = 1
     max_requeues: int = 1
+    requeue_by: str = "requeue"
     migrate_stragglers: bool = False
     health_check: tuple[str, ...] = ()
     health_check_timeout_s: float = 30.0
@@ -182,6 +107,8 @@ class RecoveryConfig:
             raise ConfigError(f"recovery.min_world_size={self.min_world_size} must be >= 1")
         if self.max_requeues < 0:
             raise ConfigError(f"recovery.max_requeues={self.max_requeues} must be >= 0: use 0 to never requeue")
+        if self.requeue_by not in ("requeue", "resubmit"):
+            raise ConfigError(f"recovery.requeue_by={self.requeue_by!r} must be requeue or resubmit")
         if self.fault_retry_times < 0:
             raise ConfigError(
                 f"recovery.fault_retry_times={self.fault_retry_times} must be >= 0: use 0 to never restart in place"
@@ -249,6 +176,10 @@ class CheckpointConfig:
         lustre_stripe_size: Lustre stripe size (``lfs setstripe -S``), e.g. ``"4M"``;
             a multiple of 64K below 4G.
         mtbf_s: mean time between failures assumed until failures are observed.
+        init_from: a DCP checkpoint directory (``ckpt export --format dcp`` or any
+            ``torch.distributed.checkpoint.save``) the job starts from while it has no
+            checkpoint of its own; its top-level keys are the registered object names
+            (``worker/statesync.py``). Empty: start from the script's own step-0 state.
     """
 
     memory_every: int = 10
@@ -266,6 +197,7 @@ class CheckpointConfig:
     lustre_stripe_count: int = 4
     lustre_stripe_size: str = "4M"
     mtbf_s: float = 86400.0
+    init_from: str = ""
 
     def __post_init__(self) -> None:
         for name in ("memory_every", "local_every", "shared_every_kth", "shared_keep_every", "local_min_free_gb"):
@@ -284,6 +216,9 @@ class CheckpointConfig:
             raise ConfigError("checkpoint.shared_every_kth drains L1 checkpoints: set local_every or local_auto")
         if self.mtbf_s <= 0:
             raise ConfigError(f"checkpoint.mtbf_s={self.mtbf_s} must be > 0")
+        if self.init_from and not os.path.isabs(self.init_from):
+            raise ConfigError(f"checkpoint.init_from={self.init_from!r} must be an absolute path "
+                              "(every rank reads it, from its own working directory)")
         from .checkpoint.lustre import check_striping
 
         check_striping("checkpoint.lustre_", self.lustre_stripe_count, self.lustre_stripe_size)

@@ -1,4 +1,7 @@
-"""`slurm-resilience ckpt list | show | verify | prune DIR` — what a tier holds.
+"""`slurm-resilience ckpt list | show | verify | prune | export DIR` — what a tier holds.
+
+``ckpt export DIR [--step S] --format dcp|torch OUT`` writes step S (default: the
+newest complete) as a DCP checkpoint or one ``torch.save`` file (``dcp_io``).
 
 DIR is a tier root (``…/checkpoints`` on the shared filesystem, or a node-local
 ``…/ckpt`` directory) or a job directory (its ``checkpoints`` folder is used).
@@ -79,6 +82,15 @@ def cmd_prune(args) -> int:
     return 0
 
 
+def cmd_export(args) -> int:
+    from .dcp_io import export_checkpoint
+
+    root = tier_root(args.dir)
+    step, out = export_checkpoint(root, args.step, args.format, args.out)
+    print(f"exported step {step} of {root} as {args.format}: {out}")
+    return 0
+
+
 def add_parser(sub) -> None:
     p = sub.add_parser("ckpt", help="inspect, verify and prune checkpoints")
     ck = p.add_subparsers(dest="ckpt_cmd", required=True)
@@ -93,6 +105,12 @@ def add_parser(sub) -> None:
             q.add_argument("--keep", type=int, default=2, help="newest complete steps to keep")
             q.add_argument("--keep-every", type=int, default=None, help="also keep steps divisible by this")
         q.set_defaults(func=_wrap(fn))
+    q = ck.add_parser("export", help="write a step as a DCP checkpoint or one torch.save file")
+    q.add_argument("dir")
+    q.add_argument("out", help="a new path: the DCP directory or the torch.save file")
+    q.add_argument("--step", type=int, default=None, help="default: the newest complete step")
+    q.add_argument("--format", choices=("dcp", "torch"), default="dcp")
+    q.set_defaults(func=_wrap(cmd_export))
 
 
 def _wrap(fn):

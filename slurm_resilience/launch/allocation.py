@@ -67,7 +67,6 @@ def supervise_allocation(cfg: ResilienceConfig, command: Sequence[str], job_dir:
     from ..container.argv import for_job
     from ..slurm.options import srun_args
     from ..slurm.parse import SlurmEnv
-    from ..slurm.steps import SrunLauncher
     from ..supervisor.online import Supervisor
 
     env = SlurmEnv.from_environ(environ)
@@ -77,26 +76,41 @@ def supervise_allocation(cfg: ResilienceConfig, command: Sequence[str], job_dir:
     workers = worker_pool(env, cfg.job.supervisor_node)
     pool = list(workers.nodes)
     job_dir = os.path.abspath((job_dir or cfg.job.job_dir.format(job_id=env.job_id)).replace("%j", env.job_id))
-    launcher = SrunLauncher(env.job_id, [*pool, me] if me else pool, het_group=workers.het_group,
-                            het_job_id=workers.het_job_id, srun_options=srun_args(cfg.job.srun_options),
-                            container=for_job(cfg.container, job_id=env.job_id, job_dir=job_dir, cwd=os.getcwd()),
-                            step_nodes=pool)
+    kind, more = _launcher_kind(cfg, env, job_dir)
+    launcher = kind(env.job_id, [*pool, me] if me else pool, het_group=workers.het_group,
+                    het_job_id=workers.het_job_id, srun_options=srun_args(cfg.job.srun_options),
+                    container=for_job(cfg.container, job_id=env.job_id, job_dir=job_dir, cwd=os.getcwd()),
+                    step_nodes=pool, **more)
     if not reattach:  # a node back in service starts clean: what ended jobs left there goes
         launcher.clean_containers(pool, stale=True)
     sup = Supervisor(config=cfg, command=command, job_dir=job_dir, nodes=pool, launcher=launcher,
                      store_host=launcher.address(me) if me else "127.0.0.1", job_id=env.job_id,
-                     requeue_count=env.requeue_count, store_port=store_port, reattach=reattach)
+                     requeue_count=env.requeue_count + env.resubmit_count, store_port=store_port, reattach=reattach)
     return write_result(job_dir, sup.run())
 
 
+def _launcher_kind(cfg: ResilienceConfig, env: "SlurmEnv", job_dir: str) -> tuple[type, dict]:
+    """The step launcher: one that requeues by resubmitting (``recovery.requeue_by:
+    resubmit``, an ordinary job submitted with ``slurm-resilience submit``: a hetjob,
+    or a job without ``JOBDIR/job.sbatch`` such as submitit's, is requeued), or the
+    plain one; with its extra keyword arguments."""
+    from ..slurm.resubmit import SCRIPT_FILE, ResubmittingLauncher
+    from ..slurm.steps import SrunLauncher
+
+    if cfg.recovery.requeue_by == "resubmit" and not env.is_hetjob and os.path.exists(os.path.join(job_dir, SCRIPT_FILE)):
+        return ResubmittingLauncher, {"job_dir": job_dir, "origin_job_id": env.origin_job_id or str(env.job_id),
+                                      "resubmits": env.resubmit_count}
+    return SrunLauncher, {}
+
+
 def keep_allocation(cfg: ResilienceConfig, command: Sequence[str], job_dir: str | None,
-                    environ: Mapping[str, str] = os.environ) -> int:
+                    environ: Mapping[str, str] = os.environ, *, started: float | None = None) -> int:
     """The batch step of the sbatch and submitit paths: host the store, run the
     supervisor as a child and restart it if it is killed (``supervisor/keeper.py``)."""
     from ..supervisor.keeper import keep_supervisor
 
     job_dir, host = allocation_job_dir(cfg, job_dir, environ)
-    return write_result(job_dir, keep_supervisor(cfg, command, job_dir, host))
+    return write_result(job_dir, keep_supervisor(cfg, command, job_dir, host, started=started))
 
 
 def allocation_job_dir(cfg: ResilienceConfig, job_dir: str | None, environ: Mapping[str, str]) -> tuple[str, str]:

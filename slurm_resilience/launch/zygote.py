@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import builtins
+import ctypes
 import importlib
 import importlib.machinery
 import os
@@ -40,6 +41,8 @@ from ..slurm.parse import compress_hostlist
 from .zygote_protocol import INFO_DIR, KEY_FILE, ForkRequest, Kind, Reply, decode, encode, fork_refusal, warm_env
 
 _SIGNALS = [s for s in signal.valid_signals() if s not in (signal.SIGKILL, signal.SIGSTOP)]
+
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 class Zygote:
@@ -117,9 +120,10 @@ class Zygote:
         sys.stdout.flush()
         sys.stderr.flush()
         group = self.groups.get((id(conn), req.step_name), 0)  # slurmstepd: the node's first task's pid
+        parent = os.getpid()
         pid = os.fork()
         if pid == 0:  # the child: never returns
-            _become_rank(req, env, self.dispositions, self.sigmask, group)
+            _become_rank(req, env, self.dispositions, self.sigmask, group, parent)
         try:
             os.setpgid(pid, group or pid)  # also here, so a KILL right after the fork finds the group
         except OSError:
@@ -160,13 +164,26 @@ class Zygote:
             self._kill(conn)
 
 
-def _become_rank(req: ForkRequest, env: dict[str, str], dispositions: dict, sigmask: set, group: int) -> None:
+def _die_with(parent: int) -> None:
+    """The rank is KILLed when the zygote dies (``PR_SET_PDEATHSIG``). Under Slurm the
+    zygote's step ending kills its ranks anyway (one cgroup); without it (``local``
+    mode, tests) ranks in their own process group would outlive a killed zygote, whose
+    pool already counts them killed."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent:  # the zygote died before the prctl
+        os._exit(128 + signal.SIGKILL)
+
+
+def _become_rank(req: ForkRequest, env: dict[str, str], dispositions: dict, sigmask: set, group: int,
+                 parent: int) -> None:
     """In the forked child: become a cold task of the relaunch step, run the script, exit."""
     code = 1
     try:
         # slurmstepd puts a step's tasks on a node in one process group, the first task's
         # (``group`` 0: this is the first); the session stays the step's, as for a cold task
         os.setpgid(0, group)
+        _die_with(parent)
         signal.set_wakeup_fd(-1)
         for sig, handler in dispositions.items():
             signal.signal(sig, handler)

@@ -263,6 +263,8 @@ _ENV_MAP: dict[str, tuple[str, Callable[[str | None], object]]] = {
     "requeue_count": ("SLURM_RESTART_COUNT", _count),
     "submit_dir": ("SLURM_SUBMIT_DIR", _opt),
     "het_size": ("SLURM_HET_SIZE", _count),
+    "resubmit_count": ("SR_RESUBMIT_COUNT", _count),
+    "origin_job_id": ("SR_ORIGIN_JOB_ID", _opt),
 }
 
 
@@ -284,6 +286,11 @@ class SlurmEnv:
     """How often Slurm requeued this job (``SLURM_RESTART_COUNT``; 0 on the first run)."""
     submit_dir: str | None
     het_size: int = 0
+    resubmit_count: int = 0
+    """How often the toolkit resubmitted this job as a new job id (``SR_RESUBMIT_COUNT``,
+    ``recovery.requeue_by: resubmit``); counted with ``requeue_count`` against max_requeues."""
+    origin_job_id: str | None = None
+    """The first job id of a resubmitted job (``SR_ORIGIN_JOB_ID``): its checkpoints' paths."""
     het_job_ids: tuple[str, ...] = ()
     het_nodelists: tuple[tuple[str, ...], ...] = ()
 

@@ -31,13 +31,15 @@ STORE_FILE = "store.json"
 EXIT_SUPERVISOR_LOST = 5  # the supervisor was killed more often than job.supervisor_respawns
 
 
-def host_store(host: str, job_dir: str):
-    """Start the job's store server in this process; record where it listens."""
+def host_store(host: str, job_dir: str, started: float | None = None):
+    """Start the job's store server in this process; record where it listens, and when
+    the batch step (``started``) and the store (``t``) were up (a requeue's breakdown)."""
     import torch.distributed as dist
 
     store = dist.TCPStore(host, 0, None, True, timedelta(seconds=30), wait_for_workers=False)
     write_private(os.path.join(job_dir, STORE_FILE),
-                  json.dumps({"host": host, "port": store.port, "pid": os.getpid()}))
+                  json.dumps({"host": host, "port": store.port, "pid": os.getpid(), "started": started,
+                              "t": time.time()}))
     return store
 
 
@@ -99,9 +101,11 @@ def keep(child_argv: Sequence[str], *, restarts: int, forward: Sequence[int] = (
     return EXIT_SUPERVISOR_LOST
 
 
-def keep_supervisor(cfg, command: Sequence[str], job_dir: str, host: str, *, mode: str = "supervise") -> int:
+def keep_supervisor(cfg, command: Sequence[str], job_dir: str, host: str, *, mode: str = "supervise",
+                    started: float | None = None) -> int:
     """The batch step: host the store, run ``slurm-resilience {mode} --child`` with this
-    config, restart it (``--reattach``) when it is killed. Returns the job's exit code."""
+    config, restart it (``--reattach``) when it is killed. Returns the job's exit code.
+    ``started``: when the batch step's CLI was up (recorded in ``store.json``)."""
     import yaml
 
     from ..config import config_to_dict
@@ -111,7 +115,7 @@ def keep_supervisor(cfg, command: Sequence[str], job_dir: str, host: str, *, mod
     cfg_path = write_private(os.path.join(job_dir, "supervisor-config.yaml"), yaml.safe_dump(config_to_dict(cfg)))
     stores: list = []  # the store serves the workers for as long as this process lives;
     # it starts in a thread so that the supervisor's own start-up (import torch) overlaps
-    threading.Thread(target=lambda: stores.append(host_store(host, job_dir)), daemon=True).start()
+    threading.Thread(target=lambda: stores.append(host_store(host, job_dir, started)), daemon=True).start()
     forward = [cfg.job.preempt_signum] if cfg.job.preempt_signum is not None else []
     child = [sys.executable, "-m", "slurm_resilience.cli", mode, "--child", "--config", cfg_path,
              "--job-dir", job_dir, "--", *command]

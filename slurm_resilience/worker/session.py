@@ -113,7 +113,8 @@ class Session:
                            worker_id=env.worker_id, node=env.node,
                            where=lambda: members.where() if members else (None, None))
         checkpoints = CheckpointEngine(
-            cfg.checkpoint.tiers(), job_id=env.job_id, job_dir=env.job_dir,
+            # a resubmitted job (recovery.requeue_by: resubmit) keeps the first job's paths
+            cfg.checkpoint.tiers(), job_id=os.environ.get("SR_ORIGIN_JOB_ID") or env.job_id, job_dir=env.job_dir,
             node=env.node, emit=events.emit, mtbf_s=cfg.checkpoint.mtbf_s)
         hb = Heartbeat(env, cfg.detect.heartbeat_period_s, pulse=cfg.detect.pulse).start()
         members = Membership(env, cfg.reconnect, store, open_client=lambda: open_store(env), emit=events.emit,
@@ -121,7 +122,8 @@ class Session:
                              progress=lambda: self._state.step, on_abort=self._abort)
         self._parts = _Parts(
             store=store, heartbeat=hb, checkpoints=checkpoints, members=members,
-            sync=StateSync(self._state, checkpoints, store, emit=events.emit, heartbeat=hb, job_dir=env.job_dir),
+            sync=StateSync(self._state, checkpoints, store, emit=events.emit, heartbeat=hb, job_dir=env.job_dir,
+                           init_from=cfg.checkpoint.init_from),
             safepoint=SafePoint(self._state, checkpoints, store, emit=events.emit, heartbeat=hb,
                                 job_dir=env.job_dir),
             endings=Endings(env, self._state, checkpoints, store, emit=events.emit,

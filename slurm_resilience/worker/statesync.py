@@ -8,6 +8,11 @@ One path for both kinds of state, ending in one shared tail:
 * sharded state (ZeRO-style): the live state is kept only when every rank survived
   at the same step in an unchanged world; otherwise every rank takes its slice of
   the newest complete checkpoint, resharded (``reshard.py``).
+
+A job with ``checkpoint.init_from`` (a DCP checkpoint) that holds no checkpoint of its
+own and no state past step 0 starts from that checkpoint instead (``dcp_io.initial_state``):
+replicated state is read by the source rank and broadcast, sharded state by every
+rank for its own slice.
 """
 
 from __future__ import annotations
@@ -20,7 +25,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..errors import ResilienceError, StepAborted
+from ..checkpoint.dcp_io import check_init_from, initial_state
+from ..errors import CheckpointError, ConfigError, ResilienceError, StepAborted
 from ..protocol import Plan, WorkerEvent
 from . import replay, reshard
 from .reconnect import Generation
@@ -111,8 +117,9 @@ class StateSync:
     """Brings a new generation's ranks to one state, once per generation joined."""
 
     def __init__(self, state: TrainingState, checkpoints, store: dist.Store, *,
-                 emit: Callable[..., None], heartbeat, job_dir: str = "") -> None:
+                 emit: Callable[..., None], heartbeat, job_dir: str = "", init_from: str = "") -> None:
         self._state = state
+        self._init_from = init_from
         self._job_dir = job_dir
         self._checkpoints = checkpoints
         self._store = store
@@ -145,9 +152,10 @@ class StateSync:
         self._hb.update(step=self._state.step)
         self._emit(WorkerEvent.RESTORED, start=t0, step=self._state.step, position=self._state.position,
                    source=source, offers=offers, **tier)
-        if self._state.sharded and self._state.step == 0 and not self._checkpoints.candidates():
+        imported = tier.get("tier") == "init_from"
+        if self._state.sharded and (self._state.step == 0 or imported) and not self._checkpoints.candidates():
             disk = [s.name for s in self._checkpoints.specs if s.storage != "memory"]
-            self._checkpoints.save(0, self._state.state_dict(), disk)  # step 0 must be restorable too
+            self._checkpoints.save(self._state.step, self._state.state_dict(), disk)  # so must step 0 (or imported)
 
     def _sync_replicated(self, group: Generation) -> tuple[int, list[int], dict[str, Any]]:
         """Collective: the lowest rank offering the newest step broadcasts its state."""
@@ -159,16 +167,35 @@ class StateSync:
         offer = max(live, stored[0] if stored else -1)
         offers = group.all_gather_ints(offer)
         choice = choose_source(offers)
-        from_live = st.live and st.step == choice.step
+        imported = self._importing(group, choice.step == 0 and stored is None, choice.step == 0)
+        from_live = st.live and st.step == choice.step and not imported
         state, source = None, "peer"
         if group.rank == choice.source_rank:
-            state = st.state_dict() if from_live else self._checkpoints.load(stored)
-            source = "live" if from_live else stored[1]
+            if imported:
+                state, source = initial_state(self._init_from, st.state_dict(), (), group.world_size, 0), "init_from"
+            else:
+                state = st.state_dict() if from_live else self._checkpoints.load(stored)
+                source = "live" if from_live else stored[1]
         state = broadcast_state(group, state, choice.source_rank)
         if not (from_live and group.rank == choice.source_rank):
             st.load_state_dict(state)
-        st.step = choice.step
+        if not imported:
+            st.step = choice.step
         return choice.source_rank, offers, ({"tier": source} if source != "peer" else {})
+
+    def _importing(self, group: Generation, mine: bool, candidate: bool) -> bool:
+        """Collective when ``candidate`` (the same on every rank): start from ``init_from``
+        when no rank holds a checkpoint or state past step 0 (``mine``: this rank's part).
+        Every rank checks the DCP's keys, so a bad path fails every rank alike."""
+        if not (self._init_from and candidate):
+            return False
+        if min(group.all_gather_ints(int(mine))) == 0:
+            return False
+        try:
+            check_init_from(self._init_from, list(self._state.objects))
+        except CheckpointError as exc:
+            raise ConfigError(str(exc)) from None
+        return True
 
     def _sync_sharded(self, group: Generation, plan: Plan) -> tuple[int, list[int], dict[str, Any]]:
         """Collective: keep the live state only when every rank survived at the same step
@@ -183,10 +210,15 @@ class StateSync:
                 state = reshard.restore_sharded(group, self._store, self._checkpoints, st.sharded)
             except dist.DistError as exc:  # a store request failed: a peer or the store is gone
                 raise StepAborted(f"resharded restore failed: {exc}") from exc
+            top = max(group.all_gather_ints(st.step)) if state is None else -1  # the same on every rank
             if state is not None:
                 st.load_state_dict(state)
                 source = "checkpoint"
-            elif max(group.all_gather_ints(st.step)) > 0 or not st.live:
+            elif self._importing(group, st.live, top == 0):
+                st.load_state_dict(initial_state(self._init_from, st.state_dict(), st.sharded, group.world_size,
+                                                 group.rank))
+                source = "init_from"
+            elif top > 0 or not st.live:
                 raise ResilienceError("sharded state: no complete checkpoint holds every shard; "
                                       "keep a shared tier or partner copies so a lost rank's slice survives")
         st.shard_totals = self._agree_totals(group)

@@ -5,6 +5,7 @@ state, torch.equal) to the fault-free reference, or fail cleanly where recovery
 is impossible.
 """
 
+import json
 import os
 import signal
 import time
@@ -167,9 +168,11 @@ def test_no_spare_scales_in_and_finishes(cluster, jobs_root):
 
 
 @pytest.mark.slow
-def test_no_spare_no_scale_in_requeues_and_resumes_bit_identical(cluster, jobs_root, reference, tmp_path):
-    cfg = _config(tmp_path, "requeue", "recovery:\n  scale_in: false\n  max_requeues: 1\n")
-    run = lab.submit(jobs_root / "requeue", spares=0, steps=STEPS, config=cfg, step_time=FAULT_STEP_TIME)
+@pytest.mark.parametrize("requeue_by", ["requeue", "resubmit"])
+def test_no_spare_no_scale_in_requeues_and_resumes_bit_identical(cluster, jobs_root, reference, tmp_path, requeue_by):
+    cfg = _config(tmp_path, f"requeue-{requeue_by}",
+                  f"recovery:\n  scale_in: false\n  max_requeues: 1\n  requeue_by: {requeue_by}\n")
+    run = lab.submit(jobs_root / f"requeue-{requeue_by}", spares=0, steps=STEPS, config=cfg, step_time=FAULT_STEP_TIME)
     status = run.wait_for_step(KILL_AT)
     lab.kill_node(status["ranks"][1]["node"])
     assert run.wait() == 0, run.output()
@@ -177,6 +180,12 @@ def test_no_spare_no_scale_in_requeues_and_resumes_bit_identical(cluster, jobs_r
     restored = [e for e in _events(run.job_dir, "rank_restored") if e.get("tier")]
     assert restored and restored[-1]["step"] >= 10  # resumed from a committed checkpoint
     assert lab.compare_runs(reference, run.job_dir / "final.pt") == []
+    final = json.loads((run.job_dir / "status.json").read_text())
+    assert final["requeue_count"] == 1, final  # counted against max_requeues either way
+    if requeue_by == "resubmit":  # a new job id in the same job dir; the first job's L1 found
+        chain = json.loads((run.job_dir / "resubmitted.json").read_text())["chain"]
+        assert chain == {status["job_id"]: final["job_id"]} and final["job_id"] != status["job_id"], chain
+        assert restored[-1]["tier"] == "L1", restored  # node-local checkpoints under the first job's id
 
 
 @pytest.mark.slow

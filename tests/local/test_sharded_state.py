@@ -7,17 +7,23 @@ and the data position is global); it cannot equal a run that stayed at 3 ranks, 
 gradient sums are grouped differently.
 """
 
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from slurm_resilience.checkpoint import manifest as mf
-from slurm_resilience.checkpoint.hdf5_format import shard_crc32
+from slurm_resilience.checkpoint.hdf5_format import read_shard, shard_crc32
+from slurm_resilience.cli import main as cli_main
 
 from .localjob import INJECT_AFTER, ZERO, LocalJob, assert_bit_identical, final_state
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = pytest.mark.timeout(300)
+DCP_LOAD = Path(__file__).with_name("dcp_load.py")  # torch alone: no slurm_resilience import
 CKPT = {"local_every": 5, "shared_every_kth": 1, "shared_keep": 20, "local_keep": 20}
 STEPS = 40
 
@@ -58,6 +64,7 @@ def test_scale_in_reshards_sharded_state_exactly(tmp_path):
     mf.write_manifest(str(dst), mf.Manifest(step=step, world_size=3, tier="L2", shards=shards,
                                             created=0.0, extra={}))
     mf.set_latest(str(dst), step)
+    dcp_dir = _export_and_load_with_dcp_alone(dst, step, tmp_path)
     b = _run(LocalJob(tmp_path, nodes=2, spares=0, steps=STEPS, script=ZERO, checkpoint=CKPT, job_name="b",
                       local_dir=tmp_path / "local-b").start())
     restored_b = [e for e in _events(b, "rank_restored") if e.get("resharded")]
@@ -67,6 +74,36 @@ def test_scale_in_reshards_sharded_state_exactly(tmp_path):
     assert fa["step"] == fb["step"] == STEPS
     assert_bit_identical(fa["objects"], fb["objects"], "objects")  # model + rank 0's momentum slice
     assert fa["objects"]["optimizer"]["shards"]["momentum"].numel() == (32 * 64 + 64 + 64 * 4 + 4 + 1) // 2
+
+    # C: a fresh 2-rank job started from the DCP export of that step (checkpoint.init_from)
+    # trains exactly as B, which started from the toolkit's own checkpoint of it.
+    c = _run(LocalJob(tmp_path, nodes=2, spares=0, steps=STEPS, script=ZERO, job_name="c",
+                      checkpoint={**CKPT, "init_from": str(dcp_dir)}, local_dir=tmp_path / "local-c").start())
+    restored_c = _events(c, "rank_restored")
+    assert {(e["tier"], e["step"]) for e in restored_c[:2]} == {("init_from", step)}, restored_c
+    fc = final_state(c)
+    assert fc["step"] == STEPS
+    assert_bit_identical(fc["objects"], fb["objects"], "objects")
+
+
+def _export_and_load_with_dcp_alone(root: Path, step: int, tmp_path: Path) -> Path:
+    """``ckpt export`` the 3-rank step as DCP; plain DCP (no toolkit import) loads it at
+    world size 1 and 2 (FSDP2 model, DTensor momentum): the same tensors as the shards."""
+    out = tmp_path / "dcp"
+    assert cli_main(["ckpt", "export", str(root), "--step", str(step), "--format", "dcp", str(out)]) == 0
+    ranks = [read_shard(mf.shard_path(str(root), step, r))[0] for r in range(3)]
+    momentum = torch.cat([s["objects"]["optimizer"]["shards"]["momentum"] for s in ranks])
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    for world, local in ((1, [momentum.numel()]), (2, [momentum.numel() // 2] * 2)):
+        got = tmp_path / f"dcp-load-{world}.pt"
+        proc = subprocess.run([sys.executable, str(DCP_LOAD), str(out), str(world), str(got)], env=env,
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        loaded = torch.load(got, weights_only=True)
+        assert loaded["local"] == local and (loaded["step"], loaded["position"]) == (step, ranks[0]["position"])
+        assert_bit_identical(loaded["model"], ranks[0]["objects"]["model"], f"model at world {world}")
+        assert torch.equal(loaded["momentum"], momentum), f"momentum at world {world}"
+    return out
 
 
 def test_node_replacement_rebuilds_the_lost_slice_from_xor_bit_identical(tmp_path):

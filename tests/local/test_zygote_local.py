@@ -79,6 +79,19 @@ def _fork(pool, job, command, name="sr-restart-1", ranks=2):
                           master_addr="127.0.0.1", port=21000, attempt=1, log_path=str(job / f"{name}.log"))
 
 
+def _wait_gone(pid, timeout=30):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    return
+        except FileNotFoundError:
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"rank pid {pid} outlived its zygote")
+
+
 def _wait(step, timeout=60):
     deadline = time.monotonic() + timeout
     while (code := step.poll()) is None:
@@ -121,6 +134,8 @@ def test_a_dead_zygote_counts_its_ranks_killed_and_is_replaced(pool_factory):
     step = _fork(pool, job, [sys.executable, str(DATA / "sleeper.py")])
     pool.launcher.kill(pool.zygotes["n2"].step)  # the zygote's "step" with its ranks
     assert _wait(step) == 137 and step.codes == {0: -9, 1: -9}
+    for _node, pid in step.pids.values():  # counted killed, and they are: they die with their zygote
+        _wait_gone(pid)
     assert "n2" not in pool.zygotes or pool.zygotes["n2"].conn is None
     assert _fork(pool, job, [sys.executable, str(PROBE), str(job / "x-{rank}.json")], name="x") is None  # cold
     assert pool.wait_ready(["n2"], 120)  # a new zygote was started in the background

@@ -1,0 +1,21 @@
+"""What every benchmark reports the same way: median, min and max of repeated runs,
+printed and written as JSON (``--json``)."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+
+def stats(xs: list[float]) -> dict:
+    """Median, min, max and the runs themselves (seconds)."""
+    return {"median_s": statistics.median(xs), "min_s": min(xs), "max_s": max(xs), "runs": list(xs)}
+
+
+def emit(out: dict, json_path: str | None) -> None:
+    """Print the figures; also write them to ``json_path`` when given."""
+    text = json.dumps(out, indent=2)
+    print(text)
+    if json_path:
+        Path(json_path).write_text(text)
