@@ -40,6 +40,7 @@ import torch
 from ..errors import ResilienceError
 from . import fsdp_state as fs
 from .rebind import GenerationHooks
+from .reshard import slice_range
 from .statesync import _capture_rng, _restore_rng
 
 PARTS = ("model", "optimizer", "scheduler")
@@ -179,20 +180,36 @@ class RebuiltFSDP:
         from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
         model, opt, sched = self._objs
-        make = self._dtensor
+        make, params = self._dtensor, dict(model.named_parameters())
         o = states.get("optimizer")
         if o is not None and opt is not None:
             if o[fs.REPLICATED].get("state") or o["shards"]:
-                set_optimizer_state_dict(model, opt, fs.join_tree(o, make))
+                tree = fs.join_tree(o, make)
+                for fqn, per in tree.get("state", {}).items():
+                    for k, v in per.items():
+                        per[k] = self._distribute(f"state/{fqn}/{k}", v, params.get(fqn))
+                set_optimizer_state_dict(model, opt, tree)
             else:  # no per-parameter state yet: the hyperparameters (lr) only
                 for g, saved in zip(opt.param_groups, o[fs.REPLICATED]["param_groups"]):
                     g.update({k: v for k, v in saved.items() if k != "params"})
         if states.get("model") is not None:
-            set_model_state_dict(model, fs.join_tree(states["model"], make))
+            tree = fs.join_tree(states["model"], make)
+            set_model_state_dict(model, {k: self._distribute(k, v, params.get(k)) for k, v in tree.items()})
         if states.get("scheduler") is not None and sched is not None:
             sched.load_state_dict(states["scheduler"])
         for p in model.parameters():
             p.grad = None
+
+    def _distribute(self, path: str, value: Any, param: Any) -> Any:
+        """A full (global) plain tensor of a sharded parameter's shape, e.g. from an imported
+        checkpoint whose keys the template lacked: this rank's torch.chunk rows as a DTensor."""
+        if param is None or not isinstance(value, torch.Tensor) or value.dim() == 0 \
+                or type(value) is not torch.Tensor or tuple(value.shape) != tuple(param.shape):
+            return value
+        layout = {"shape": list(value.shape), "split": fs.ROWS}
+        mesh = param.device_mesh
+        a, b = slice_range(layout, value.numel(), mesh.size(), mesh.get_local_rank())
+        return self._dtensor(path, value.reshape(-1)[a:b], layout)
 
     def _dtensor(self, path: str, flat: torch.Tensor, layout) -> Any:
         from torch.distributed.tensor import DTensor, Shard

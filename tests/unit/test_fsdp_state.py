@@ -119,6 +119,17 @@ def test_nested_state_round_trip_through_a_rebuild(one_rank):
     full = fs.join_tree(f.state_of("model"), lambda p, t, lay: t.view(lay["shape"]))
     assert torch.equal(full["0.weight"], old[0].weight.full_tensor())
 
+    # an imported state (checkpoint.init_from) may hold full plain tensors where the template
+    # had no sharded key yet: they are distributed as this rank's rows
+    opt_sd = f.state_of("optimizer")
+    full_opt = fs.join_tree(opt_sd, lambda p, t, lay: t.view(lay["shape"]).clone())
+    f.pending["optimizer"] = {"nested": True, "shards": {}, "layouts": {}, "replicated": full_opt}
+    gen[0] = 2
+    f.rebuild()
+    again = f.state_of("optimizer")
+    assert set(again["shards"]) == set(opt_sd["shards"])
+    assert all(torch.equal(again["shards"][k], opt_sd["shards"][k]) for k in opt_sd["shards"])
+
 
 def test_bad_builds_are_one_line_errors(one_rank):
     def plain(mesh):
