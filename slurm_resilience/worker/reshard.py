@@ -42,6 +42,7 @@ from ..errors import StepAborted
 from ..protocol import StoreKey
 
 SHARDS = "shards"
+LAYOUTS = "layouts"  # optional replicated entry of a sharded object's state: key -> layout
 SHARED = -1  # source "rank" of a shard on the shared tier: every rank reads it itself
 
 
@@ -54,6 +55,56 @@ def shard_range(total: int, world: int, rank: int) -> tuple[int, int]:
     return start, start + base + (1 if rank < extra else 0)
 
 
+def slice_range(layout: Mapping[str, Any] | None, total: int, world: int, rank: int) -> tuple[int, int]:
+    """Pure: ``[start, end)`` in elements of rank's slice of a global flat tensor.
+
+    ``layout`` ``{"shape": [...], "split": "even" | "rows"}`` (None: even).
+    "even": :func:`shard_range`. "rows": ``torch.chunk`` on dim 0 of ``shape`` (as FSDP2
+    shards): ``ceil(rows / world)`` rows per rank, the last ranks fewer or none, the
+    slice being those rows' elements in row-major order."""
+    split = (layout or {}).get("split", "even")
+    if split == "even":
+        return shard_range(total, world, rank)
+    shape = [int(d) for d in layout.get("shape", [])]
+    row = 1
+    for d in shape[1:]:
+        row *= d
+    if split != "rows" or not shape or shape[0] * row != total or not 0 <= rank < world:
+        raise ValueError(f"slice_range(layout={dict(layout)}, total={total}, world={world}, rank={rank})")
+    chunk = -(-shape[0] // world)
+    first = min(rank * chunk, shape[0])
+    return first * row, min(first + chunk, shape[0]) * row
+
+
+def layout_of(layouts: Mapping[str, Mapping[str, Any]] | None, name: str, key: str) -> Mapping[str, Any] | None:
+    """Pure: the layout of ``name[key]`` in a ``shard_layouts`` mapping (None: even)."""
+    return ((layouts or {}).get(name) or {}).get(key)
+
+
+def shard_meta(states: Mapping[str, Mapping[str, Any]], agreed: Mapping[str, Mapping[str, int]]
+               ) -> tuple[dict[str, dict[str, int]], dict[str, dict[str, dict[str, Any]]]]:
+    """Pure: ``(shard_totals, shard_layouts)`` of sharded objects' states (name -> state).
+
+    A key with a layout has its total from the layout's global shape, so keys that appear
+    later (an optimizer's state after its first step) are covered; an "even" key without
+    one keeps the total the ranks ``agreed`` on at the last state sync."""
+    totals, layouts = {}, {}
+    for n, state in states.items():
+        lay = dict(state.get(LAYOUTS) or {})
+        totals[n] = {}
+        for k in state[SHARDS]:
+            if k in lay:
+                total = 1
+                for d in lay[k]["shape"]:
+                    total *= int(d)
+                totals[n][k] = total
+            elif k in agreed.get(n, {}):
+                totals[n][k] = agreed[n][k]
+        if lay:
+            layouts[n] = {k: v for k, v in lay.items() if k in totals[n]}
+    return totals, layouts
+
+
 @dataclasses.dataclass(frozen=True)
 class Piece:
     """``count`` elements of old shard ``old_rank`` from ``src`` go to ``dst`` of the new slice."""
@@ -64,9 +115,10 @@ class Piece:
     count: int
 
 
-def plan_pieces(old_lengths: Sequence[int], new_world: int, new_rank: int) -> list[Piece]:
+def plan_pieces(old_lengths: Sequence[int], new_world: int, new_rank: int,
+                layout: Mapping[str, Any] | None = None) -> list[Piece]:
     """Pure: the parts of the old slices (lengths in old-rank order) that form the new one."""
-    start, end = shard_range(sum(old_lengths), new_world, new_rank)
+    start, end = slice_range(layout, sum(old_lengths), new_world, new_rank)
     pieces, off = [], 0
     for r, n in enumerate(old_lengths):
         a, b = max(start, off), min(end, off + n)
@@ -125,17 +177,25 @@ def local_holdings(engine) -> tuple[list[tuple[int, int, str]], dict[int, int], 
     return held, shared, roots
 
 
-def lengths_of(totals: Mapping[str, Mapping[str, int]], world: int) -> dict[int, dict[str, dict[str, int]]]:
+def old_lengths(layout: Mapping[str, Any] | None, total: int, world: int) -> list[int]:
+    """Pure: every rank's slice length of one key, in rank order."""
+    return [b - a for a, b in (slice_range(layout, total, world, r) for r in range(world))]
+
+
+def lengths_of(totals: Mapping[str, Mapping[str, int]], world: int,
+               layouts: Mapping[str, Mapping[str, Any]] | None = None) -> dict[int, dict[str, dict[str, int]]]:
     """Pure: every old rank's slice lengths from the global totals (the convention)."""
-    return {r: {n: {k: (lambda a, b: b - a)(*shard_range(t, world, r)) for k, t in keys.items()}
+    return {r: {n: {k: (lambda a, b: b - a)(*slice_range(layout_of(layouts, n, k), t, world, r))
+                    for k, t in keys.items()}
                 for n, keys in totals.items()} for r in range(world)}
 
 
-def needed(totals: Mapping[str, Mapping[str, int]], old_world: int, new_world: int, rank: int) -> set[int]:
+def needed(totals: Mapping[str, Mapping[str, int]], old_world: int, new_world: int, rank: int,
+           layouts: Mapping[str, Mapping[str, Any]] | None = None) -> set[int]:
     """Pure: the old shards that new ``rank``'s slices draw from."""
-    return {p.old_rank for keys in totals.values() for t in keys.values()
-            for p in plan_pieces([b - a for a, b in (shard_range(t, old_world, r) for r in range(old_world))],
-                                 new_world, rank)}
+    return {p.old_rank for n, keys in totals.items() for k, t in keys.items()
+            for p in plan_pieces(old_lengths(layout_of(layouts, n, k), t, old_world), new_world, rank,
+                                 layout_of(layouts, n, k))}
 
 
 def restore_sharded(gen, store, engine, names: Sequence[str]) -> dict[str, Any] | None:
@@ -158,18 +218,18 @@ def restore_sharded(gen, store, engine, names: Sequence[str]) -> dict[str, Any] 
     if on_shared:  # every rank reads what it needs itself
         path = lambda old: layout.shard_path(roots[step], step, old)  # noqa: E731
         base, _ = read_shard(path(0))
-        totals = base["shard_totals"]
+        totals, layouts = base["shard_totals"], base.get("shard_layouts")
         olds = {old: base if old == 0 else read_shard(path(old))[0]
-                for old in sorted(needed(totals, old_world, gen.world_size, gen.rank))}
+                for old in sorted(needed(totals, old_world, gen.world_size, gen.rank, layouts))}
     else:
         paths = {r: p for s, r, p, _ in held if s == step}
         mine = {old: read_shard(paths[old])[0] for old, src in enumerate(sources) if src == gen.rank}
         from .restore import broadcast_state
 
         base = broadcast_state(gen, mine.get(0), sources[0])
-        totals = base["shard_totals"]
-        olds = _exchange(gen, mine, sources, totals, old_world, names)
-    return _assemble(base, olds, totals, old_world, gen.world_size, gen.rank, names)
+        totals, layouts = base["shard_totals"], base.get("shard_layouts")
+        olds = _exchange(gen, mine, sources, totals, old_world, names, layouts)
+    return _assemble(base, olds, totals, old_world, gen.world_size, gen.rank, names, layouts)
 
 
 def _get(store, key: str, gen) -> bytes:
@@ -182,13 +242,13 @@ def _get(store, key: str, gen) -> bytes:
 
 
 def _exchange(gen, mine: Mapping[int, dict], sources: Sequence[int], totals, old_world: int,
-              names: Sequence[str]) -> dict[int, dict]:
+              names: Sequence[str], layouts=None) -> dict[int, dict]:
     """One all-to-all: each source sends the sharded parts of its old shards to the ranks needing them."""
     parts = {old: {n: st["objects"][n][SHARDS] for n in names} for old, st in mine.items()}
     out: dict[int, bytes] = {}
     for dst in range(gen.world_size):
         want = {old: v for old, v in parts.items()
-                if dst != gen.rank and old in needed(totals, old_world, gen.world_size, dst)}
+                if dst != gen.rank and old in needed(totals, old_world, gen.world_size, dst, layouts)}
         if want:
             buf = io.BytesIO()
             torch.save(want, buf)
@@ -210,15 +270,15 @@ def _exchange(gen, mine: Mapping[int, dict], sources: Sequence[int], totals, old
 
 
 def _assemble(base: dict[str, Any], olds: Mapping[int, dict], totals, old_world: int, world: int,
-              rank: int, names: Sequence[str]) -> dict[str, Any]:
+              rank: int, names: Sequence[str], layouts=None) -> dict[str, Any]:
     """The replicated base state with each sharded object's slices cut for ``rank``."""
     state = dict(base, objects=dict(base["objects"]))
     for n in names:
         shards = {}
         for k, total in totals[n].items():
-            lens = [b - a for a, b in (shard_range(total, old_world, r) for r in range(old_world))]
-            pieces = plan_pieces(lens, world, rank)
-            start, end = shard_range(total, world, rank)
+            layout = layout_of(layouts, n, k)
+            pieces = plan_pieces(old_lengths(layout, total, old_world), world, rank, layout)
+            start, end = slice_range(layout, total, world, rank)
             like = base["objects"][n][SHARDS][k]
             t = torch.empty(end - start, dtype=like.dtype)
             for p in pieces:

@@ -278,6 +278,15 @@ class Session:
         Register ``module`` itself for state."""
         return RebuiltDDP(module, self._hooks, self._parking.park, **ddp_kwargs)
 
+    def fsdp(self, build, *, device_type: str | None = None):
+        """FSDP2: ``build(mesh) -> model | (model, optimizer[, scheduler])`` with ``fully_shard``
+        on ``mesh`` (1-D, this generation's), called again for every generation. Registers
+        "model" and "optimizer" (sharded) and "scheduler"; returns a RebuiltFSDP whose
+        ``.model``/``.optimizer``/``.scheduler`` are the current ones (docs/fsdp.md)."""
+        from .fsdp import make_fsdp
+
+        return make_fsdp(self, build, device_type, self._parking.park)
+
     def device_mesh(self, device_type: str, mesh_shape: tuple[int, ...], *,
                     mesh_dim_names: tuple[str, ...] | None = None):
         """Collective: a DeviceMesh on this generation's default group (built once per

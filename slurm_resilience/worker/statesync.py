@@ -69,14 +69,17 @@ class TrainingState:
 
     def state_dict(self) -> dict[str, Any]:
         rng = _capture_rng()
+        objects = {n: o.state_dict() for n, o in self.objects.items()}
+        totals, layouts = reshard.shard_meta({n: objects[n] for n in self.sharded}, self.shard_totals)
         return {
             "step": self.step,
             "position": self.position,
-            "objects": {n: o.state_dict() for n, o in self.objects.items()},
+            "objects": objects,
             "rng": rng,
             "extras": dict(self.extras),
             "high_water": max(self.high_water, self.step),
-            **({"shard_totals": self.shard_totals} if self.sharded else {}),
+            **({"shard_totals": totals} if self.sharded else {}),
+            **({"shard_layouts": layouts} if layouts else {}),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -190,10 +193,12 @@ class StateSync:
         return -1, offers, ({"tier": source, "resharded": True} if source != "live" else {})
 
     def _agree_totals(self, group: Generation) -> dict[str, dict[str, int]]:
-        """Collective: global length of every sharded key; checks this rank's slice."""
+        """Collective: global length of every sharded key; checks this rank's slice
+        against its layout (``reshard.slice_range``)."""
         st = self._state
-        local = {n: {k: int(t.numel()) for k, t in sorted(st.objects[n].state_dict()[reshard.SHARDS].items())}
-                 for n in st.sharded}
+        states = {n: st.objects[n].state_dict() for n in st.sharded}
+        local = {n: {k: int(t.numel()) for k, t in sorted(states[n][reshard.SHARDS].items())} for n in st.sharded}
+        layouts = {n: dict(states[n].get(reshard.LAYOUTS) or {}) for n in st.sharded}
         flat = torch.tensor([v for n in st.sharded for v in local[n].values()], dtype=torch.int64)
         group.all_reduce_sum(flat)
         totals, i = {}, 0
@@ -202,10 +207,13 @@ class StateSync:
             for k, mine in local[n].items():
                 total = int(flat[i])
                 i += 1
-                a, b = reshard.shard_range(total, group.world_size, group.rank)
+                try:
+                    a, b = reshard.slice_range(layouts[n].get(k), total, group.world_size, group.rank)
+                except ValueError as exc:
+                    raise ResilienceError(f"sharded {n}[{k!r}]: bad layout: {exc}") from None
                 if mine != b - a:
                     raise ResilienceError(f"sharded {n}[{k!r}]: rank {group.rank} holds {mine} elements, "
-                                          f"shard_range({total}, {group.world_size}, {group.rank}) says {b - a}; "
+                                          f"its layout over {group.world_size} ranks says {b - a} of {total}; "
                                           "partition with slurm_resilience.shard_range")
                 totals[n][k] = total
         return totals

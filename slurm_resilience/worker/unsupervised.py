@@ -170,6 +170,12 @@ class UnsupervisedSession:
     def ddp(self, module: torch.nn.Module, **ddp_kwargs: Any) -> RebuiltDDP:
         return RebuiltDDP(module, self._hooks, self._parked.append, **ddp_kwargs)
 
+    def fsdp(self, build, *, device_type: str | None = None):
+        """As Session.fsdp: ``build(mesh)`` runs once (there is one generation)."""
+        from .fsdp import make_fsdp
+
+        return make_fsdp(self, build, device_type, self._parked.append)
+
     def device_mesh(self, device_type: str, mesh_shape: tuple[int, ...], *,
                     mesh_dim_names: tuple[str, ...] | None = None):
         from torch.distributed.device_mesh import init_device_mesh
