@@ -2,28 +2,30 @@
 """FSDP2 checkpoint benchmark: the toolkit's engine vs DCP ``save`` / ``async_save``, like for like.
 
 ``--world`` ranks (torch.multiprocessing, gloo, CPU) shard the transformer of
-examples/train_fsdp_plain.py (sized by --dim/--layers/--vocab) with ``fully_shard`` per
-block and on the root, take one AdamW step (so the optimizer state exists) and then
-checkpoint that same state with every contender:
+examples/train_fsdp.py (sized by --dim/--layers/--vocab) with ``fully_shard`` per block
+and on the root, built through the toolkit's FSDP2 wrapper (``worker/fsdp.py``, what
+``session.fsdp(build)`` returns), take one AdamW step (so the optimizer state exists)
+and then checkpoint that same state with every contender:
 
-* ``ours``: the state as the toolkit stores an FSDP2 object (FSDP_CONTRACT: per rank,
-  ``{"nested": True, "shards": {path: local shard, flat}, "replicated": ...}``, built
-  from ``get_state_dict``) saved by a ``CheckpointEngine`` per rank with L0 (memory) and
-  L1 (node-local HDF5, committed collectively); stall = ``save`` returns, persist =
-  L1 durable and committed (``wait``);
+* ``ours``: the model and optimizer state exactly as the session saves them (nested
+  sharded objects, ``RebuiltFSDP.state_of``: ``get_model_state_dict`` /
+  ``get_optimizer_state_dict`` with each DTensor's local shard flattened), saved by a
+  ``CheckpointEngine`` per rank with L0 (memory) and L1 (node-local HDF5, committed
+  collectively); stall = ``save`` returns, persist = L1 durable and committed (``wait``);
 * ``dcp_save``: ``dcp.save(get_state_dict(...))``: stall = persist = the call;
 * ``dcp_async``: ``dcp.async_save``: stall = the call, persist = its future's result.
 
-Each timed span starts at the state extraction (``get_state_dict``), includes it for
-every contender, and is the slowest rank's (the job is blocked, or durable, when its
-slowest rank is). Restore: ``get_state_dict`` -> read into it -> ``set_state_dict`` for
-both (``ours``: the engine reads the L1 shard and copies each flat shard into its
-parameter or optimizer shard; ``dcp``: ``dcp.load`` of the ``dcp.save`` checkpoint);
-before each read the live shards are zeroed, after it they are checked equal to the
-saved ones. Every contender gets the same untimed warm-up (a write and a read), then
---repeat rounds interleaved (ours, dcp_save, dcp_async, ours, ...), with ``sync``
-before every write and the page cache dropped before every read when
-/proc/sys/vm/drop_caches is writable (else warm). Medians, min, max, ratios; --json.
+Each timed span starts at the state extraction, includes it for every contender, and
+is the slowest rank's (the job is blocked, or durable, when its slowest rank is).
+Restore ends with the state in the live model and optimizer for both: ``ours`` reads
+the L1 shard and loads it the way a recovery does (``pending`` + ``rebuild``:
+``set_model_state_dict`` / ``set_optimizer_state_dict``); ``dcp`` is ``get_state_dict``
+-> ``dcp.load`` of the ``dcp.save`` checkpoint -> ``set_state_dict``. Before each read
+the live shards are zeroed, after it they are checked equal to the saved ones. Every
+contender gets the same untimed warm-up (a write and a read), then --repeat rounds
+interleaved (ours, dcp_save, dcp_async, ours, ...), with ``sync`` before every write
+and the page cache dropped before every read when /proc/sys/vm/drop_caches is writable
+(else warm). Medians, min, max, ratios; --json.
 
     python3 benchmarks/checkpoint_fsdp.py --world 4 --repeat 3
 """
@@ -64,47 +66,31 @@ RATIOS = [
 
 # -- the state ------------------------------------------------------------------------
 def build(args):
-    """The FSDP2 model and AdamW after one step (optimizer state allocated)."""
+    """The toolkit's FSDP2 wrapper (what ``session.fsdp(build)`` returns) on this world's
+    1-D mesh, after one AdamW step (so the optimizer state exists)."""
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    from train_fsdp_plain import Transformer
+    from train_fsdp import Transformer
+
+    from slurm_resilience.worker.fsdp import RebuiltFSDP
+    from slurm_resilience.worker.rebind import GenerationHooks
+
+    def make(mesh):
+        model = Transformer(vocab=args.vocab, dim=args.dim, heads=args.heads, layers=args.layers, seq=args.seq)
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
 
     torch.manual_seed(0)
-    model = Transformer(vocab=args.vocab, dim=args.dim, heads=args.heads, layers=args.layers, seq=args.seq)
-    for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    f = RebuiltFSDP(make, mesh=lambda: mesh, generation=lambda: 0, world_size=dist.get_world_size,
+                    hooks=GenerationHooks(), park=lambda old: None)
     tokens = torch.randint(args.vocab, (2, args.seq + 1), generator=torch.Generator().manual_seed(dist.get_rank()))
-    loss = torch.nn.functional.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
+    loss = torch.nn.functional.cross_entropy(f.model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
     loss.backward()
-    opt.step()
-    return model, opt
-
-
-def nested(sd: dict) -> dict:
-    """FSDP_CONTRACT's form of one object: DTensor leaves -> ``shards`` (local, flat) by
-    "/"-joined path; everything else stays in ``replicated``."""
-    from torch.distributed.tensor import DTensor
-
-    shards: dict[str, torch.Tensor] = {}
-
-    def walk(node, path):
-        if isinstance(node, dict):
-            kept = {}
-            for k, v in node.items():
-                sub = walk(v, (*path, str(k)))
-                if sub is not _SHARD:
-                    kept[k] = sub
-            return kept
-        if isinstance(node, DTensor):
-            shards["/".join(path)] = node.to_local().reshape(-1)
-            return _SHARD
-        return node
-
-    return {"nested": True, "shards": shards, "replicated": walk(sd, ())}
-
-
-_SHARD = object()
+    f.optimizer.step()
+    return f
 
 
 def leaves(sd: dict, path=()):
@@ -165,10 +151,9 @@ class Ours:
         self.eng.bind(rank=rank, world_size=world, nodes=[f"n{r}" for r in range(world)], transfer=lambda: transfer)
         self.last: tuple[int, str, str] | None = None
 
-    def write(self, i: int, model, opt) -> tuple[float, float]:
+    def write(self, i: int, f) -> tuple[float, float]:
         t0 = time.perf_counter()
-        sd = live_state(model, opt)
-        state = {"model": nested(sd["model"]), "optimizer": nested(sd["optimizer"])}
+        state = {part: f.state_of(part) for part in ("model", "optimizer")}  # what the session saves
         self.eng.save(i, state)
         stall = time.perf_counter() - t0
         if not self.eng.wait(timeout=600) or self.eng.failures:
@@ -176,14 +161,10 @@ class Ours:
         self.last = next(c for c in self.eng.candidates() if c[1] == "L1" and c[0] == i)
         return stall, time.perf_counter() - t0
 
-    def read(self, model, opt) -> None:
-        sd = live_state(model, opt)
+    def read(self, f) -> None:
         got = self.eng.load(self.last)
-        for part in ("model", "optimizer"):
-            shards = got[part]["shards"]
-            for path, local in leaves(sd[part]):
-                local.copy_(shards[path].view_as(local))
-        put_state(model, opt, sd)
+        f.pending = {part: got[part] for part in ("model", "optimizer")}  # as a restore hands it over
+        f.rebuild()  # same generation: no new objects, the state is loaded (set_*_state_dict)
 
     def close(self) -> None:
         self.eng.close()
@@ -195,12 +176,12 @@ class DCPSave:
     def __init__(self, root: Path) -> None:
         self.root, self.last = root, None
 
-    def write(self, i: int, model, opt) -> tuple[float, float]:
+    def write(self, i: int, f) -> tuple[float, float]:
         import torch.distributed.checkpoint as dcp
 
         d = self.root / f"{type(self).__name__}-{i}"
         t0 = time.perf_counter()
-        sd = live_state(model, opt)
+        sd = live_state(f.model, f.optimizer)
         if self.asynchronous:
             fut = dcp.async_save(sd, checkpoint_id=str(d))
             stall = time.perf_counter() - t0
@@ -215,12 +196,12 @@ class DCPSave:
         self.last = d
         return stall, persist
 
-    def read(self, model, opt) -> None:
+    def read(self, f) -> None:
         import torch.distributed.checkpoint as dcp
 
-        sd = live_state(model, opt)
+        sd = live_state(f.model, f.optimizer)
         dcp.load(sd, checkpoint_id=str(self.last))
-        put_state(model, opt, sd)
+        put_state(f.model, f.optimizer, sd)
 
     def close(self) -> None:
         pass
@@ -237,16 +218,16 @@ def _slowest(x: float) -> float:
     return float(t)
 
 
-def _zero(model, opt) -> None:
-    sd = live_state(model, opt)
+def _zero(f) -> None:
+    sd = live_state(f.model, f.optimizer)
     for part in sd.values():
         for _, local in leaves(part):
             local.zero_()
-    put_state(model, opt, sd)
+    put_state(f.model, f.optimizer, sd)
 
 
-def _check(model, opt, want: dict[str, torch.Tensor], who: str) -> None:
-    sd = live_state(model, opt)
+def _check(f, want: dict[str, torch.Tensor], who: str) -> None:
+    sd = live_state(f.model, f.optimizer)
     got = {f"{p}/{k}": t for p, part in sd.items() for k, t in leaves(part)}
     bad = [k for k in want if not torch.equal(got[k], want[k])]
     if bad or set(got) != set(want):
@@ -256,8 +237,8 @@ def _check(model, opt, want: dict[str, torch.Tensor], who: str) -> None:
 def rank_main(rank: int, args, port: int, root: str, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=args.world)
-    model, opt = build(args)
-    sd = live_state(model, opt)
+    f = build(args)
+    sd = live_state(f.model, f.optimizer)
     want = {f"{p}/{k}": t.clone() for p, part in sd.items() for k, t in leaves(part)}
     nbytes = sum(t.numel() * t.element_size() for t in want.values())
     total = torch.tensor([nbytes], dtype=torch.float64)
@@ -277,18 +258,18 @@ def rank_main(rank: int, args, port: int, root: str, out: str) -> None:
         for i in range(args.repeat + 1):  # round 0: the untimed warm-up of every contender
             for name, c in contenders.items():
                 sync_and_maybe_drop()
-                stall, persist = c.write(i, model, opt)
+                stall, persist = c.write(i, f)
                 stall, persist = _slowest(stall), _slowest(persist)
                 if i:
                     times.setdefault(f"{name}_stall", []).append(stall)
                     times.setdefault(f"{name}_persist", []).append(persist)
             for name, c in readers.items():
-                _zero(model, opt)
+                _zero(f)
                 cold = sync_and_maybe_drop()
                 t0 = time.perf_counter()
-                c.read(model, opt)
+                c.read(f)
                 took = _slowest(time.perf_counter() - t0)
-                _check(model, opt, want, name)
+                _check(f, want, name)
                 if i:
                     times.setdefault(f"{name}_restore", []).append(took)
     finally:
@@ -324,7 +305,7 @@ def run(args) -> dict:
     return {"benchmark": "checkpoint_fsdp", "bytes": raw["bytes"], "sharded_tensors_per_rank": raw["keys"],
             "world": args.world, "repeat": args.repeat, "torch": torch.__version__,
             "reads": "cold (page cache dropped)" if raw["cold"] else "warm (page cache not droppable)",
-            "state": "FSDP_CONTRACT nested form built from get_state_dict in this benchmark",
+            "state": "ours: session.fsdp's own state (RebuiltFSDP.state_of / its load); DCP: get_state_dict",
             "figures": figures, "ratios": ratios}
 
 
