@@ -203,7 +203,7 @@ class RebuiltFSDP:
         shape = [int(d) for d in layout["shape"]]
         local = fs.local_shape(layout, mesh.size(), mesh.get_local_rank())
         device = next(iter(self.model.parameters())).device
-        t = flat.detach().to(device).clone().view(local)
+        t = flat.detach().to(device, copy=True).view(local)
         return DTensor.from_local(t, mesh, [Shard(0)], run_check=False, shape=torch.Size(shape),
                                   stride=fs.contiguous_stride(shape))
 
