@@ -114,7 +114,7 @@ def main() -> None:
     torch.manual_seed(0)
     data = Tokens()
     dist.init_process_group("gloo")
-    rank, world_size = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     model = Transformer(dim=args.dim, layers=args.layers)
     for block in model.blocks:
         fully_shard(block)
