@@ -40,17 +40,17 @@ from ..config import ResilienceConfig, load_config
 from ..errors import JobEnded, ResilienceError, StepAborted
 from ..protocol import Plan, PlanAction, Role, StoreKey, WorkerEnv
 from .endings import Endings
+from .facade import StateFacade
 from .event_sink import EventSink
 from .headless import REOPEN_S, GuardedStore, HeadlessEnded, StoreWatch
 from .headless_io import end_headless
 from .heartbeat import Heartbeat, open_store
 from .membership import EXIT_ABORTED, EXIT_FENCED, Membership  # noqa: F401 (exit codes re-exported)
 from .parking import ParkingLot
-from .rebind import GenerationHooks, RebuiltDDP
 from .reconnect import Generation, set_gloo_interface
-from .replay import is_replay, logger_rank
+from .replay import is_replay
 from .safepoint import SafePoint
-from .statesync import StateSync, TrainingState
+from .statesync import StateSync
 from .step import ComputeTime, Step
 from .unsupervised import UnsupervisedSession, supervised
 from .userfault import is_distributed_error, plan_wait_s
@@ -86,7 +86,7 @@ class _Parts:
     endings: Endings
 
 
-class Session:
+class Session(StateFacade):
     """A rank's side of the job. Not thread-safe; one per process; use as ``with Session():``.
 
     Outside a supervised job (no ``SR_*`` variables) ``Session()`` returns an
@@ -101,11 +101,10 @@ class Session:
     def __init__(self, environ: dict[str, str] | None = None) -> None:
         self._env = WorkerEnv.from_environ(os.environ if environ is None else environ)
         self.config: ResilienceConfig = load_config(self._env.config_path)
-        self._state = TrainingState()
+        super().__init__()  # the training state and the per-generation hooks
         self._parking = ParkingLot(hold_s=self.config.reconnect.pg_timeout_s)
         self._compute = ComputeTime()
         self._current: Step | None = None
-        self._hooks = GenerationHooks()
         self._meshes: dict[tuple, Any] = {}  # device meshes of the current generation
         self._parts: _Parts | None = None  # built by __enter__ (it connects and starts threads)
         self._watch: StoreWatch | None = None  # notes a lost store (worker/headless.py)
@@ -192,52 +191,12 @@ class Session:
         return self._p.members.plan.table.tasks_per_node
 
     @property
-    def is_logger(self) -> bool:
-        """This rank logs (rank 0: the same process for the whole job unless it is lost).
-        Log a step only ``if session.is_logger and not step.replay``."""
-        return self.rank == logger_rank(self.world_size)
-
-    @property
     def generation(self) -> int:
         return self._p.members.plan.generation
 
     @property
     def checkpoints(self) -> CheckpointEngine:
         return self._p.checkpoints
-
-    @property
-    def step(self) -> int:
-        """Completed steps: the index of the next step."""
-        return self._state.step
-
-    @property
-    def position(self) -> int:
-        """Global samples consumed by completed steps: the rollback point."""
-        return self._state.position
-
-    @property
-    def extras(self) -> dict[str, Any]:
-        """User extras saved and restored with the state (picklable values and tensors),
-        e.g. an epoch counter. Replicated, like the model: one rank's copy restores every
-        rank, so per-rank values do not belong here. A restore replaces the dict."""
-        return self._state.extras
-
-    @extras.setter
-    def extras(self, value: dict[str, Any]) -> None:
-        self._state.extras = value
-
-    def register(self, **objects: Any) -> None:
-        """Register state to restore on recovery: anything with state_dict/load_state_dict.
-        Raises ResilienceError for an object without them."""
-        self._state.register(**objects)
-
-    def register_sharded(self, **objects: Any) -> None:
-        """Register objects whose state is sharded over the ranks (ZeRO-style): their
-        state_dict is ``{"shards": {key: 1-D slice}, ...replicated...}`` with rank r's
-        slice being ``shard_range(total, world_size, r)`` of one global flat tensor.
-        Recoveries restore them from the newest complete checkpoint, resharded to the
-        new world size (see ``worker/reshard.py``)."""
-        self._state.register_sharded(**objects)
 
     # -- the loop --------------------------------------------------------------
     def steps(self, total_steps: int) -> Iterator[Step]:
@@ -284,26 +243,8 @@ class Session:
             p.endings.finish(self._group)
 
     # -- bring your own loop: the default group, DDP, wrappers ------------------
-    def on_generation(self, fn) -> None:
-        """Call ``fn()`` after the state sync of every generation (the first included),
-        before its first step: rebuild what is bound to the old process group there.
-        Collective when ``fn`` is (all ranks run the same callbacks)."""
-        self._hooks.add(fn)
-
-    def ddp(self, module: torch.nn.Module, **ddp_kwargs: Any) -> RebuiltDDP:
-        """``DistributedDataParallel(module, **ddp_kwargs)``, rebuilt for every generation
-        with a static bucket layout (bit-identical recovery, ``worker/rebind.py``).
-        Register ``module`` itself for state."""
-        return RebuiltDDP(module, self._hooks, self._parking.park, **ddp_kwargs)
-
-    def fsdp(self, build, *, device_type: str | None = None):
-        """FSDP2: ``build(mesh) -> model | (model, optimizer[, scheduler])`` with ``fully_shard``
-        on ``mesh`` (1-D, this generation's), called again for every generation. Registers
-        "model" and "optimizer" (sharded) and "scheduler"; returns a RebuiltFSDP whose
-        ``.model``/``.optimizer``/``.scheduler`` are the current ones (docs/fsdp.md)."""
-        from .fsdp import make_fsdp
-
-        return make_fsdp(self, build, device_type, self._parking.park)
+    def _park(self, obj: object) -> None:
+        self._parking.park(obj)
 
     def device_mesh(self, device_type: str, mesh_shape: tuple[int, ...], *,
                     mesh_dim_names: tuple[str, ...] | None = None):

@@ -24,10 +24,8 @@ import torch.distributed as dist
 
 from ..errors import ConfigError, ResilienceError
 from ..protocol import _ENV_VARS
-from .rebind import GenerationHooks, RebuiltDDP
+from .facade import StateFacade
 from .reconnect import choose_backend
-from .replay import logger_rank
-from .statesync import TrainingState
 from .step import Step
 
 _TORCHRUN = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -84,7 +82,7 @@ def fallback_environ(environ: Mapping[str, str]) -> FallbackEnv:
     return FallbackEnv(rank, world, local, local_world, "torchrun")
 
 
-class UnsupervisedSession:
+class UnsupervisedSession(StateFacade):
     """The Session API without a supervisor (see the module docstring)."""
 
     generation = 0
@@ -92,8 +90,7 @@ class UnsupervisedSession:
 
     def __init__(self, environ: Mapping[str, str] | None = None) -> None:
         self.env = fallback_environ(os.environ if environ is None else environ)
-        self._state = TrainingState()
-        self._hooks = GenerationHooks()
+        super().__init__()
         self._parked: list[object] = []
         self._own_group = False
         self._current: Step | None = None
@@ -134,47 +131,12 @@ class UnsupervisedSession:
     def local_world_size(self) -> int:
         return self.env.local_world_size
 
-    @property
-    def is_logger(self) -> bool:
-        return self.rank == logger_rank(self.world_size)
-
-    @property
-    def step(self) -> int:
-        return self._state.step
-
-    @property
-    def position(self) -> int:
-        return self._state.position
-
-    @property
-    def extras(self) -> dict[str, Any]:
-        return self._state.extras
-
-    @extras.setter
-    def extras(self, value: dict[str, Any]) -> None:
-        self._state.extras = value
-
-    def register(self, **objects: Any) -> None:
-        self._state.register(**objects)
-
-    def register_sharded(self, **objects: Any) -> None:
-        self._state.register_sharded(**objects)
-
     def state_dict(self) -> dict[str, Any]:
         """What a supervised job would restore (registered objects, RNG, step, extras)."""
         return self._state.state_dict()
 
-    def on_generation(self, fn) -> None:
-        self._hooks.add(fn)
-
-    def ddp(self, module: torch.nn.Module, **ddp_kwargs: Any) -> RebuiltDDP:
-        return RebuiltDDP(module, self._hooks, self._parked.append, **ddp_kwargs)
-
-    def fsdp(self, build, *, device_type: str | None = None):
-        """As Session.fsdp: ``build(mesh)`` runs once (there is one generation)."""
-        from .fsdp import make_fsdp
-
-        return make_fsdp(self, build, device_type, self._parked.append)
+    def _park(self, obj: object) -> None:
+        self._parked.append(obj)
 
     def device_mesh(self, device_type: str, mesh_shape: tuple[int, ...], *,
                     mesh_dim_names: tuple[str, ...] | None = None):
