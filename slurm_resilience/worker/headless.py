@@ -30,6 +30,7 @@ Slurm call are in ``headless_io.py``.
 
 from __future__ import annotations
 
+import enum
 import logging
 import time
 from typing import Any, Callable, Iterable
@@ -92,6 +93,38 @@ def should_requeue(job: dict[str, str], restarts_seen: int) -> bool:
     except ValueError:
         return False
     return state == "RUNNING" and restarts == restarts_seen
+
+
+class RequeueStep(enum.Enum):
+    """What the requeuing rank does once the lost batch host is marked (:func:`requeue_step`).
+
+    REQUEUE: the run still RUNS: ``scontrol requeue``, then exclude the host.
+    EXCLUDE: Slurm requeued this run itself (a het job whose component 0's node went
+    DOWN is requeued whole, ``--no-kill`` notwithstanding), or another rank did: only
+    set the exclusion on the pending job.
+    NOTHING: the job is past that (running again, ended): leave it alone."""
+
+    REQUEUE = "requeue"
+    EXCLUDE = "exclude"
+    NOTHING = "nothing"
+
+
+_REQUEUED_STATES = frozenset({"PENDING", "REQUEUED", "REQUEUE_FED", "REQUEUE_HOLD", "COMPLETING"})
+
+
+def requeue_step(job: dict[str, str], restarts_seen: int) -> RequeueStep:
+    """Pure: :class:`RequeueStep` for ``job`` (``scontrol show job``'s record of the
+    het-job leader or the plain job, read after the host was marked) and this run's
+    ``SLURM_RESTART_COUNT``."""
+    if should_requeue(job, restarts_seen):
+        return RequeueStep.REQUEUE
+    try:
+        restarts = int(job.get("Restarts", "0"))
+    except ValueError:
+        return RequeueStep.NOTHING
+    if restarts == restarts_seen + 1 and job.get("JobState", "") in _REQUEUED_STATES:
+        return RequeueStep.EXCLUDE
+    return RequeueStep.NOTHING
 
 
 def batch_host_mark(isolate_state: str, operator: bool, reachable: bool) -> str | None:

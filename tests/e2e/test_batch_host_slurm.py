@@ -4,9 +4,12 @@ The batch step on the allocation's first node hosts the job's store and runs the
 supervisor. Its node is killed mid-run: the ranks lose the store, keep training for
 ``detect.headless_timeout_s``, persist their newest state to the shared tier, and one
 of them requeues the job without the lost node; the requeued job resumes from that
-state and ends bit-identical to the fault-free reference.
+state and ends bit-identical to the fault-free reference. The same for a het job
+(``submit --hetjob``) whose component 0 (supervisor + store, a node of its own) is lost:
+Slurm requeues the whole het job once the ranks mark that node DOWN.
 """
 
+import json
 import time
 
 import pytest
@@ -57,10 +60,57 @@ def test_batch_host_loss_persists_requeues_and_finishes_bit_identical(cluster, j
     assert job["Restarts"] == "1", job  # (ExcNodeList: the update after the requeue may be refused)
     # the requeuing rank marked the lost host DOWN (its slurmd did not answer; root here)
     assert "DOWN" in node["State"] and "slurm_resilience" in node.get("Reason", ""), node
-    marks = sorted(p.name for p in (run.job_dir / "headless").iterdir())
+    marks = sorted(p.name for p in (run.job_dir / "headless").glob("r0-rank*"))
     assert marks == [f"r0-rank{r}" for r in range(4)], marks
     assert headless_steps and min(headless_steps) > KILL_AT
     # the requeued run restored the newest persisted step, not an older checkpoint
     restored = [e for e in read_events(str(run.job_dir / "events.jsonl"))
                 if e["kind"] == "rank_restored" and e.get("tier")]
     assert restored and restored[-1]["step"] == max(headless_steps), restored
+
+
+def test_hetjob_component0_loss_persists_requeues_and_finishes_bit_identical(cluster, jobs_root, reference, tmp_path):
+    cfg = tmp_path / "headless.yaml"
+    cfg.write_text(lab.LOCAL_CONFIG.read_text() + "detect:\n  headless_timeout_s: 3\n")
+    # component 0 on one node, component 1 on 4 workers, no spare: a free node is left for
+    # component 0 after the requeue (the lost one excluded)
+    run = lab.submit(jobs_root / "hetjob-head", spares=0, steps=STEPS, step_time=0.3, config=cfg, hetjob=True)
+    status = run.wait_for_step(KILL_AT)
+    job_id = status["job_id"]  # the het-job leader: component 0
+    leader = commands.show_job(job_id)
+    host, workers = leader["BatchHost"], [r["node"] for r in status["ranks"]]
+    assert leader.get("HetJobOffset") == "0" and host not in workers, (leader, workers)
+    try:
+        killed_at = lab.kill_node(host)
+        record = run.job_dir / "headless" / "r0-requeue"
+        deadline = time.time() + 90
+        while not record.exists():  # fail fast, not at the wait
+            assert time.time() < deadline, f"no headless requeue within 90 s: {run.output()}"
+            time.sleep(0.2)
+        l2 = run.job_dir / "checkpoints"
+        headless_steps = [s for s in mf.complete_steps(str(l2))
+                          if mf.read_manifest(str(l2), s).extra.get("headless")]
+        assert run.wait(timeout=180) == 0, run.output()
+    finally:  # never leave the shared cluster a headless job or a dead node
+        if run.process.poll() is None:
+            commands.run(["scancel", str(job_id)], check=False)
+            run.process.kill()
+        node = commands.show_nodes([host])[host]
+        lab.cluster("revive-node", host)
+    assert lab.compare_states(reference, run.job_dir / "final.pt") == []
+    assert lab.rank_digests(run.job_dir) == lab.rank_digests(reference.parent)
+    said = json.loads(record.read_text())
+    # the rank marked component 0's node DOWN; Slurm then requeued the whole het job itself
+    # and the rank excluded the node from it (the leader's ExcNodeList)
+    assert "DOWN" in node["State"] and "slurm_resilience" in node.get("Reason", ""), node
+    assert said["said"].startswith(f"Slurm requeued job {job_id} itself"), said
+    job = commands.show_job(job_id)
+    assert job["Restarts"] == "1" and host in job["ExcNodeList"] and host != job["BatchHost"], job
+    assert sorted(p.name for p in record.parent.glob("r0-rank*")) == [f"r0-rank{r}" for r in range(4)]
+    assert headless_steps and min(headless_steps) > KILL_AT
+    restored = [e for e in read_events(str(run.job_dir / "events.jsonl"))
+                if e["kind"] == "rank_restored" and e.get("tier")]
+    assert restored and restored[-1]["step"] == max(headless_steps), restored
+    persisted = max(p.stat().st_mtime for p in record.parent.glob("r0-rank*"))
+    print(f"hetjob component 0 lost: persisted +{persisted - killed_at:.1f}s, requeue recorded "
+          f"+{said['t'] - killed_at:.1f}s, restored +{restored[-1]['t'] - killed_at:.1f}s")
