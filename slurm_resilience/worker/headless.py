@@ -36,6 +36,7 @@ import time
 from typing import Any, Callable, Iterable
 
 from ..errors import JobEnded
+from ..slurm.parse import compress_hostlist, expand_hostlist
 
 log = logging.getLogger(__name__)
 
@@ -125,6 +126,22 @@ def requeue_step(job: dict[str, str], restarts_seen: int) -> RequeueStep:
     if restarts == restarts_seen + 1 and job.get("JobState", "") in _REQUEUED_STATES:
         return RequeueStep.EXCLUDE
     return RequeueStep.NOTHING
+
+
+def exclusions(records: dict[str, dict[str, str]], job_id: str, host: str) -> list[tuple[str, str]]:
+    """Pure: ``(JobId, ExcNodeList)`` updates that keep ``host`` out of every component
+    of ``job_id``, each component keeping its own exclusions. ``records``: ``scontrol
+    -o show job JOB_ID`` parsed (a het job: one record per component, ``HetJobId`` =
+    the leader). Measured on Slurm 22.05: ``JobId=LEADER`` would set the leader's list
+    on every component; ``JobId=COMPONENT`` sets only that one."""
+    ids = [j for j, r in records.items() if r.get("HetJobId") == job_id] or [job_id]
+    out = []
+    for j in sorted(ids, key=lambda j: int(records.get(j, {}).get("HetJobOffset", "0") or 0)):
+        before = records.get(j, {}).get("ExcNodeList", "(null)")
+        kept = set() if before in ("", "(null)") else set(expand_hostlist(before))
+        if host not in kept:
+            out.append((j, compress_hostlist(sorted(kept | {host}))))
+    return out
 
 
 def batch_host_mark(isolate_state: str, operator: bool, reachable: bool) -> str | None:

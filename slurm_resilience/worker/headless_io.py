@@ -1,7 +1,7 @@
 """The headless ending's files and Slurm call (the decisions are in ``headless.py``).
 
     JOBDIR/headless/r{restarts}-rank{R}     rank R of run ``restarts`` persisted (0600)
-    JOBDIR/headless/r{restarts}-requeue     what the requeuing rank did, and when (JSON)
+    JOBDIR/headless/r{restarts}-requeue-rank{R}  what rank R did in its requeue turn, and when (JSON)
     L2ROOT/step-S/rank-R.h5                 its shard: the state of its last completed step
     L2ROOT/step-S/manifest.json             lists only shards already renamed into place
 """
@@ -23,9 +23,9 @@ from ..errors import CheckpointError, SlurmCommandError
 from ..files import write_private
 from ..slurm import commands
 from ..slurm.steps import deferred
-from ..slurm.parse import compress_hostlist, expand_hostlist, validate_node_name
-from .headless import (SETTLE_S, STAGGER_S, RequeueStep, batch_host_mark, manifest_ranks, requeue_step, requeue_turn,
-                       should_requeue)
+from ..slurm.parse import parse_scontrol_jobs, validate_node_name
+from .headless import (SETTLE_S, STAGGER_S, RequeueStep, batch_host_mark, exclusions, manifest_ranks, requeue_step,
+                       requeue_turn, should_requeue)
 
 HEADLESS_DIR = "headless"
 ENGINE_DRAIN_S = 5.0  # a checkpoint in flight gets this long to end (its peers are leaving too)
@@ -79,10 +79,11 @@ def mark(job_dir: str, restarts: int, rank: int) -> None:
 
 
 def record(job_dir: str, restarts: int, rank: int, said: str) -> None:
-    """``JOBDIR/headless/r{restarts}-requeue``: what the requeuing rank did, and when.
+    """``JOBDIR/headless/r{restarts}-requeue-rank{R}``: what rank R did when its turn to
+    requeue came (the first requeues; the later ones find it done), and when.
     The job's one trace of it where the rank's stderr went to a lost ``srun`` client
     (a het job's steps are run from component 0)."""
-    write_private(os.path.join(job_dir, HEADLESS_DIR, f"r{restarts}-requeue"),
+    write_private(os.path.join(job_dir, HEADLESS_DIR, f"r{restarts}-requeue-rank{rank}"),
                   json.dumps({"t": time.time(), "rank": rank, "said": said}) + "\n")
 
 
@@ -135,13 +136,13 @@ def _why(problem: str | None) -> str:
 
 
 def _exclude(job_id: str, host: str) -> str | None:
-    """``ExcNodeList`` += ``host`` on the pending (requeued) job; None, or why not."""
+    """Keep ``host`` out of every component of the pending (requeued) job
+    (:func:`~.headless.exclusions`); None, or why not."""
     try:
-        before = commands.show_job(job_id).get("ExcNodeList", "(null)")
-        kept = [] if before in ("", "(null)") else expand_hostlist(before)
-        commands.run(["scontrol", "update", f"JobId={job_id}",
-                      f"ExcNodeList={compress_hostlist(sorted(set(kept) | {validate_node_name(host)}))}"],
-                     timeout=3)  # short: Slurm kills this process KillWait after the requeue
+        records = parse_scontrol_jobs(commands.run(["scontrol", "-o", "show", "job", job_id]).stdout)
+        for jid, nodes in exclusions(records, job_id, validate_node_name(host)):
+            commands.run(["scontrol", "update", f"JobId={jid}", f"ExcNodeList={nodes}"],
+                         timeout=3)  # short: Slurm kills this process KillWait after the requeue
     except (SlurmCommandError, ValueError) as exc:
         return f"requeued, but excluding {host} failed: {exc}"
     return None

@@ -2,6 +2,7 @@
 
 import json
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -243,6 +244,9 @@ class _Slurm:
         return None
 
     def run(self, argv, timeout=10.0, check=True):
+        if argv[:4] == ["scontrol", "-o", "show", "job"]:  # the leader's and component 1's records
+            return SimpleNamespace(stdout="JobId=587 HetJobId=587 HetJobOffset=0 ExcNodeList=n9\n"
+                                          "JobId=588 HetJobId=587 HetJobOffset=1 ExcNodeList=(null)\n")
         self.argvs.append(list(argv))
 
 
@@ -253,7 +257,8 @@ def test_requeue_of_a_het_job_slurm_requeued_sets_only_the_exclusion(monkeypatch
     monkeypatch.setattr(headless_io, "_mark", lambda *a: ", marked DOWN")
     said = headless_io.requeue("587", 0)
     assert slurm.requeued == 0 and said.startswith("Slurm requeued job 587 itself"), said
-    assert slurm.argvs == [["scontrol", "update", "JobId=587", "ExcNodeList=n[1,9]"]]
+    assert slurm.argvs == [["scontrol", "update", "JobId=587", "ExcNodeList=n[1,9]"],
+                           ["scontrol", "update", "JobId=588", "ExcNodeList=n1"]]
     plain = _Slurm([("RUNNING", 0)])  # a single-allocation job runs on: requeued by the rank
     for name in ("show_job", "requeue_excluding", "run"):
         monkeypatch.setattr(headless_io.commands, name, getattr(plain, name))
@@ -264,5 +269,16 @@ def test_the_requeue_record_is_not_a_persisted_mark(tmp_path):
     headless_io.mark(str(tmp_path), 0, 0)
     headless_io.record(str(tmp_path), 0, 0, "requeued job 5")
     assert headless_io.marked(str(tmp_path), 0) == {0}
-    rec = json.loads((tmp_path / "headless" / "r0-requeue").read_text())
+    rec = json.loads((tmp_path / "headless" / "r0-requeue-rank0").read_text())
     assert rec["rank"] == 0 and rec["said"] == "requeued job 5" and rec["t"] > 0
+
+
+def test_exclusions_reach_every_component_and_keep_each_ones_own():
+    from slurm_resilience.worker.headless import exclusions
+
+    het = {"70": {"HetJobId": "70", "HetJobOffset": "0", "ExcNodeList": "(null)"},
+           "71": {"HetJobId": "70", "HetJobOffset": "1", "ExcNodeList": "n[4,6]"}}
+    assert exclusions(het, "70", "n1") == [("70", "n1"), ("71", "n[1,4,6]")]
+    assert exclusions(het, "70", "n4") == [("70", "n4")]  # component 1 has it already
+    assert exclusions({"12": {"ExcNodeList": "n2"}}, "12", "n3") == [("12", "n[2-3]")]  # a plain job
+    assert exclusions({}, "12", "n3") == [("12", "n3")]
