@@ -18,8 +18,11 @@ connection). A rank whose store has been gone for ``detect.headless_timeout_s``
    turn to requeue (:func:`requeue_turn`): rank 0 once every rank has persisted or
    after ``SETTLE_S``; rank R > 0 only ``R × STAGGER_S`` later, in case rank 0 is gone;
 4. the rank whose turn it is asks Slurm whether this run is still the one running
-   (:func:`should_requeue`: not requeued already) and runs ``scontrol requeue``,
-   excluding the lost batch host (``commands.requeue_excluding``).
+   (:func:`should_requeue`: not requeued already), marks the lost batch host DOWN
+   (:func:`batch_host_mark`) and runs ``scontrol requeue``, excluding that host
+   (``commands.requeue_excluding``). A het job (component 0 lost) is requeued whole
+   by Slurm itself once the host is DOWN: the rank then only sets the exclusion on
+   every component (:func:`requeue_step`, :func:`exclusions`).
 
 The requeued job restores the newest valid checkpoint as any requeued job does
 (``statesync``): a headless shard of step S is a replica like any other L2 shard.
