@@ -22,7 +22,7 @@ connection). A rank whose store has been gone for ``detect.headless_timeout_s``
    (:func:`batch_host_mark`) and runs ``scontrol requeue``, excluding that host
    (``commands.requeue_excluding``). A het job (component 0 lost) is requeued whole
    by Slurm itself once the host is DOWN: the rank then only sets the exclusion on
-   every component (:func:`requeue_step`, :func:`exclusions`).
+   component 0 (:func:`requeue_step`, :func:`exclusion`).
 
 The requeued job restores the newest valid checkpoint as any requeued job does
 (``statesync``): a headless shard of step S is a replica like any other L2 shard.
@@ -131,20 +131,19 @@ def requeue_step(job: dict[str, str], restarts_seen: int) -> RequeueStep:
     return RequeueStep.NOTHING
 
 
-def exclusions(records: dict[str, dict[str, str]], job_id: str, host: str) -> list[tuple[str, str]]:
-    """Pure: ``(JobId, ExcNodeList)`` updates that keep ``host`` out of every component
-    of ``job_id``, each component keeping its own exclusions. ``records``: ``scontrol
-    -o show job JOB_ID`` parsed (a het job: one record per component, ``HetJobId`` =
-    the leader). Measured on Slurm 22.05: ``JobId=LEADER`` would set the leader's list
-    on every component; ``JobId=COMPONENT`` sets only that one."""
-    ids = [j for j, r in records.items() if r.get("HetJobId") == job_id] or [job_id]
-    out = []
-    for j in sorted(ids, key=lambda j: int(records.get(j, {}).get("HetJobOffset", "0") or 0)):
-        before = records.get(j, {}).get("ExcNodeList", "(null)")
-        kept = set() if before in ("", "(null)") else set(expand_hostlist(before))
-        if host not in kept:
-            out.append((j, compress_hostlist(sorted(kept | {host}))))
-    return out
+def exclusion(records: dict[str, dict[str, str]], job_id: str, host: str) -> tuple[str, str] | None:
+    """Pure: the ``(JobId, ExcNodeList)`` update that keeps the lost batch ``host`` out of
+    the job's batch component, its own exclusions kept; None when listed already.
+    ``records``: ``scontrol -o show job JOB_ID`` parsed (a het job: one record per
+    component, ``HetJobId`` = the leader). Measured on Slurm 22.05 right after the
+    requeue: ``JobId=LEADER`` updates every component and is refused while component 1
+    is still COMPLETING (its steps, this rank among them, are being killed);
+    ``JobId=LEADER+0`` updates component 0 alone."""
+    own = records.get(job_id, {})
+    target = f"{job_id}+0" if own.get("HetJobId") == job_id else job_id
+    before = own.get("ExcNodeList", "(null)")
+    kept = set() if before in ("", "(null)") else set(expand_hostlist(before))
+    return None if host in kept else (target, compress_hostlist(sorted(kept | {host})))
 
 
 def batch_host_mark(isolate_state: str, operator: bool, reachable: bool) -> str | None:

@@ -24,7 +24,7 @@ from ..files import write_private
 from ..slurm import commands
 from ..slurm.steps import deferred
 from ..slurm.parse import parse_scontrol_jobs, validate_node_name
-from .headless import (SETTLE_S, STAGGER_S, RequeueStep, batch_host_mark, exclusions, manifest_ranks, requeue_step,
+from .headless import (SETTLE_S, STAGGER_S, RequeueStep, batch_host_mark, exclusion, manifest_ranks, requeue_step,
                        requeue_turn, should_requeue)
 
 HEADLESS_DIR = "headless"
@@ -136,12 +136,13 @@ def _why(problem: str | None) -> str:
 
 
 def _exclude(job_id: str, host: str) -> str | None:
-    """Keep ``host`` out of every component of the pending (requeued) job
-    (:func:`~.headless.exclusions`); None, or why not."""
+    """Keep ``host`` out of the pending (requeued) job's batch component
+    (:func:`~.headless.exclusion`); None, or why not."""
     try:
         records = parse_scontrol_jobs(commands.run(["scontrol", "-o", "show", "job", job_id]).stdout)
-        for jid, nodes in exclusions(records, job_id, validate_node_name(host)):
-            commands.run(["scontrol", "update", f"JobId={jid}", f"ExcNodeList={nodes}"],
+        update = exclusion(records, job_id, validate_node_name(host))
+        if update is not None:
+            commands.run(["scontrol", "update", f"JobId={update[0]}", f"ExcNodeList={update[1]}"],
                          timeout=3)  # short: Slurm kills this process KillWait after the requeue
     except (SlurmCommandError, ValueError) as exc:
         return f"requeued, but excluding {host} failed: {exc}"

@@ -257,8 +257,7 @@ def test_requeue_of_a_het_job_slurm_requeued_sets_only_the_exclusion(monkeypatch
     monkeypatch.setattr(headless_io, "_mark", lambda *a: ", marked DOWN")
     said = headless_io.requeue("587", 0)
     assert slurm.requeued == 0 and said.startswith("Slurm requeued job 587 itself"), said
-    assert slurm.argvs == [["scontrol", "update", "JobId=587", "ExcNodeList=n[1,9]"],
-                           ["scontrol", "update", "JobId=588", "ExcNodeList=n1"]]
+    assert slurm.argvs == [["scontrol", "update", "JobId=587+0", "ExcNodeList=n[1,9]"]]  # component 0 alone
     plain = _Slurm([("RUNNING", 0)])  # a single-allocation job runs on: requeued by the rank
     for name in ("show_job", "requeue_excluding", "run"):
         monkeypatch.setattr(headless_io.commands, name, getattr(plain, name))
@@ -273,12 +272,12 @@ def test_the_requeue_record_is_not_a_persisted_mark(tmp_path):
     assert rec["rank"] == 0 and rec["said"] == "requeued job 5" and rec["t"] > 0
 
 
-def test_exclusions_reach_every_component_and_keep_each_ones_own():
-    from slurm_resilience.worker.headless import exclusions
+def test_exclusion_targets_component_0_of_a_het_job_and_keeps_its_own_list():
+    from slurm_resilience.worker.headless import exclusion
 
-    het = {"70": {"HetJobId": "70", "HetJobOffset": "0", "ExcNodeList": "(null)"},
-           "71": {"HetJobId": "70", "HetJobOffset": "1", "ExcNodeList": "n[4,6]"}}
-    assert exclusions(het, "70", "n1") == [("70", "n1"), ("71", "n[1,4,6]")]
-    assert exclusions(het, "70", "n4") == [("70", "n4")]  # component 1 has it already
-    assert exclusions({"12": {"ExcNodeList": "n2"}}, "12", "n3") == [("12", "n[2-3]")]  # a plain job
-    assert exclusions({}, "12", "n3") == [("12", "n3")]
+    het = {"70": {"HetJobId": "70", "HetJobOffset": "0", "ExcNodeList": "n[4,6]"},
+           "71": {"HetJobId": "70", "HetJobOffset": "1", "ExcNodeList": "(null)"}}
+    assert exclusion(het, "70", "n1") == ("70+0", "n[1,4,6]")
+    assert exclusion(het, "70", "n4") is None  # listed already
+    assert exclusion({"12": {"ExcNodeList": "n2"}}, "12", "n3") == ("12", "n[2-3]")  # a plain job
+    assert exclusion({}, "12", "n3") == ("12", "n3")
