@@ -20,9 +20,9 @@ connection). A rank whose store has been gone for ``detect.headless_timeout_s``
 4. the rank whose turn it is asks Slurm whether this run is still the one running
    (:func:`should_requeue`: not requeued already), marks the lost batch host DOWN
    (:func:`batch_host_mark`) and runs ``scontrol requeue``, excluding that host
-   (``commands.requeue_excluding``). A het job (component 0 lost) is requeued whole
-   by Slurm itself once the host is DOWN: the rank then only sets the exclusion on
-   component 0 (:func:`requeue_step`, :func:`exclusion`).
+   (``commands.requeue_excluding``). A het job's component 0 (the lost host's) is
+   requeued by Slurm itself once the host is DOWN: the rank then only sets the
+   exclusion on component 0 (:func:`requeue_step`, :func:`exclusion`).
 
 The requeued job restores the newest valid checkpoint as any requeued job does
 (``statesync``): a headless shard of step S is a replica like any other L2 shard.
@@ -103,9 +103,9 @@ class RequeueStep(enum.Enum):
     """What the requeuing rank does once the lost batch host is marked (:func:`requeue_step`).
 
     REQUEUE: the run still RUNS: ``scontrol requeue``, then exclude the host.
-    EXCLUDE: Slurm requeued this run itself (a het job whose component 0's node went
-    DOWN is requeued whole, ``--no-kill`` notwithstanding), or another rank did: only
-    set the exclusion on the pending job.
+    EXCLUDE: Slurm requeued this run itself (a het job's component 0 whose node went
+    DOWN, ``--no-kill`` notwithstanding), or another rank did: only set the exclusion
+    on the pending job.
     NOTHING: the job is past that (running again, ended): leave it alone."""
 
     REQUEUE = "requeue"
@@ -136,8 +136,8 @@ def exclusion(records: dict[str, dict[str, str]], job_id: str, host: str) -> tup
     the job's batch component, its own exclusions kept; None when listed already.
     ``records``: ``scontrol -o show job JOB_ID`` parsed (a het job: one record per
     component, ``HetJobId`` = the leader). Measured on Slurm 22.05 right after the
-    requeue: ``JobId=LEADER`` updates every component and is refused while component 1
-    is still COMPLETING (its steps, this rank among them, are being killed);
+    requeue of component 0: ``JobId=LEADER`` updates every component and is refused
+    while component 1 still runs;
     ``JobId=LEADER+0`` updates component 0 alone."""
     own = records.get(job_id, {})
     target = f"{job_id}+0" if own.get("HetJobId") == job_id else job_id
