@@ -1,6 +1,6 @@
 """The headless ending's files and Slurm call (the decisions are in ``headless.py``).
 
-    JOBDIR/headless/r{restarts}-rank{R}     rank R of run ``restarts`` persisted (0600)
+    JOBDIR/headless/r{restarts}-rank{R}     rank R of run ``restarts`` persisted: TIME STEP (0600)
     JOBDIR/headless/r{restarts}-requeue-rank{R}  what rank R did in its requeue turn, and when (JSON)
     L2ROOT/step-S/rank-R.h5                 its shard: the state of its last completed step
     L2ROOT/step-S/manifest.json             lists only shards already renamed into place
@@ -74,8 +74,11 @@ def commit(root: str, step: int, world_size: int, tier: str, *, sharded: bool) -
     return True
 
 
-def mark(job_dir: str, restarts: int, rank: int) -> None:
-    write_private(os.path.join(job_dir, HEADLESS_DIR, f"r{restarts}-rank{rank}"), f"{time.time()}\n")
+def mark(job_dir: str, restarts: int, rank: int, step: int | None = None) -> None:
+    """Rank ``rank`` of run ``restarts`` persisted: ``TIME [STEP]`` (the step it persisted:
+    a headless one, or one a regular checkpoint had committed already)."""
+    text = f"{time.time()}" + ("" if step is None else f" {step}")
+    write_private(os.path.join(job_dir, HEADLESS_DIR, f"r{restarts}-rank{rank}"), text + "\n")
 
 
 def record(job_dir: str, restarts: int, rank: int, said: str) -> None:
@@ -187,7 +190,7 @@ def end_headless(*, state, checkpoints, rank: int | None, world_size: int | None
         print(f"slurm_resilience: rank {rank}: persisting step {state.step} failed: {exc}", file=out)
         where = None
     else:
-        mark(job_dir, restarts, rank)
+        mark(job_dir, restarts, rank, state.step)
     print(f"slurm_resilience: the job's store is gone (batch host lost); rank {rank} persisted step "
           f"{state.step} ({where or 'nothing written'})", file=out, flush=True)
     t0 = time.monotonic()

@@ -15,7 +15,6 @@ import time
 import pytest
 
 from slurm_resilience import lab
-from slurm_resilience.checkpoint import manifest as mf
 from slurm_resilience.events import read_events
 from slurm_resilience.slurm import commands
 from slurm_resilience.slurm.parse import parse_scontrol_jobs
@@ -25,6 +24,15 @@ from .conftest import STEPS
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(300)]
 
 KILL_AT = 8
+
+
+def _persisted_steps(marks_dir):
+    """The steps the ranks of the first run persisted (``r0-rankR``: ``TIME STEP``), once all 4 have."""
+    deadline = time.time() + 30
+    while len(marks := list(marks_dir.glob("r0-rank*"))) < 4:
+        assert time.time() < deadline, [p.name for p in marks]
+        time.sleep(0.2)
+    return [int(p.read_text().split()[1]) for p in marks]
 
 
 def test_batch_host_loss_persists_requeues_and_finishes_bit_identical(cluster, jobs_root, reference, tmp_path):
@@ -45,9 +53,7 @@ def test_batch_host_loss_persists_requeues_and_finishes_bit_identical(cluster, j
         while len(list(marks_dir.glob("r0-rank*"))) < 4:
             assert time.time() < deadline, f"no headless persist within 90 s: {run.output()}"
             time.sleep(0.2)
-        l2 = run.job_dir / "checkpoints"  # read now: the requeued run's retention prunes it later
-        headless_steps = [s for s in mf.complete_steps(str(l2))
-                          if mf.read_manifest(str(l2), s).extra.get("headless")]
+        persisted = _persisted_steps(marks_dir)  # (a step a regular checkpoint had committed: not rewritten)
         assert run.wait(timeout=180) == 0, run.output()
     finally:  # a job left headless would hold the shared cluster's nodes until its time limit
         if run.process.poll() is None:
@@ -63,11 +69,11 @@ def test_batch_host_loss_persists_requeues_and_finishes_bit_identical(cluster, j
     assert "DOWN" in node["State"] and "slurm_resilience" in node.get("Reason", ""), node
     marks = sorted(p.name for p in (run.job_dir / "headless").glob("r0-rank*"))
     assert marks == [f"r0-rank{r}" for r in range(4)], marks
-    assert headless_steps and min(headless_steps) > KILL_AT
+    assert min(persisted) > KILL_AT, persisted
     # the requeued run restored the newest persisted step, not an older checkpoint
     restored = [e for e in read_events(str(run.job_dir / "events.jsonl"))
                 if e["kind"] == "rank_restored" and e.get("tier")]
-    assert restored and restored[-1]["step"] == max(headless_steps), restored
+    assert restored and restored[-1]["step"] == max(persisted), restored
 
 
 def test_hetjob_component0_loss_persists_requeues_and_finishes_bit_identical(cluster, jobs_root, reference, tmp_path):
@@ -88,9 +94,7 @@ def test_hetjob_component0_loss_persists_requeues_and_finishes_bit_identical(clu
         while not list(marks_dir.glob("r0-requeue-rank*")):  # fail fast, not at the wait
             assert time.time() < deadline, f"no headless requeue within 90 s: {run.output()}"
             time.sleep(0.2)
-        l2 = run.job_dir / "checkpoints"
-        headless_steps = [s for s in mf.complete_steps(str(l2))
-                          if mf.read_manifest(str(l2), s).extra.get("headless")]
+        persisted = _persisted_steps(marks_dir)
         assert run.wait(timeout=180) == 0, run.output()
     finally:  # never leave the shared cluster a headless job or a dead node
         if run.process.poll() is None:
@@ -113,10 +117,10 @@ def test_hetjob_component0_loss_persists_requeues_and_finishes_bit_identical(clu
     assert records[job_id]["Restarts"] == "1", records  # the leader's count (component 1's is not reliable)
     assert host in commands.hostnames(records[job_id]["ExcNodeList"]), records  # component 0's, for good
     assert sorted(p.name for p in marks_dir.glob("r0-rank*")) == [f"r0-rank{r}" for r in range(4)]
-    assert headless_steps and min(headless_steps) > KILL_AT
+    assert min(persisted) > KILL_AT, persisted
     restored = [e for e in read_events(str(run.job_dir / "events.jsonl"))
                 if e["kind"] == "rank_restored" and e.get("tier")]
-    assert restored and restored[-1]["step"] == max(headless_steps), restored
-    persisted = max(p.stat().st_mtime for p in marks_dir.glob("r0-rank*"))
-    print(f"hetjob component 0 lost: persisted +{persisted - killed_at:.1f}s, requeue recorded "
+    assert restored and restored[-1]["step"] == max(persisted), restored
+    persisted_at = max(p.stat().st_mtime for p in marks_dir.glob("r0-rank*"))
+    print(f"hetjob component 0 lost: persisted +{persisted_at - killed_at:.1f}s, requeue recorded "
           f"+{acted[0]['t'] - killed_at:.1f}s, restored +{restored[-1]['t'] - killed_at:.1f}s")

@@ -153,7 +153,8 @@ def test_persist_skips_a_committed_step_and_writes_a_restorable_shard(tmp_path):
 def test_marks_are_per_run(tmp_path):
     headless_io.mark(str(tmp_path), 0, 1)
     headless_io.mark(str(tmp_path), 0, 0)
-    headless_io.mark(str(tmp_path), 1, 2)
+    headless_io.mark(str(tmp_path), 1, 2, step=17)
+    assert (tmp_path / "headless" / "r1-rank2").read_text().split()[1] == "17"  # the step it persisted
     assert headless_io.marked(str(tmp_path), 0) == {0, 1}
     assert headless_io.marked(str(tmp_path), 1) == {2}
     assert headless_io.marked(str(tmp_path / "none"), 0) == set()
