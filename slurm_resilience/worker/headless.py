@@ -18,8 +18,11 @@ connection). A rank whose store has been gone for ``detect.headless_timeout_s``
    turn to requeue (:func:`requeue_turn`): rank 0 once every rank has persisted or
    after ``SETTLE_S``; rank R > 0 only ``R × STAGGER_S`` later, in case rank 0 is gone;
 4. the rank whose turn it is asks Slurm whether this run is still the one running
-   (:func:`should_requeue`: not requeued already) and runs ``scontrol requeue``,
-   excluding the lost batch host (``commands.requeue_excluding``).
+   (:func:`should_requeue`: not requeued already), marks the lost batch host DOWN
+   (:func:`batch_host_mark`) and runs ``scontrol requeue``, excluding that host
+   (``commands.requeue_excluding``). A het job's component 0 (the lost host's) is
+   requeued by Slurm itself once the host is DOWN: the rank then only sets the
+   exclusion on component 0 (:func:`requeue_step`, :func:`exclusion`).
 
 The requeued job restores the newest valid checkpoint as any requeued job does
 (``statesync``): a headless shard of step S is a replica like any other L2 shard.
@@ -30,11 +33,13 @@ Slurm call are in ``headless_io.py``.
 
 from __future__ import annotations
 
+import enum
 import logging
 import time
 from typing import Any, Callable, Iterable
 
 from ..errors import JobEnded
+from ..slurm.parse import compress_hostlist, expand_hostlist
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +97,53 @@ def should_requeue(job: dict[str, str], restarts_seen: int) -> bool:
     except ValueError:
         return False
     return state == "RUNNING" and restarts == restarts_seen
+
+
+class RequeueStep(enum.Enum):
+    """What the requeuing rank does once the lost batch host is marked (:func:`requeue_step`).
+
+    REQUEUE: the run still RUNS: ``scontrol requeue``, then exclude the host.
+    EXCLUDE: Slurm requeued this run itself (a het job's component 0 whose node went
+    DOWN, ``--no-kill`` notwithstanding), or another rank did: only set the exclusion
+    on the pending job.
+    NOTHING: the job is past that (running again, ended): leave it alone."""
+
+    REQUEUE = "requeue"
+    EXCLUDE = "exclude"
+    NOTHING = "nothing"
+
+
+_REQUEUED_STATES = frozenset({"PENDING", "REQUEUED", "REQUEUE_FED", "REQUEUE_HOLD", "COMPLETING"})
+
+
+def requeue_step(job: dict[str, str], restarts_seen: int) -> RequeueStep:
+    """Pure: :class:`RequeueStep` for ``job`` (``scontrol show job``'s record of the
+    het-job leader or the plain job, read after the host was marked) and this run's
+    ``SLURM_RESTART_COUNT``."""
+    if should_requeue(job, restarts_seen):
+        return RequeueStep.REQUEUE
+    try:
+        restarts = int(job.get("Restarts", "0"))
+    except ValueError:
+        return RequeueStep.NOTHING
+    if restarts == restarts_seen + 1 and job.get("JobState", "") in _REQUEUED_STATES:
+        return RequeueStep.EXCLUDE
+    return RequeueStep.NOTHING
+
+
+def exclusion(records: dict[str, dict[str, str]], job_id: str, host: str) -> tuple[str, str] | None:
+    """Pure: the ``(JobId, ExcNodeList)`` update that keeps the lost batch ``host`` out of
+    the job's batch component, its own exclusions kept; None when listed already.
+    ``records``: ``scontrol -o show job JOB_ID`` parsed (a het job: one record per
+    component, ``HetJobId`` = the leader). Measured on Slurm 22.05 right after the
+    requeue of component 0: ``JobId=LEADER`` updates every component and is refused
+    while component 1 still runs;
+    ``JobId=LEADER+0`` updates component 0 alone."""
+    own = records.get(job_id, {})
+    target = f"{job_id}+0" if own.get("HetJobId") == job_id else job_id
+    before = own.get("ExcNodeList", "(null)")
+    kept = set() if before in ("", "(null)") else set(expand_hostlist(before))
+    return None if host in kept else (target, compress_hostlist(sorted(kept | {host})))
 
 
 def batch_host_mark(isolate_state: str, operator: bool, reachable: bool) -> str | None:

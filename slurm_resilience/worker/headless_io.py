@@ -1,12 +1,14 @@
 """The headless ending's files and Slurm call (the decisions are in ``headless.py``).
 
-    JOBDIR/headless/r{restarts}-rank{R}     rank R of run ``restarts`` persisted (0600)
+    JOBDIR/headless/r{restarts}-rank{R}     rank R of run ``restarts`` persisted: TIME STEP (0600)
+    JOBDIR/headless/r{restarts}-requeue-rank{R}  what rank R did in its requeue turn, and when (JSON)
     L2ROOT/step-S/rank-R.h5                 its shard: the state of its last completed step
     L2ROOT/step-S/manifest.json             lists only shards already renamed into place
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -21,7 +23,9 @@ from ..errors import CheckpointError, SlurmCommandError
 from ..files import write_private
 from ..slurm import commands
 from ..slurm.steps import deferred
-from .headless import SETTLE_S, STAGGER_S, batch_host_mark, manifest_ranks, requeue_turn, should_requeue
+from ..slurm.parse import parse_scontrol_jobs, validate_node_name
+from .headless import (SETTLE_S, STAGGER_S, RequeueStep, batch_host_mark, exclusion, manifest_ranks, requeue_step,
+                       requeue_turn, should_requeue)
 
 HEADLESS_DIR = "headless"
 ENGINE_DRAIN_S = 5.0  # a checkpoint in flight gets this long to end (its peers are leaving too)
@@ -70,8 +74,20 @@ def commit(root: str, step: int, world_size: int, tier: str, *, sharded: bool) -
     return True
 
 
-def mark(job_dir: str, restarts: int, rank: int) -> None:
-    write_private(os.path.join(job_dir, HEADLESS_DIR, f"r{restarts}-rank{rank}"), f"{time.time()}\n")
+def mark(job_dir: str, restarts: int, rank: int, step: int | None = None) -> None:
+    """Rank ``rank`` of run ``restarts`` persisted: ``TIME [STEP]`` (the step it persisted:
+    a headless one, or one a regular checkpoint had committed already)."""
+    text = f"{time.time()}" + ("" if step is None else f" {step}")
+    write_private(os.path.join(job_dir, HEADLESS_DIR, f"r{restarts}-rank{rank}"), text + "\n")
+
+
+def record(job_dir: str, restarts: int, rank: int, said: str) -> None:
+    """``JOBDIR/headless/r{restarts}-requeue-rank{R}``: what rank R did when its turn to
+    requeue came (the first requeues; the later ones find it done), and when.
+    The job's one trace of it where the rank's stderr went to a lost ``srun`` client
+    (a het job's steps are run from component 0)."""
+    write_private(os.path.join(job_dir, HEADLESS_DIR, f"r{restarts}-requeue-rank{rank}"),
+                  json.dumps({"t": time.time(), "rank": rank, "said": said}) + "\n")
 
 
 def marked(job_dir: str, restarts: int) -> set[int]:
@@ -87,7 +103,10 @@ def requeue(job_id: str, restarts: int, *, isolate_state: str = "auto", probe_ti
     """Requeue the job, excluding its lost batch host, unless this run was requeued
     already. The host is first marked DOWN when its slurmd does not answer and this
     user may (:func:`~.headless.batch_host_mark`): Slurm then completes the requeue at
-    once instead of after ``SlurmdTimeout``. Returns what was done.
+    once instead of after ``SlurmdTimeout``. A het job (``job_id``: the leader, whose
+    ``BatchHost`` is component 0's node) is requeued whole by Slurm itself as soon as
+    that node is DOWN; then only the exclusion is set (:func:`~.headless.requeue_step`).
+    Returns what was done.
 
     Raises:
         SlurmCommandError: ``scontrol`` failed (the job may be requeued already).
@@ -97,12 +116,40 @@ def requeue(job_id: str, restarts: int, *, isolate_state: str = "auto", probe_ti
         return f"job {job_id} is {job.get('JobState')} with {job.get('Restarts')} restarts: not requeued again"
     host = job.get("BatchHost", "")
     host = "" if host in ("", "(null)") else host
-    said = f"requeued job {job_id} without its lost batch host {host}"
-    if host:
-        said += _mark(job_id, host, isolate_state, probe_timeout_s)
+    note = _mark(job_id, host, isolate_state, probe_timeout_s) if host else ""
     with deferred(signal.SIGTERM):  # SIGTERM: Slurm's for the requeue waits until the exclusion is set
-        problem = commands.requeue_excluding(job_id, [host] if host else [])
-    return said + (f" ({problem})" if problem else "")
+        step = requeue_step(commands.show_job(job_id), restarts)
+        if step is RequeueStep.REQUEUE:
+            try:
+                problem = commands.requeue_excluding(job_id, [host] if host else [])
+            except SlurmCommandError:  # Slurm requeued it meanwhile ("Job is pending execution")?
+                step = requeue_step(commands.show_job(job_id), restarts)
+                if step is not RequeueStep.EXCLUDE:
+                    raise
+            else:
+                return f"requeued job {job_id} without its lost batch host {host}{note}" + _why(problem)
+        if step is RequeueStep.NOTHING:
+            return f"job {job_id} ran on after its batch host {host} was marked{note}: not requeued"
+        problem = _exclude(job_id, host) if host else None
+    return f"Slurm requeued job {job_id} itself once its batch host {host} was DOWN{note}; excluded it" + _why(problem)
+
+
+def _why(problem: str | None) -> str:
+    return f" ({problem})" if problem else ""
+
+
+def _exclude(job_id: str, host: str) -> str | None:
+    """Keep ``host`` out of the pending (requeued) job's batch component
+    (:func:`~.headless.exclusion`); None, or why not."""
+    try:
+        records = parse_scontrol_jobs(commands.run(["scontrol", "-o", "show", "job", job_id]).stdout)
+        update = exclusion(records, job_id, validate_node_name(host))
+        if update is not None:
+            commands.run(["scontrol", "update", f"JobId={update[0]}", f"ExcNodeList={update[1]}"],
+                         timeout=3)  # short: Slurm kills this process KillWait after the requeue
+    except (SlurmCommandError, ValueError) as exc:
+        return f"requeued, but excluding {host} failed: {exc}"
+    return None
 
 
 def _mark(job_id: str, host: str, isolate_state: str, probe_timeout_s: float) -> str:
@@ -143,7 +190,7 @@ def end_headless(*, state, checkpoints, rank: int | None, world_size: int | None
         print(f"slurm_resilience: rank {rank}: persisting step {state.step} failed: {exc}", file=out)
         where = None
     else:
-        mark(job_dir, restarts, rank)
+        mark(job_dir, restarts, rank, state.step)
     print(f"slurm_resilience: the job's store is gone (batch host lost); rank {rank} persisted step "
           f"{state.step} ({where or 'nothing written'})", file=out, flush=True)
     t0 = time.monotonic()
@@ -159,6 +206,8 @@ def end_headless(*, state, checkpoints, rank: int | None, world_size: int | None
     try:
         opts = {} if config is None else {"isolate_state": config.recovery.isolate_state,
                                           "probe_timeout_s": config.detect.probe_timeout_s}
-        print(f"slurm_resilience: rank {rank}: {requeue(job_id, restarts, **opts)}", file=out, flush=True)
+        said = requeue(job_id, restarts, **opts)
     except (SlurmCommandError, ValueError) as exc:
-        print(f"slurm_resilience: rank {rank}: requeue after losing the batch host failed: {exc}", file=out)
+        said = f"requeue after losing the batch host failed: {exc}"
+    record(job_dir, restarts, rank, said)
+    print(f"slurm_resilience: rank {rank}: {said}", file=out, flush=True)

@@ -1,6 +1,8 @@
 """Headless ranks (batch host lost): the pure decisions, the guarded store, the commit rule."""
 
+import json
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -151,7 +153,8 @@ def test_persist_skips_a_committed_step_and_writes_a_restorable_shard(tmp_path):
 def test_marks_are_per_run(tmp_path):
     headless_io.mark(str(tmp_path), 0, 1)
     headless_io.mark(str(tmp_path), 0, 0)
-    headless_io.mark(str(tmp_path), 1, 2)
+    headless_io.mark(str(tmp_path), 1, 2, step=17)
+    assert (tmp_path / "headless" / "r1-rank2").read_text().split()[1] == "17"  # the step it persisted
     assert headless_io.marked(str(tmp_path), 0) == {0, 1}
     assert headless_io.marked(str(tmp_path), 1) == {2}
     assert headless_io.marked(str(tmp_path / "none"), 0) == set()
@@ -212,3 +215,70 @@ def test_a_store_back_at_the_deadline_clears_the_watch_one_still_gone_ends_the_r
     clock.t = 6.5
     with pytest.raises(HeadlessEnded):
         dead.check(["x"])
+
+
+def test_requeue_step_requeues_a_running_run_and_only_excludes_one_slurm_requeued():
+    from slurm_resilience.worker.headless import RequeueStep, requeue_step
+
+    assert requeue_step({"JobState": "RUNNING", "Restarts": "0"}, 0) is RequeueStep.REQUEUE
+    # a het job whose component 0's node was marked DOWN: Slurm requeued it whole itself
+    assert requeue_step({"JobState": "PENDING", "Restarts": "1"}, 0) is RequeueStep.EXCLUDE
+    assert requeue_step({"JobState": "COMPLETING", "Restarts": "2"}, 1) is RequeueStep.EXCLUDE
+    assert requeue_step({"JobState": "RUNNING", "Restarts": "1"}, 0) is RequeueStep.NOTHING  # runs again
+    assert requeue_step({"JobState": "PENDING", "Restarts": "2"}, 0) is RequeueStep.NOTHING  # a later run's
+    assert requeue_step({"JobState": "CANCELLED", "Restarts": "0"}, 0) is RequeueStep.NOTHING
+    assert requeue_step({"JobState": "PENDING", "Restarts": "x"}, 0) is RequeueStep.NOTHING
+
+
+class _Slurm:
+    """``commands`` as the het-job leader answers: requeued by Slurm once its host is DOWN."""
+
+    def __init__(self, states):
+        self.states, self.argvs, self.requeued = list(states), [], 0
+
+    def show_job(self, job_id):
+        state, restarts = self.states.pop(0) if len(self.states) > 1 else self.states[0]
+        return {"JobState": state, "Restarts": str(restarts), "BatchHost": "n1", "ExcNodeList": "n9"}
+
+    def requeue_excluding(self, job_id, exclude):
+        self.requeued += 1
+        return None
+
+    def run(self, argv, timeout=10.0, check=True):
+        if argv[:4] == ["scontrol", "-o", "show", "job"]:  # the leader's and component 1's records
+            return SimpleNamespace(stdout="JobId=587 HetJobId=587 HetJobOffset=0 ExcNodeList=n9\n"
+                                          "JobId=588 HetJobId=587 HetJobOffset=1 ExcNodeList=(null)\n")
+        self.argvs.append(list(argv))
+
+
+def test_requeue_of_a_het_job_slurm_requeued_sets_only_the_exclusion(monkeypatch):
+    slurm = _Slurm([("RUNNING", 0), ("PENDING", 1)])  # before the DOWN mark, after it
+    for name in ("show_job", "requeue_excluding", "run"):
+        monkeypatch.setattr(headless_io.commands, name, getattr(slurm, name))
+    monkeypatch.setattr(headless_io, "_mark", lambda *a: ", marked DOWN")
+    said = headless_io.requeue("587", 0)
+    assert slurm.requeued == 0 and said.startswith("Slurm requeued job 587 itself"), said
+    assert slurm.argvs == [["scontrol", "update", "JobId=587+0", "ExcNodeList=n[1,9]"]]  # component 0 alone
+    plain = _Slurm([("RUNNING", 0)])  # a single-allocation job runs on: requeued by the rank
+    for name in ("show_job", "requeue_excluding", "run"):
+        monkeypatch.setattr(headless_io.commands, name, getattr(plain, name))
+    assert headless_io.requeue("12", 0).startswith("requeued job 12") and plain.requeued == 1
+
+
+def test_the_requeue_record_is_not_a_persisted_mark(tmp_path):
+    headless_io.mark(str(tmp_path), 0, 0)
+    headless_io.record(str(tmp_path), 0, 0, "requeued job 5")
+    assert headless_io.marked(str(tmp_path), 0) == {0}
+    rec = json.loads((tmp_path / "headless" / "r0-requeue-rank0").read_text())
+    assert rec["rank"] == 0 and rec["said"] == "requeued job 5" and rec["t"] > 0
+
+
+def test_exclusion_targets_component_0_of_a_het_job_and_keeps_its_own_list():
+    from slurm_resilience.worker.headless import exclusion
+
+    het = {"70": {"HetJobId": "70", "HetJobOffset": "0", "ExcNodeList": "n[4,6]"},
+           "71": {"HetJobId": "70", "HetJobOffset": "1", "ExcNodeList": "(null)"}}
+    assert exclusion(het, "70", "n1") == ("70+0", "n[1,4,6]")
+    assert exclusion(het, "70", "n4") is None  # listed already
+    assert exclusion({"12": {"ExcNodeList": "n2"}}, "12", "n3") == ("12", "n[2-3]")  # a plain job
+    assert exclusion({}, "12", "n3") == ("12", "n3")
