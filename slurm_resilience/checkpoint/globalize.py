@@ -69,23 +69,27 @@ def layout_of(state: Mapping[str, Any], name: str, key: str) -> dict[str, Any]:
     return {"shape": [int(s) for s in lay["shape"]], "split": lay.get("split", "even")}
 
 
-def slice_range(layout: Mapping[str, Any], total: int, world: int, rank: int) -> tuple[int, int]:
-    """Pure: ``[start, end)`` in elements of ``rank``'s slice of a global tensor of ``total``
-    elements with ``layout`` (the contract's ``reshard.slice_range``)."""
+def slice_range(layout: Mapping[str, Any] | None, total: int, world: int, rank: int) -> tuple[int, int]:
+    """Pure: ``[start, end)`` in elements of ``rank``'s slice of a global flat tensor of
+    ``total`` elements with ``layout`` ``{"shape": [...], "split": "even" | "rows"}``
+    (None: even). "even": the first ``total % world`` ranks hold one element more
+    (``reshard.shard_range``). "rows": ``torch.chunk`` on dim 0 of ``shape`` (as FSDP2
+    shards): ``ceil(rows / world)`` rows per rank, the last ranks fewer or none, the
+    slice being those rows' elements in row-major order."""
     if world < 1 or not 0 <= rank < world or total < 0:
         raise ValueError(f"slice_range(total={total}, world={world}, rank={rank})")
-    if layout.get("split", "even") == "rows":
-        shape = list(layout["shape"])
-        rows = shape[0] if shape else 1
-        per_row = math.prod(shape[1:]) if shape else 1
-        chunk = -(-rows // world) if rows else 0  # torch.chunk: ceil(R/n) rows, the last fewer or none
-        lo, hi = min(rows, rank * chunk), min(rows, (rank + 1) * chunk)
-        return lo * per_row, hi * per_row
-    if layout.get("split", "even") != "even":
-        raise ValueError(f"unknown split {layout.get('split')!r}")
-    base, extra = divmod(total, world)
-    start = rank * base + min(rank, extra)
-    return start, start + base + (1 if rank < extra else 0)
+    split = (layout or {}).get("split", "even")
+    if split == "even":
+        base, extra = divmod(total, world)
+        start = rank * base + min(rank, extra)
+        return start, start + base + (1 if rank < extra else 0)
+    shape = [int(d) for d in layout.get("shape", [])]
+    row = math.prod(shape[1:]) if shape else 1
+    if split != "rows" or not shape or shape[0] * row != total:
+        raise ValueError(f"slice_range(layout={dict(layout)}, total={total}, world={world}, rank={rank})")
+    chunk = -(-shape[0] // world)
+    first = min(rank * chunk, shape[0])
+    return first * row, min(first + chunk, shape[0]) * row
 
 
 # -- global <- ranks ------------------------------------------------------------------

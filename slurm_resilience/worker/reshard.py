@@ -37,6 +37,7 @@ import torch
 
 from ..checkpoint import layout
 from ..checkpoint import manifest as mf
+from ..checkpoint.globalize import slice_range  # noqa: F401 (re-exported: reshard.slice_range)
 from ..checkpoint.shared_read import read_rank_state
 from ..errors import StepAborted
 from ..protocol import StoreKey
@@ -53,27 +54,6 @@ def shard_range(total: int, world: int, rank: int) -> tuple[int, int]:
     base, extra = divmod(total, world)
     start = rank * base + min(rank, extra)
     return start, start + base + (1 if rank < extra else 0)
-
-
-def slice_range(layout: Mapping[str, Any] | None, total: int, world: int, rank: int) -> tuple[int, int]:
-    """Pure: ``[start, end)`` in elements of rank's slice of a global flat tensor.
-
-    ``layout`` ``{"shape": [...], "split": "even" | "rows"}`` (None: even).
-    "even": :func:`shard_range`. "rows": ``torch.chunk`` on dim 0 of ``shape`` (as FSDP2
-    shards): ``ceil(rows / world)`` rows per rank, the last ranks fewer or none, the
-    slice being those rows' elements in row-major order."""
-    split = (layout or {}).get("split", "even")
-    if split == "even":
-        return shard_range(total, world, rank)
-    shape = [int(d) for d in layout.get("shape", [])]
-    row = 1
-    for d in shape[1:]:
-        row *= d
-    if split != "rows" or not shape or shape[0] * row != total or not 0 <= rank < world:
-        raise ValueError(f"slice_range(layout={dict(layout)}, total={total}, world={world}, rank={rank})")
-    chunk = -(-shape[0] // world)
-    first = min(rank * chunk, shape[0])
-    return first * row, min(first + chunk, shape[0]) * row
 
 
 def layout_of(layouts: Mapping[str, Mapping[str, Any]] | None, name: str, key: str) -> Mapping[str, Any] | None:
