@@ -25,9 +25,12 @@ CKPT = {"local_every": 4, "local_keep": 10, "shared_every_kth": 0}
 SLOW_BOX = {"heartbeat_timeout_s": 8, "standby_heartbeat_timeout_s": 16}  # 2-core box: see test_multi_rank
 
 
-def _job(root, name, **kw) -> LocalJob:
+FAULT_STEP_TIME = 0.3  # a node failed at step 6 must find the job still running (~3 s left)
+
+
+def _job(root, name, step_time=0.05, **kw) -> LocalJob:
     kw.setdefault("checkpoint", CKPT)
-    return LocalJob(root, steps=STEPS, step_time=0.05, script=SCRIPT, job_name=name, detect=SLOW_BOX,
+    return LocalJob(root, steps=STEPS, step_time=step_time, script=SCRIPT, job_name=name, detect=SLOW_BOX,
                     local_dir=root / f"local-{name}", **kw).start()
 
 
@@ -60,7 +63,7 @@ def _same_as_reference(job, reference):
 
 
 def test_node_replaced_bit_identical_on_every_rank(tmp_path, reference):
-    job = _job(tmp_path, "job", nodes=3, spares=1)
+    job = _job(tmp_path, "job", nodes=3, spares=1, step_time=FAULT_STEP_TIME)
     st = job.wait_for_step(6)  # past the L1 checkpoint of step 4
     job.launcher.fail_node(st["ranks"][1]["node"])
     _run(job)
@@ -87,7 +90,7 @@ def test_rank_killed_in_its_l1_flush_recovers_bit_identical(tmp_path, reference)
 
 
 def test_scale_in_reshards_like_a_fresh_job_at_the_new_size(tmp_path):
-    a = _job(tmp_path, "a", nodes=3, spares=0)
+    a = _job(tmp_path, "a", nodes=3, spares=0, step_time=FAULT_STEP_TIME)
     st = a.wait_for_step(6)
     a.launcher.fail_node(st["ranks"][1]["node"])
     _run(a)
