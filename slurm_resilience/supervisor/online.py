@@ -101,7 +101,8 @@ class Supervisor:
         self.seen: queue.Queue = queue.Queue()
         self.liveness = LivenessServer(self.store_host, self.token, self.seen).start()
         self.store.set(StoreKey.LIVENESS_PORT.value, str(self.liveness.port))
-        self._check_slurm_timeouts()
+        # a warning only, and `scontrol show config` is a subprocess: not before the first launch
+        threading.Thread(target=self._check_slurm_timeouts, name="sr-slurm-timeouts", daemon=True).start()
         self.isolator = Isolator(self.launcher, self.events.emit, self.cfg.recovery, job_id=self.job_id, say=self._say)
         self.checker = SpareChecker(
             self.launcher.run_check,
@@ -257,9 +258,11 @@ class Supervisor:
     def _reap(self, state: SupervisorState, grace_s: float) -> None:
         deadline = time.time() + grace_s
         for wid, h in self.handles.items():
+            if state.workers[wid].dead:
+                continue  # its node may answer nothing: never waited on (Slurm ends its step)
             while h.exit_code() is None and time.time() < deadline:
                 time.sleep(0.05)
-            if h.exit_code() is None and not state.workers[wid].dead:
+            if h.exit_code() is None:
                 self.launcher.kill(h)
 
     def _save(self, state: SupervisorState) -> None:

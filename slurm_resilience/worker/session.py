@@ -37,6 +37,7 @@ import torch.distributed as dist
 from ..checkpoint.engine import CheckpointEngine
 from ..config import ResilienceConfig, load_config
 from ..errors import JobEnded, ResilienceError, StepAborted
+from ..exits import exit_fast_at_exit
 from ..protocol import Plan, PlanAction, StoreKey, WorkerEnv
 from .endings import Endings
 from .event_sink import EventSink
@@ -144,6 +145,7 @@ class Session:
         self._parking.close()
         if isinstance(exc, JobEnded):
             log.info("%s", exc)
+            exit_fast_at_exit(exc.code)  # the checkpoints are written: skip torch's tear-down
             raise SystemExit(exc.code) from None
 
     @property
