@@ -18,7 +18,13 @@ import logging
 import os
 import sys
 
-__all__ = ["exit_now", "exit_fast_at_exit"]
+__all__ = ["FAST_EXIT_ENV", "exit_now", "exit_fast_at_exit"]
+
+# Set to "1" by the supervisor in the environment of the workers it launches: a
+# ``Session`` ended by the job (``JobEnded``) then exits through ``exit_fast_at_exit``.
+# Never on by default: a program that catches the ``SystemExit`` and goes on (a test
+# runner running a Session in-process) must keep its own exit status.
+FAST_EXIT_ENV = "SR_FAST_EXIT"
 
 
 def _flush() -> None:

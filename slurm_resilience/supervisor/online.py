@@ -28,6 +28,7 @@ from ..config import ResilienceConfig, config_to_dict
 from ..config_timeouts import nccl_environ, slurm_warnings
 from ..errors import ConfigError, SlurmCommandError
 from ..events import EventLog
+from ..exits import FAST_EXIT_ENV
 from ..files import makedirs_private, write_private
 from ..lifecycle import JobPhase
 from ..model import RankTable
@@ -234,7 +235,7 @@ class Supervisor:
             store_addr=self.store_host, store_port=self._raw_store.port, liveness_port=self.liveness.port,
             token=self.token, job_dir=self.job_dir, worker_id=a.worker_id, node=a.node, role=a.role,
             generation=a.generation, config_path=self.config_path, job_id=self.job_id).to_environ()
-        env = {**self._nccl_env, **env}
+        env = {**self._nccl_env, **env, FAST_EXIT_ENV: "1"}  # a stopped rank skips torch's tear-down
         log_path = os.path.join(self.job_dir, "logs", f"{a.worker_id}.log")
         self.handles[a.worker_id] = self.launcher.launch(
             name=state.workers[a.worker_id].step_name, node=a.node, argv=self.command, env=env, log_path=log_path)
