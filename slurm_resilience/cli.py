@@ -116,16 +116,20 @@ def _job_dir(args, cfg, job_id: str) -> str:
 
 
 def cmd_supervise(args) -> int:
-    """Inside the allocation: the batch step keeps the store and (re)starts the supervisor."""
+    """Inside the allocation: the batch step keeps the store and (re)starts the supervisor.
+    Both end with ``exit_now`` once ``result.json`` is written: a requeue's next job
+    waits on this one's end (``exits.py``)."""
+    from .exits import exit_now
     from .launch.allocation import keep_allocation, supervise_allocation
     from .supervisor.keeper import read_store_address
 
     cfg, command = _load(args)
     if not args.child:
         _no_reattach(args)
-        return keep_allocation(cfg, command, args.job_dir, started=getattr(args, "started", None))
+        exit_now(keep_allocation(cfg, command, args.job_dir, started=getattr(args, "started", None)))
+    import torch.distributed  # noqa: F401  # while the keeper starts the store, not after
     _, port = read_store_address(args.job_dir, keeper_pid=os.getppid())
-    return supervise_allocation(cfg, command, args.job_dir, store_port=port, reattach=args.reattach)
+    exit_now(supervise_allocation(cfg, command, args.job_dir, store_port=port, reattach=args.reattach))
 
 
 def cmd_local(args) -> int:

@@ -28,6 +28,7 @@ from ..config import ResilienceConfig, config_to_dict
 from ..config_timeouts import nccl_environ, slurm_warnings
 from ..errors import ConfigError, SlurmCommandError
 from ..events import EventLog
+from ..exits import FAST_EXIT_ENV
 from ..files import makedirs_private, write_private
 from ..lifecycle import JobPhase
 from ..model import RankTable
@@ -101,7 +102,8 @@ class Supervisor:
         self.seen: queue.Queue = queue.Queue()
         self.liveness = LivenessServer(self.store_host, self.token, self.seen).start()
         self.store.set(StoreKey.LIVENESS_PORT.value, str(self.liveness.port))
-        self._check_slurm_timeouts()
+        # a warning only, and `scontrol show config` is a subprocess: not before the first launch
+        threading.Thread(target=self._check_slurm_timeouts, name="sr-slurm-timeouts", daemon=True).start()
         self.isolator = Isolator(self.launcher, self.events.emit, self.cfg.recovery, job_id=self.job_id, say=self._say)
         self.checker = SpareChecker(
             self.launcher.run_check,
@@ -233,7 +235,7 @@ class Supervisor:
             store_addr=self.store_host, store_port=self._raw_store.port, liveness_port=self.liveness.port,
             token=self.token, job_dir=self.job_dir, worker_id=a.worker_id, node=a.node, role=a.role,
             generation=a.generation, config_path=self.config_path, job_id=self.job_id).to_environ()
-        env = {**self._nccl_env, **env}
+        env = {**self._nccl_env, **env, FAST_EXIT_ENV: "1"}  # a stopped rank skips torch's tear-down
         log_path = os.path.join(self.job_dir, "logs", f"{a.worker_id}.log")
         self.handles[a.worker_id] = self.launcher.launch(
             name=state.workers[a.worker_id].step_name, node=a.node, argv=self.command, env=env, log_path=log_path)
@@ -257,9 +259,11 @@ class Supervisor:
     def _reap(self, state: SupervisorState, grace_s: float) -> None:
         deadline = time.time() + grace_s
         for wid, h in self.handles.items():
+            if state.workers[wid].dead:
+                continue  # its node may answer nothing: never waited on (Slurm ends its step)
             while h.exit_code() is None and time.time() < deadline:
                 time.sleep(0.05)
-            if h.exit_code() is None and not state.workers[wid].dead:
+            if h.exit_code() is None:
                 self.launcher.kill(h)
 
     def _save(self, state: SupervisorState) -> None:

@@ -38,6 +38,7 @@ import torch.distributed as dist
 from ..checkpoint.engine import CheckpointEngine
 from ..config import ResilienceConfig, load_config
 from ..errors import JobEnded, ResilienceError, StepAborted
+from ..exits import FAST_EXIT_ENV, exit_fast_at_exit
 from ..protocol import Plan, PlanAction, Role, StoreKey, WorkerEnv
 from .endings import Endings
 from .facade import StateFacade
@@ -100,6 +101,7 @@ class Session(StateFacade):
 
     def __init__(self, environ: dict[str, str] | None = None) -> None:
         self._env = WorkerEnv.from_environ(os.environ if environ is None else environ)
+        self._fast_exit = (os.environ if environ is None else environ).get(FAST_EXIT_ENV) == "1"
         self.config: ResilienceConfig = load_config(self._env.config_path)
         super().__init__()  # the training state and the per-generation hooks
         self._parking = ParkingLot(hold_s=self.config.reconnect.pg_timeout_s)
@@ -160,6 +162,8 @@ class Session(StateFacade):
         self._parking.close()
         if isinstance(exc, JobEnded):
             log.info("%s", exc)
+            if self._fast_exit:  # the checkpoints are written: skip torch's tear-down
+                exit_fast_at_exit(exc.code)
             raise SystemExit(exc.code) from None
 
     @property

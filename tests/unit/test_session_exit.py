@@ -169,3 +169,24 @@ def test_preemption_signal_becomes_a_persist_request(tmp_path):
     finally:
         signal.signal(signal.SIGUSR2, old)
         sup.close()
+
+
+def test_stopped_rank_launched_by_the_supervisor_skips_the_teardown(sup):
+    """With SR_FAST_EXIT=1 (the supervisor's launch) a stopped rank runs its own
+    ``finally`` and exits 0 at once: an atexit handler registered before is skipped."""
+    import subprocess
+    import sys
+
+    sup.publish(0, PlanAction.STOP, reason="requeue")
+    code = ("import atexit\n"
+            "atexit.register(lambda: print('teardown ran'))\n"
+            "from slurm_resilience import Session\n"
+            "try:\n"
+            "    with Session() as session:\n"
+            "        print('trained')\n"
+            "finally:\n"
+            "    print('finally ran', end='')\n")
+    env = {**os.environ, **sup.environ, "SR_FAST_EXIT": "1"}
+    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert (p.returncode, p.stdout) == (0, "finally ran"), p.stderr[-2000:]
+    assert sup.kinds() == ["stopped"]
