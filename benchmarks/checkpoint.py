@@ -17,12 +17,8 @@ checkpoint.json) gets every run.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
-import platform
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -33,6 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from checkpoint_contenders import DCP, Ours, Raw, TorchSave  # noqa: E402
+from figures import stats, utc_now, write_run  # noqa: E402
 from slurm_resilience.checkpoint.shard_io import CRC32_IMPL, IO_THREADS  # noqa: E402
 
 DROP = "/proc/sys/vm/drop_caches"
@@ -62,10 +59,6 @@ def drop_caches() -> bool:
         return True
     except OSError:
         return False
-
-
-def stats(xs: list[float]) -> dict:
-    return {"median_s": statistics.median(xs), "min_s": min(xs), "max_s": max(xs), "runs": xs}
 
 
 def host_copy_s(state: dict, device: str) -> float:
@@ -173,13 +166,9 @@ def main() -> int:
     args = ap.parse_args()
     if args.repeat < 1:
         ap.error(f"--repeat={args.repeat} must be >= 1")
-    started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    started = utc_now()
     r = run(args)
-    r.update({"started": started, "finished": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "machine": platform.node(), "cpus": os.cpu_count(), "args": vars(args)})
-    print(report(r))
-    Path(args.json).write_text(json.dumps(r, indent=2))
-    print(f"wrote {args.json}")
+    write_run(r, args, started, report(r))
     return 0
 
 

@@ -33,10 +33,8 @@ and the page cache dropped before every read when /proc/sys/vm/drop_caches is wr
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import shutil
 import socket
 import sys
@@ -51,7 +49,8 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-from checkpoint import drop_caches, stats  # noqa: E402
+from checkpoint import drop_caches  # noqa: E402
+from figures import stats, utc_now, write_run  # noqa: E402
 
 WRITERS = ("ours", "dcp_save", "dcp_async")
 # (label, numerator, denominator): ratio = numerator / denominator, > 1: ours is faster
@@ -347,13 +346,9 @@ def main() -> int:
         ap.error("--repeat and --world must be >= 1")
     if args.dim % args.heads:
         ap.error(f"--dim {args.dim} must be a multiple of --heads {args.heads}")
-    started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    started = utc_now()
     r = run(args)
-    r.update({"started": started, "finished": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "machine": platform.node(), "cpus": os.cpu_count(), "args": vars(args)})
-    print(report(r))
-    Path(args.json).write_text(json.dumps(r, indent=2))
-    print(f"wrote {args.json}")
+    write_run(r, args, started, report(r))
     return 0
 
 

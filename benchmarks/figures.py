@@ -19,3 +19,21 @@ def emit(out: dict, json_path: str | None) -> None:
     print(text)
     if json_path:
         Path(json_path).write_text(text)
+
+
+def utc_now() -> str:
+    import datetime
+
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def write_run(figures: dict, args, started: str, report: str) -> None:
+    """Stamp a run (start, end, machine, arguments), print its report, write its JSON."""
+    import os
+    import platform
+
+    figures.update({"started": started, "finished": utc_now(), "machine": platform.node(),
+                    "cpus": os.cpu_count(), "args": vars(args)})
+    print(report)
+    Path(args.json).write_text(json.dumps(figures, indent=2))
+    print(f"wrote {args.json}")
