@@ -22,6 +22,7 @@ import torch
 
 from slurm_resilience.checkpoint import manifest as mf
 from slurm_resilience.checkpoint.hdf5_format import shard_crc32
+from slurm_resilience.checkpoint.shared_read import read_rank_state
 from slurm_resilience.cli import main as cli_main
 
 from .localjob import LocalJob, assert_bit_identical, final_state, rank_digests
@@ -140,7 +141,7 @@ def _assert_same_fsdp_state(got, want, where):
     assert got["model"].keys() == want["model"].keys() and want["model"], where
     for k, t in want["model"].items():
         assert torch.equal(got["model"][k], t), f"{where}: model[{k!r}]"
-    assert got["optimizer"].keys() == want["optimizer"]["state"].keys(), where
+    assert got["optimizer"].keys() == want["optimizer"]["state"].keys() and want["optimizer"]["state"], where
     for fqn, per in want["optimizer"]["state"].items():
         assert per.keys() == {"step", "exp_avg", "exp_avg_sq"} and got["optimizer"][fqn].keys() == per.keys(), where
         for k, t in per.items():
@@ -193,6 +194,16 @@ def test_dcp_export_loads_into_plain_fsdp2_and_plain_dcp_starts_a_job(tmp_path, 
     _assert_same_fsdp_state({"model": dumped["model"], "optimizer": dumped["optimizer"]["state"],
                              "param_groups": dumped["optimizer"]["param_groups"],
                              "scheduler": dumped["scheduler"]}, want, "the imported job's first step")
+    # the imported step the job wrote (as it writes step 0) holds rows, not full tensors,
+    # and is the DCP's state again
+    _gather_l1(tmp_path / "local-imp", 0, tmp_path / "l2-imp")
+    rank0 = read_rank_state(mf.shard_path(str(tmp_path / "l2-imp"), 0, 0))["objects"]["optimizer"]
+    assert rank0["shards"]["state/0.weight/exp_avg"].numel() == 3 * 6  # rows 3, 3, 1 of 7
+    assert rank0["replicated"]["state"]["0.weight"].keys() == {"step"}
+    assert cli_main(["ckpt", "export", str(tmp_path / "l2-imp"), "--format", "torch", str(tmp_path / "imp.pt")]) == 0
+    again = torch.load(tmp_path / "imp.pt", weights_only=True)
+    assert_bit_identical(again["model"], want["model"], "model")
+    assert_bit_identical(again["optimizer"], want["optimizer"], "optimizer")
     end = final_state(job)
     assert end["step"] == 4
     assert int(end["objects"]["optimizer"]["replicated"]["state"]["0.weight"]["step"]) == step + 4
