@@ -75,11 +75,12 @@ class RebuiltFSDP:
     calls the model. ``builds`` counts calls of ``build``."""
 
     def __init__(self, build: Callable[[Any], Any], *, mesh: Callable[[], Any], generation: Callable[[], int],
-                 world_size: Callable[[], int], hooks: GenerationHooks, park: Callable[[object], None]) -> None:
+                 world_size: Callable[[], int], hooks: GenerationHooks, park: Callable[[object], None],
+                 rank: Callable[[], int] = lambda: 0) -> None:
         if not callable(build):
             raise ResilienceError(f"session.fsdp needs a callable build(mesh), got {type(build).__name__}")
         self._build, self._mesh_fn, self._gen_fn, self._world_fn = build, mesh, generation, world_size
-        self._park = park
+        self._park, self._rank_fn = park, rank
         self._objs: tuple[Any, Any, Any] | None = None
         self._built_for: int | None = None
         self.mesh = None
@@ -145,6 +146,15 @@ class RebuiltFSDP:
         if any(v is not None for v in self.pending.values()):
             self._load(self.pending)
         self.pending = {}
+
+    def adopt(self, part: str, state: dict[str, Any]) -> None:
+        """A restored ``state`` of ``part`` for the next rebuild to load. Full plain tensors
+        an import left in a nested state's ``replicated`` dict become this rank's rows
+        (``fs.shard_full_leaves``), so every later save holds shards only."""
+        if part != "scheduler" and isinstance(state, dict) and state.get(fs.NESTED):
+            shapes = {n: list(p.shape) for n, p in self.model.named_parameters()}
+            state = fs.shard_full_leaves(state, shapes, self._world_fn(), self._rank_fn())
+        self.pending[part] = state
 
     def _has(self, part: str) -> bool:
         return self._objs[PARTS.index(part)] is not None
@@ -235,7 +245,7 @@ class FsdpPart:
         return self._owner.state_of(self._part)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._owner.pending[self._part] = state  # the generation's rebuild loads it
+        self._owner.adopt(self._part, state)  # the generation's rebuild loads it
 
 
 def make_fsdp(session, build: Callable[[Any], Any], device_type: str | None,
@@ -245,7 +255,7 @@ def make_fsdp(session, build: Callable[[Any], Any], device_type: str | None,
     kind = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
     fsdp = RebuiltFSDP(build, mesh=lambda: session.device_mesh(kind, (session.world_size,)),
                        generation=lambda: session.generation, world_size=lambda: session.world_size,
-                       hooks=session._hooks, park=park)
+                       hooks=session._hooks, park=park, rank=lambda: session.rank)
     sharded, replicated = fsdp.parts()
     taken = sorted(set(session._state.objects) & (set(sharded) | set(replicated)))
     if taken:

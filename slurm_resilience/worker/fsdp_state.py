@@ -95,6 +95,40 @@ def join_tree(state: Mapping[str, Any], make: Callable[[str, torch.Tensor, Mappi
     return out
 
 
+def shard_full_leaves(state: Mapping[str, Any], shapes: Mapping[str, Any], world: int, rank: int) -> dict:
+    """Pure: a nested object state whose ``replicated`` dict holds full (global) plain
+    tensors where a parameter's sharded leaves go (an imported state, ``checkpoint.init_from``:
+    the template had no such key yet, e.g. an optimizer before its first step), with each
+    of them moved into ``shards`` as ``rank``'s ``torch.chunk`` rows of ``world``.
+
+    A leaf goes when it sits at a parameter's FQN (model) or at ``state/FQN/NAME``
+    (optimizer), has at least one dimension and the parameter's global shape
+    (``shapes[FQN]``); all others (``step``, buffers, param groups) stay replicated.
+    """
+    from ..checkpoint.globalize import slice_range
+
+    shards, layouts = dict(state["shards"]), dict(state.get("layouts") or {})
+
+    def walk(node: Any, parts: list[str]) -> Any:
+        if isinstance(node, dict):
+            return {k: v for k, v in ((k, walk(v, [*parts, k])) for k, v in node.items()) if v is not _GONE}
+        fqn = parts[0] if len(parts) == 1 else parts[1] if len(parts) == 3 and parts[0] == "state" else None
+        if fqn not in shapes or type(node) is not torch.Tensor or node.dim() == 0 \
+                or list(node.shape) != [int(d) for d in shapes[fqn]]:
+            return node
+        path = SEP.join(parts)
+        layout = {"shape": [int(d) for d in node.shape], "split": ROWS}
+        a, b = slice_range(layout, node.numel(), world, rank)
+        shards[path], layouts[path] = node.reshape(-1)[a:b].clone(), layout
+        return _GONE
+
+    replicated = walk(state[REPLICATED], [])
+    return dict(state, shards=shards, layouts=layouts, **{REPLICATED: replicated})
+
+
+_GONE = object()
+
+
 def _copy(node: Any) -> Any:
     return {k: _copy(v) for k, v in node.items()} if isinstance(node, dict) else node
 

@@ -6,6 +6,8 @@ so trailing ranks hold short and empty shards. AdamW + a LambdaLR schedule + dro
 
 ``--die-in-flush STEP:RANK``: that rank SIGKILLs itself while writing its L1 shard of
 STEP (half the file written), once per job (a marker file in the job directory).
+``--dump-first PATH``: before this process's first step, rank 0 writes the full
+(gathered) model and optimizer state, the scheduler's and the step to PATH.
 """
 
 import argparse
@@ -56,12 +58,23 @@ def die_in_flush(spec: str) -> None:
     persist.write_shard = write_shard
 
 
+def dump_full(fsdp, session, path: str) -> None:
+    """Collective: the state the first step starts from, gathered whole, by rank 0."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    msd, osd = get_state_dict(fsdp.model, fsdp.optimizer, options=StateDictOptions(full_state_dict=True))
+    if session.rank == 0:
+        sched = {k: v for k, v in fsdp.scheduler.state_dict().items() if k != "lr_lambdas"}
+        torch.save({"model": msd, "optimizer": osd, "scheduler": sched, "step": session.step}, path)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--batch", type=int, default=8, help="samples per rank per step")
     ap.add_argument("--step-time", type=float, default=0.0)
     ap.add_argument("--die-in-flush", default="")
+    ap.add_argument("--dump-first", default="")
     args = ap.parse_args()
 
     torch.set_num_threads(1)
@@ -75,6 +88,9 @@ def main() -> None:
         fsdp = session.fsdp(build)  # registers model, optimizer (sharded) and scheduler
         for step in session.steps(args.steps):
             with step:
+                if args.dump_first:
+                    dump_full(fsdp, session, args.dump_first)
+                    args.dump_first = ""
                 idx = step.samples(sampler)
                 loss = F.mse_loss(fsdp(x[idx]), y[idx])
                 loss.backward()

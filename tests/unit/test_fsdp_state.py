@@ -129,6 +129,30 @@ def test_nested_state_round_trip_through_a_rebuild(one_rank):
     again = f.state_of("optimizer")
     assert set(again["shards"]) == set(opt_sd["shards"])
     assert all(torch.equal(again["shards"][k], opt_sd["shards"][k]) for k in opt_sd["shards"])
+    # loaded through the registered part (a restore or import), they are cut into rows at once
+    f.parts()[0]["optimizer"].load_state_dict({"nested": True, "shards": {}, "layouts": {}, "replicated": full_opt})
+    pending = f.state_of("optimizer")
+    assert set(pending["shards"]) == set(opt_sd["shards"]) and pending["layouts"] == opt_sd["layouts"]
+    assert "exp_avg" not in pending["replicated"]["state"]["0.weight"]
+
+
+def test_full_leaves_of_an_import_become_this_ranks_rows():
+    w, m = torch.arange(35.0).reshape(7, 5), torch.arange(7.0)
+    state = {"nested": True, "shards": {}, "layouts": {},
+             "replicated": {"state": {"w": {"step": torch.tensor(3.0), "exp_avg": w, "odd": torch.zeros(5, 7)},
+                                      "b": {"exp_avg": m}},
+                            "param_groups": [{"params": ["w", "b"], "lr": 0.1}]}}
+    shapes = {"w": [7, 5], "b": [7]}
+    out = fs.shard_full_leaves(state, shapes, 3, 2)  # rows 3, 3, 1: rank 2 holds row 6
+    assert out["shards"].keys() == {"state/w/exp_avg", "state/b/exp_avg"}
+    assert torch.equal(out["shards"]["state/w/exp_avg"], w[6:].reshape(-1))
+    assert torch.equal(out["shards"]["state/b/exp_avg"], m[6:])
+    assert out["layouts"]["state/w/exp_avg"] == _rows([7, 5])
+    rep = out["replicated"]
+    assert rep["state"]["w"].keys() == {"step", "odd"} and rep["state"]["b"] == {}  # wrong shape: stays
+    assert rep["param_groups"] == state["replicated"]["param_groups"] and "exp_avg" in state["replicated"]["state"]["w"]
+    model = fs.shard_full_leaves({"nested": True, "shards": {}, "replicated": {"w": w, "buf": m}}, shapes, 2, 0)
+    assert torch.equal(model["shards"]["w"], w[:4].reshape(-1)) and model["replicated"] == {"buf": m}
 
 
 def test_bad_builds_are_one_line_errors(one_rank):
