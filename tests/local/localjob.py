@@ -5,10 +5,13 @@ import json
 import sys
 import threading
 import time
+import shutil
 from pathlib import Path
 
 import torch
 
+from slurm_resilience.checkpoint import manifest as mf
+from slurm_resilience.checkpoint.hdf5_format import shard_crc32
 from slurm_resilience.config import load_config
 from slurm_resilience.launch.localhost import LocalLauncher
 from slurm_resilience.supervisor.online import Supervisor
@@ -153,3 +156,19 @@ def assert_same_training(got: dict, ref: dict) -> None:
     # every rank's final state, not only rank 0's: one digest per rank of the same world
     assert sorted(ref["digests"]) == list(range(len(ref["digests"]))) and ref["digests"], ref["digests"]
     assert got["digests"] == ref["digests"], "a rank's final state differs from the reference"
+
+
+def gather_l1(local: Path, step: int, dst: Path, world: int = 3) -> None:
+    """A shared-tier root at ``dst`` holding ``step``'s L1 shards as a ``world``-rank
+    job's nodes held them (rank r ran on local{r+1}, tier directory ``ckpt``): how a test
+    starts a fresh job from another job's checkpoint of that step."""
+    shards = {}
+    for r in range(world):
+        src = mf.shard_path(str(local / f"local{r + 1}" / "ckpt"), step, r)
+        to = mf.shard_path(str(dst), step, r)
+        Path(to).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(src, to)
+        shards[r] = mf.ShardRecord(mf.shard_name(r), Path(to).stat().st_size, shard_crc32(to))
+    mf.write_manifest(str(dst), mf.Manifest(step=step, world_size=world, tier="L2", shards=shards, created=0.0,
+                                            extra={}))
+    mf.set_latest(str(dst), step)

@@ -12,7 +12,6 @@
 """
 
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -21,11 +20,10 @@ import pytest
 import torch
 
 from slurm_resilience.checkpoint import manifest as mf
-from slurm_resilience.checkpoint.hdf5_format import shard_crc32
 from slurm_resilience.checkpoint.shared_read import read_rank_state
 from slurm_resilience.cli import main as cli_main
 
-from .localjob import LocalJob, assert_bit_identical, final_state, rank_digests
+from .localjob import LocalJob, assert_bit_identical, final_state, gather_l1, rank_digests
 
 pytestmark = pytest.mark.timeout(300)
 SCRIPT = Path(__file__).with_name("train_fsdp_tiny.py")
@@ -113,7 +111,7 @@ def test_scale_in_reshards_like_a_fresh_job_at_the_new_size(tmp_path):
     assert step >= 4 and step % 4 == 0
 
     # B: a fresh 2-rank job from A's checkpoint of that step (the three L1 shards, as A's nodes held them)
-    _gather_l1(tmp_path / "local-a", step, tmp_path / "b" / "checkpoints")
+    gather_l1(tmp_path / "local-a", step, tmp_path / "b" / "checkpoints")
     b = _run(_job(tmp_path, "b", nodes=2, spares=0, checkpoint={**CKPT, "shared_every_kth": 1}))
     assert {e["step"] for e in _events(b, "rank_restored") if e.get("resharded")} == {step}
     assert sorted(rank_digests(a)) == [0, 1] and rank_digests(a) == rank_digests(b)
@@ -121,21 +119,6 @@ def test_scale_in_reshards_like_a_fresh_job_at_the_new_size(tmp_path):
     assert fa["step"] == fb["step"] == STEPS
     assert_bit_identical(fa["objects"], fb["objects"], "objects")
     assert fa["objects"]["model"]["shards"]["3.weight"].numel() == 4 * 7  # 7 rows over 2 ranks: 4, 3
-
-
-def _gather_l1(local: Path, step: int, dst: Path) -> None:
-    """A shared-tier root at ``dst`` holding ``step``'s three L1 shards as a 3-rank job's
-    nodes held them (rank r ran on local{r+1})."""
-    shards = {}
-    for r in range(3):
-        src = mf.shard_path(str(local / f"local{r + 1}" / "ckpt"), step, r)
-        to = mf.shard_path(str(dst), step, r)
-        Path(to).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(src, to)
-        shards[r] = mf.ShardRecord(mf.shard_name(r), Path(to).stat().st_size, shard_crc32(to))
-    mf.write_manifest(str(dst), mf.Manifest(step=step, world_size=3, tier="L2", shards=shards, created=0.0,
-                                            extra={}))
-    mf.set_latest(str(dst), step)
 
 
 def _assert_same_fsdp_state(got, want, where):
@@ -164,7 +147,7 @@ def test_dcp_export_loads_into_plain_fsdp2_and_plain_dcp_starts_a_job(tmp_path, 
     first step starts from exactly that state, and it trains on."""
     _, ref, root = reference
     step = STEPS
-    _gather_l1(root / "local-ref", step, tmp_path / "l2")
+    gather_l1(root / "local-ref", step, tmp_path / "l2")
     out, pt = tmp_path / "export", tmp_path / "export.pt"
     for fmt, to in (("dcp", out), ("torch", pt)):
         assert cli_main(["ckpt", "export", str(tmp_path / "l2"), "--step", str(step), "--format", fmt, str(to)]) == 0
@@ -199,7 +182,7 @@ def test_dcp_export_loads_into_plain_fsdp2_and_plain_dcp_starts_a_job(tmp_path, 
                              "scheduler": dumped["scheduler"]}, want, "the imported job's first step")
     # the imported step the job wrote (as it writes step 0) holds rows, not full tensors,
     # and is the DCP's state again
-    _gather_l1(tmp_path / "local-imp", 0, tmp_path / "l2-imp")
+    gather_l1(tmp_path / "local-imp", 0, tmp_path / "l2-imp")
     rank0 = read_rank_state(mf.shard_path(str(tmp_path / "l2-imp"), 0, 0))["objects"]["optimizer"]
     assert rank0["shards"]["state/0.weight/exp_avg"].numel() == 3 * 6  # rows 3, 3, 1 of 7
     assert rank0["replicated"]["state"]["0.weight"].keys() == {"step"}

@@ -8,7 +8,6 @@ gradient sums are grouped differently.
 """
 
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -17,10 +16,10 @@ import pytest
 import torch
 
 from slurm_resilience.checkpoint import manifest as mf
-from slurm_resilience.checkpoint.hdf5_format import read_shard, shard_crc32
+from slurm_resilience.checkpoint.hdf5_format import read_shard
 from slurm_resilience.cli import main as cli_main
 
-from .localjob import INJECT_AFTER, ZERO, LocalJob, assert_bit_identical, final_state
+from .localjob import INJECT_AFTER, ZERO, LocalJob, assert_bit_identical, final_state, gather_l1
 
 pytestmark = pytest.mark.timeout(300)
 DCP_LOAD = Path(__file__).with_name("dcp_load.py")  # torch alone: no slurm_resilience import
@@ -54,16 +53,7 @@ def test_scale_in_reshards_sharded_state_exactly(tmp_path):
     # B: a fresh 2-rank job that starts from the same step. Its shared tier gets that
     # step's three shards as A's node-local tiers held them (rank r ran on local{r+1}).
     dst = tmp_path / "b" / "checkpoints"
-    shards = {}
-    for r in range(3):
-        src = mf.shard_path(str(tmp_path / "local" / f"local{r + 1}" / "ckpt"), step, r)
-        to = mf.shard_path(str(dst), step, r)
-        Path(to).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(src, to)
-        shards[r] = mf.ShardRecord(mf.shard_name(r), Path(to).stat().st_size, shard_crc32(to))
-    mf.write_manifest(str(dst), mf.Manifest(step=step, world_size=3, tier="L2", shards=shards,
-                                            created=0.0, extra={}))
-    mf.set_latest(str(dst), step)
+    gather_l1(tmp_path / "local", step, dst)
     dcp_dir = _export_and_load_with_dcp_alone(dst, step, tmp_path)
     b = _run(LocalJob(tmp_path, nodes=2, spares=0, steps=STEPS, script=ZERO, checkpoint=CKPT, job_name="b",
                       local_dir=tmp_path / "local-b").start())
