@@ -13,7 +13,9 @@ after recovery (the last rank's). Cases:
     kill-rank-cold    the same with recovery.local_standbys off: a new process imports torch
     hang-rank         the last rank SIGSTOPped → heartbeat stale → recovered
     scale-in          node killed, no spare: the others continue
-    process-restart   node killed, online recovery forced to time out → all relaunched
+    process-restart   node killed, online recovery forced to time out → all relaunched;
+                      each surviving node's warm standby takes its node's first slot
+    process-restart-cold  the same with recovery.local_standbys off: every rank starts cold
     requeue           node killed, no spare, scale-in off → scontrol requeue
     requeue-resubmit  the same with recovery.requeue_by: resubmit (a new job id, same job dir)
     supervisor        the supervisor SIGKILLed → restarted, re-attaches (training never pauses)

@@ -78,6 +78,9 @@ register(Case("hang-rank", inject=lambda st: _kill_pid(_last(st)["pid"], signal.
 register(Case("scale-in", inject=lambda st: lab.kill_node(st["ranks"][1]["node"]), spares=0, expect="scale-in"))
 register(Case("process-restart", inject=lambda st: lab.kill_node(st["ranks"][1]["node"]),
               config="recovery:\n  online_timeout_s: 0.005\n", expect="process-restart"))
+# the same without recovery.local_standbys: every rank of the relaunch imports torch cold
+register(Case("process-restart-cold", inject=lambda st: lab.kill_node(st["ranks"][1]["node"]),
+              config="recovery:\n  online_timeout_s: 0.005\n  local_standbys: false\n", expect="process-restart"))
 register(Case("requeue", inject=lambda st: lab.kill_node(st["ranks"][1]["node"]), spares=0,
               config="recovery:\n  scale_in: false\n  max_requeues: 1\n", measure="restart"))
 register(Case("requeue-resubmit", inject=lambda st: lab.kill_node(st["ranks"][1]["node"]), spares=0,
@@ -142,7 +145,9 @@ def run_case(case: Case, root: Path, args) -> dict:
         out["detect_s"] = round(done[0]["detected"] - t_fault, 3)
         out["phases_ms"] = {e["phase"]: e["duration_ms"] for e in events
                             if e["kind"] == EventKind.PHASE and e["recovery"] == done[0]["recovery"]}
-        out["local_standby_adopted"] = any(e["kind"] == EventKind.LOCAL_STANDBY_ADOPTED for e in events)
+        adopted = [e for e in events if e["kind"] == EventKind.LOCAL_STANDBY_ADOPTED
+                   and e["generation"] == done[0]["generation"]]  # by the recovery measured
+        out["local_standby_adopted"], out["local_standbys_adopted"] = bool(adopted), len(adopted)
     out["mttr_s"] = round(t_end - t_fault, 3) if t_end else None
     if case.expect and out.get("level") != case.expect:
         out["unexpected_level"] = f"expected {case.expect}"

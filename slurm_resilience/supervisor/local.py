@@ -12,7 +12,9 @@ compete with the recovering ranks for CPU).
     state.local_standbys: worker node -> the one standby's worker id
 
 ``take`` (used by ``recover.carry_out``) adopts it when it is connected and alive, else
-the restart in place launches a process as before; ``refill`` starts the missing
+the restart in place launches a process as before; the process restart
+(``recover._relaunch_all``) takes it too, for the node's first slot (it is an idle
+process, not one of the possibly hung survivors that the process restart ends); ``refill`` starts the missing
 ones (at the job's start and after each recovery); ``drop`` forgets a node's standby
 (its node was lost, isolated or left the table).
 """

@@ -213,11 +213,19 @@ def on_tick(state: SupervisorState, now: float, policy: Policy) -> Decision:
 
 def _relaunch_all(state: SupervisorState, cases, failed, detected: float, now: float, policy: Policy,
                   *, reason: str) -> Decision:
-    """PROCESS_RESTART: every rank anew on its (healthy) node, from the checkpoint tiers."""
-    moves = []
+    """PROCESS_RESTART: every rank anew on its (healthy) node, from the checkpoint tiers.
+    Each node's warm standby (recovery.local_standbys: an idle process, not one of the
+    possibly hung survivors, on a node not excluded) takes that node's first slot; the
+    node's other slots get new processes."""
+    moves, adopted = [], []
     for slot in state.table.slots:
-        state, wid = state.new_id(slot.node)
-        moves.append(Replacement(slot.rank, slot.node, slot.node, wid))
+        state, wid = local.take(state, slot.node, policy)
+        if wid is None:
+            state, wid = state.new_id(slot.node)
+            moves.append(Replacement(slot.rank, slot.node, slot.node, wid))
+        else:
+            adopted.append(Replacement(slot.rank, slot.node, slot.node, wid))
+    moves += adopted
     table = regenerate(state.table, moves, state.addresses)
     if state.recovery is None:  # a fresh incident answered by relaunching (a retry in place)
         state = dataclasses.replace(state, fault_retries_used=state.fault_retries_used + 1)
@@ -236,8 +244,12 @@ def _relaunch_all(state: SupervisorState, cases, failed, detected: float, now: f
                           recovery=True)
     acts += more
     for m in moves:
-        state, act = launch(state, m.new_node, Role.RANK, table.generation, m.new_worker_id)
-        acts.append(act)
+        if m in adopted:
+            acts.append(emit(EventKind.LOCAL_STANDBY_ADOPTED, rank=m.rank, node=m.new_node,
+                             worker_id=m.new_worker_id, generation=table.generation))
+        else:
+            state, act = launch(state, m.new_node, Role.RANK, table.generation, m.new_worker_id)
+            acts.append(act)
     to = JobPhase.FALLBACK_RELAUNCH if state.phase is not JobPhase.RUNNING else JobPhase.RECOVERING
     state, more = move(state, to, reason)
     acts += more

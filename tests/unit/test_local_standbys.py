@@ -204,3 +204,63 @@ def test_a_standby_preloads_run_preload_and_a_bad_module_is_a_warning(caplog):
     sys.modules.pop("colorsys", None)
     assert preload(["colorsys", "no_such_module_sr"]) == ["no_such_module_sr"]
     assert "colorsys" in sys.modules and "no_such_module_sr" in caplog.text
+
+
+def timed_out(state, p, fault):
+    """``fault`` recovered online, which then trains no step before its time-out."""
+    state, _ = decide(state, fault, 1.0, p)
+    state, _ = decide(state, m.Published(state.table.generation, 1.1), 1.1, p)
+    return decide(state, m.Tick(), 20.0, p)
+
+
+def test_the_process_restart_adopts_each_nodes_standby_for_its_first_slot():
+    """The relaunch of every rank (the survivors may be hung: all are ended) gives each
+    node's idle standby that node's first slot; the other slots start cold."""
+    for g in (1, 2):
+        p = policy()
+        state, _ = started(p, g=g)
+        warm = dict(state.local_standbys)
+        state, acts = timed_out(state, p, killed(state, 1))  # rank 1 (n2 or n3) took its node's standby
+        node1 = "n2" if g == 2 else "n3"
+        assert state.recovery.level == "process-restart" and EventKind.FALLBACK in kinds(acts)
+        plan = of(acts, m.Publish)[0].plan
+        assert plan.joining == tuple(range(3 * g))
+        first = {n: plan.table.ranks_on(n)[0] for n in WORKERS}
+        adopted = [a.fields for a in of(acts, m.Emit) if a.kind is EventKind.LOCAL_STANDBY_ADOPTED]
+        assert adopted == [{"rank": first[n], "node": n, "worker_id": warm[n], "generation": 2}
+                           for n in WORKERS if n != node1]
+        assert all(plan.table.slots[first[n]].worker_id == warm[n] for n in WORKERS if n != node1)
+        cold = [(a.node, a.role, a.generation) for a in of(acts, m.Launch)]
+        assert sorted(cold) == [(n, Role.RANK, 2) for n in (["n3"] if g == 1 else ["n2", "n2", "n3", "n4"])]
+        idle = {warm[n] for n in WORKERS if n != node1}  # warm[node1] is rank 1 now: a survivor
+        assert warm[node1] in {a.worker_id for a in of(acts, m.Kill)}
+        assert not {a.worker_id for a in of(acts, m.Kill)} & idle  # idle standbys are not survivors
+        assert state.local_standbys == {}
+        state, _ = decide(state, m.Published(2, 20.1), 20.1, p)
+        state, acts = finish(state, p, now=21.0)
+        assert sorted((a.node, a.role) for a in of(acts, m.Launch)) == [(n, Role.STANDBY) for n in WORKERS]
+
+
+@pytest.mark.parametrize("why", ["off", "not connected", "excluded"])
+def test_the_process_restart_runs_cold_without_a_usable_standby(why):
+    p = policy(local_standbys=why != "off")
+    state, _ = started(p, connect=why != "not connected")
+    if why == "excluded":  # e.g. a node found faulty meanwhile: its standby is not trusted
+        state = dataclasses.replace(state, excluded=state.excluded | {"n2"})
+    state, acts = timed_out(state, p, killed(state, 1))
+    want = {"off": 3, "not connected": 3, "excluded": 2}[why]  # n3's standby took rank 1 online
+    assert len(of(acts, m.Launch)) == want
+    assert kinds(acts).count(EventKind.LOCAL_STANDBY_ADOPTED) == 3 - want
+
+
+def test_a_lost_nodes_standby_is_never_adopted_by_the_process_restart():
+    p = policy()
+    state, _ = started(p)
+    warm = dict(state.local_standbys)
+    wid = state.table.slots[1].worker_id
+    lost = m.Suspects((m.Suspect(worker_id=wid, t=1.0, process_exited=True, slurmd_reachable=False),))
+    state, acts = timed_out(state, p, lost)
+    plan = of(acts, m.Publish)[0].plan
+    assert plan.table.nodes == ("n2", "n5", "n4") and warm["n3"] not in {s.worker_id for s in plan.table.slots}
+    assert [(a.node, a.role) for a in of(acts, m.Launch)] == [("n5", Role.RANK)]  # the spare has no local standby
+    assert [plan.table.slots[r].worker_id for r in (0, 2)] == [warm["n2"], warm["n4"]]
