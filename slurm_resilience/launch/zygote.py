@@ -203,7 +203,8 @@ class Zygote:
         finally:
             os.close(ready_r)
         if word == "ok":
-            print(f"zygote: store host pid {pid} listens on port {req.master_port} ({req.step_name})", flush=True)
+            print(f"zygote: store host pid {pid} listens on port {req.master_port} for step {req.step_name}",
+                  flush=True)
             return None
         self._end_store(key)
         return f"the rendezvous store could not listen on port {req.master_port}: {word or 'timed out'} (run cold)"
