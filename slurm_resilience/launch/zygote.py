@@ -362,12 +362,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     dispositions = {s: signal.getsignal(s) for s in _SIGNALS}  # a fresh interpreter's, kept for the ranks
     dispositions = {s: h for s, h in dispositions.items() if h is not None}
     sigmask = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    environ = dict(os.environ)  # as the step gave it: what the ranks' env is built from
     for name in [*_ALWAYS, *filter(None, args.preload.split(","))]:
         try:
             importlib.import_module(name)
         except Exception as exc:  # a typo in run.preload: one line; the supervisor runs cold
             print(f"zygote: error: cannot preload {name!r}: {type(exc).__name__}: {exc}", file=sys.stderr)
             return 2
+    os.environ.clear()  # what an import wrote (torch._dynamo sets TORCHINDUCTOR_CACHE_DIR; torch
+    os.environ.update(environ)  # recomputes it when unset): a cold rank's env has none of it yet
     try:
         with open(os.path.join(args.job_dir, KEY_FILE), "rb") as f:
             key = f.read().strip()
