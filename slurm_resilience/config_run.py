@@ -25,7 +25,7 @@ class RunConfig:
             has imported torch and ``preload``) and fork every generation's ranks from
             it instead of a new ``srun`` step that imports torch cold. Torch mode and
             ``python script.py ...`` commands only; anything else runs cold.
-        preload: modules each zygote imports besides torch (``[numpy, transformers]``).
+        preload: modules each zygote imports besides torch and torch._dynamo (``[numpy, transformers]``).
         zygote_start_s: how long the first generation waits for the zygotes to be
             ready before it starts cold instead (> 0).
     """

@@ -15,6 +15,8 @@ nothing that acts:
   step would have: the zygote's own step environment with the step-specific Slurm
   variables replaced by the relaunch step's, then :func:`launch.rankenv.rank_env`
   (the same code the cold step runs) on top;
+* :func:`hosts_store` — the step's first node hosts the rendezvous store (torchrun's
+  agent store, :data:`AGENT_STORE_VAR`) in a child forked before its ranks;
 * :func:`fork_refusal` — what a fork after import cannot survive (CUDA initialised,
   other threads);
 * :func:`step_exit_code` — one code for the step from every rank's, like srun's.
@@ -33,6 +35,11 @@ from .rankenv import rank_env
 
 KEY_FILE = "zygote.key"
 INFO_DIR = "zygotes"  # job_dir/zygotes/<node>.json: {"addr", "port", "pid"}, written when ready
+# torch's env:// rendezvous connects every rank, rank 0 included, as a client to a store
+# already listening on MASTER_ADDR:MASTER_PORT (torch/distributed/rendezvous.py
+# ``_create_c10d_store``), as under torchrun: the step's node-0 zygote hosts it
+AGENT_STORE_VAR = "TORCHELASTIC_USE_AGENT_STORE"
+STORE_WAIT_S = 10.0  # how long node 0's zygote waits for its store host to listen
 
 # Variables slurmstepd sets per step or per task; the zygote's own values describe
 # the zygote's one-task step, so they are replaced (or dropped) for a forked rank.
@@ -162,7 +169,8 @@ def warm_env(zygote_env: Mapping[str, str], req: ForkRequest, *, job_nodelist: s
     The zygote's environment is the cold one (the same supervisor started both steps
     with ``--export=ALL``) plus its own step's variables: those (:data:`STEP_VARS`) are
     replaced by :func:`task_slurm_vars`, then ``rank_env`` adds the torchrun variables
-    and ``SR_RESTART`` exactly as ``python -m slurm_resilience.launch.rankenv`` does cold.
+    and ``SR_RESTART`` exactly as ``python -m slurm_resilience.launch.rankenv`` does cold,
+    and :data:`AGENT_STORE_VAR` says the rendezvous store is already up (:func:`hosts_store`).
     ``SLURM_STEP_ID``/``SLURM_STEPID``/``SLURM_TASK_PID`` and the srun client's ports are
     left out: no such step exists (docs/restart.md lists every difference).
 
@@ -173,7 +181,16 @@ def warm_env(zygote_env: Mapping[str, str], req: ForkRequest, *, job_nodelist: s
     env.update(task_slurm_vars(req, job_nodelist=job_nodelist))
     env["SR_RESTART"] = str(req.restart)
     env.update(rank_env(env, master_addr=req.master_addr, master_port=req.master_port, restart=req.restart))
+    env[AGENT_STORE_VAR] = str(True)  # the one variable a cold task lacks: the store is up already
     return env
+
+
+def hosts_store(req: ForkRequest, *, started: bool) -> bool:
+    """Pure: must this zygote start the step's store host before forking ``req``? The
+    zygote of the step's first node does, once per step (``started``: it did already),
+    before its first rank, so that every rank's ``init_process_group`` finds the store
+    listening instead of retrying with back-off until rank 0 would have started it."""
+    return req.node_index == 0 and not started
 
 
 def fork_refusal(*, cuda_initialized: bool, python_threads: int) -> str | None:

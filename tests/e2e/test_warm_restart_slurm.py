@@ -30,11 +30,13 @@ pytestmark = [pytest.mark.slurm, pytest.mark.timeout(300)]
 HERE = Path(__file__).resolve().parent
 # What legitimately differs between a cold task and a forked one: the step's id and
 # the srun client's ports (no srun step exists for a warm rank), slurmstepd's own
-# per-task extras, and the task's PID. Everything else must be equal.
+# per-task extras, the task's PID, and the agent-store flag (a warm step's store is hosted
+# by node 0's zygote before the ranks start). Everything else must be equal.
 DIFFERS = {"SLURM_STEP_ID", "SLURM_STEPID", "SLURM_TASK_PID", "SLURM_SRUN_COMM_PORT", "SLURM_STEP_LAUNCHER_PORT",
            "SLURM_STEP_RESV_PORTS", "SLURM_LAUNCH_NODE_IPADDR", "SLURM_SRUN_COMM_HOST", "SLURM_PRIO_PROCESS",
            "SLURM_CPU_BIND", "SLURM_CPU_BIND_LIST", "SLURM_CPU_BIND_TYPE", "SLURM_CPU_BIND_VERBOSE",
-           "SLURM_DISTRIBUTION", "SLURM_CPUS_PER_TASK"}
+           "SLURM_DISTRIBUTION", "SLURM_CPUS_PER_TASK",
+           "TORCHELASTIC_USE_AGENT_STORE"}  # warm only: env:// connects to the zygote's store host
 
 
 def _sbatch_wait(argv: list[str], out: Path, timeout: float = 240) -> None:
@@ -70,6 +72,7 @@ def test_cold_and_warm_ranks_observe_the_same(cluster, jobs_root):
             cold.pop("ids"), warm.pop("ids")
             ce, we = cold.pop("env"), warm.pop("env")
             assert we["RANK"] == str(rank) and we["SR_RESTART"] == ce["SR_RESTART"]
+            assert we["TORCHELASTIC_USE_AGENT_STORE"] == "True" and "TORCHELASTIC_USE_AGENT_STORE" not in ce
             diff = {k for k in set(ce) | set(we) if ce.get(k) != we.get(k)}
             assert diff <= DIFFERS, {k: (ce.get(k), we.get(k)) for k in diff - DIFFERS}
             for key in ("argv", "orig_argv"):  # the probe's output path names its mode

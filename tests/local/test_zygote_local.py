@@ -1,13 +1,15 @@
 """The zygote and its pool as real processes on this host, without Slurm: the launcher
 adapter starts the zygote as a plain process with a one-task step's SLURM_* variables.
 
-Exit codes (0, N, an uncaught exception) reach the supervisor; KILL reaps a running
-rank; a zygote that dies counts its ranks as killed; a command that cannot run warm,
+Exit codes (0, N, an uncaught exception) reach the supervisor; ranks join a gloo
+process group through the zygote's store host, which ends with the step, on KILL and
+with its zygote; KILL reaps a running rank; a zygote that dies counts its ranks as killed; a command that cannot run warm,
 a preloaded module that starts a thread, or a connection without the job's key are
 refused. (Cold vs. warm equivalence under real Slurm: tests/e2e/test_warm_restart_slurm.py.)
 """
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -92,6 +94,11 @@ def _wait_gone(pid, timeout=30):
     raise AssertionError(f"rank pid {pid} outlived its zygote")
 
 
+def _store_hosts(job):
+    """The store hosts' pids the zygote reported, in order."""
+    return [int(p) for p in re.findall(r"store host pid (\d+) listens", (job / "zygote-n2.log").read_text())]
+
+
 def _wait(step, timeout=60):
     deadline = time.monotonic() + timeout
     while (code := step.poll()) is None:
@@ -109,6 +116,14 @@ def test_exit_codes_and_output_reach_the_supervisor(pool_factory):
         log = (job / f"{name}.log").read_text()
         assert "probe stdout rank 0" in log and "probe stderr rank 1" in log
     assert (job / "zygote.key").stat().st_mode & 0o777 == 0o600
+    step = _fork(pool, job, [sys.executable, str(DATA / "pg_probe.py")], name="pg")
+    assert _wait(step) == 0, (job / "pg.log").read_text()
+    log = (job / "pg.log").read_text()
+    assert "pg rank 0 sum 3 agent True" in log and "pg rank 1 sum 3 agent True" in log, log
+    hosts = _store_hosts(job)
+    assert len(hosts) == 4  # one per step, on port 21000 each time: the previous one ended with its step
+    for pid in hosts:
+        _wait_gone(pid)
     assert (job / "zygotes" / "n2.json").stat().st_mode & 0o777 == 0o600
 
 
@@ -121,6 +136,7 @@ def test_kill_reaps_running_ranks(pool_factory):
     pids = [pid for _, pid in step.pids.values()]
     step.kill(skip=())
     assert step.codes == {0: -9, 1: -9}
+    _wait_gone(_store_hosts(job)[-1])  # KILL ends the step's store host too
     for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
@@ -136,6 +152,7 @@ def test_a_dead_zygote_counts_its_ranks_killed_and_is_replaced(pool_factory):
     assert _wait(step) == 137 and step.codes == {0: -9, 1: -9}
     for _node, pid in step.pids.values():  # counted killed, and they are: they die with their zygote
         _wait_gone(pid)
+    _wait_gone(_store_hosts(job)[-1])  # and so does the store host
     assert "n2" not in pool.zygotes or pool.zygotes["n2"].conn is None
     assert _fork(pool, job, [sys.executable, str(PROBE), str(job / "x-{rank}.json")], name="x") is None  # cold
     assert pool.wait_ready(["n2"], 120)  # a new zygote was started in the background

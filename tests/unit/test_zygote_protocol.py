@@ -9,8 +9,8 @@ from slurm_resilience.config import load_config
 from slurm_resilience.errors import ConfigError
 from slurm_resilience.launch.rankenv import rank_env
 from slurm_resilience.launch.zygote_protocol import (
-    STEP_VARS, ForkRequest, Kind, Reply, decode, encode, fork_refusal, step_exit_code, task_slurm_vars, warm_entry,
-    warm_env,
+    AGENT_STORE_VAR, STEP_VARS, ForkRequest, Kind, Reply, decode, encode, fork_refusal, hosts_store, step_exit_code,
+    task_slurm_vars, warm_entry, warm_env,
 )
 
 
@@ -78,6 +78,15 @@ def test_warm_env_is_the_cold_task_env():
         "3", "1", "6", "2", "1")
     assert env["SR_RESTART"] == "2" and env["MASTER_PORT"] == "20102"
     assert set(STEP_VARS) & set(env) <= set(task_slurm_vars(_req(), job_nodelist="x"))
+    # the one variable a cold task lacks: torch's env:// connects every rank to the agent store
+    assert env[AGENT_STORE_VAR] == "True" and AGENT_STORE_VAR not in cold
+    assert set(env) - set(zygote) - set(cold) - set(task_slurm_vars(_req(), job_nodelist="x")) == {AGENT_STORE_VAR}
+
+
+def test_hosts_store_once_per_step_on_the_first_node():
+    assert hosts_store(_req(node_index=0, rank=0, local_rank=0), started=False)
+    assert not hosts_store(_req(node_index=0, rank=1, local_rank=1), started=True)
+    assert not hosts_store(_req(), started=False)  # node_index 1: its ranks are clients only
 
 
 def test_warm_env_rejects_inconsistent_request():
