@@ -199,7 +199,9 @@ def test_no_spare_no_scale_in_requeues_and_resumes_bit_identical(cluster, jobs_r
     if requeue_by == "resubmit":  # a new job id in the same job dir; the first job's L1 found
         chain = json.loads((run.job_dir / "resubmitted.json").read_text())["chain"]
         assert chain == {status["job_id"]: final["job_id"]} and final["job_id"] != status["job_id"], chain
-        assert restored[-1]["tier"] == "L1", restored  # node-local checkpoints under the first job's id
+        # node-local checkpoints under the first job's id: each rank at the newest step loads its
+        # own L1 copy or its partner's (a rank behind it is streamed from one of them)
+        assert all(e["tier"].startswith("L1") for e in restored), restored
 
 
 @pytest.mark.slow
