@@ -62,7 +62,11 @@ def test_killed_supervisor_reattaches_and_still_recovers_a_killed_rank(tmp_path)
             keeper.kill()
             keeper.wait()
     assert keeper.returncode == 0, out
-    assert "killed by signal 9" in out and "re-attached to 4 running worker(s)" in out
+    # every worker it started: 3 ranks, the spare's standby and the worker nodes' own standbys
+    # (recovery.local_standbys) started before the kill
+    taken = _events(job_dir, "supervisor_reattached")[0]["workers"]
+    assert {"local1.1", "local2.2", "local3.3", "local4.4"} <= set(taken), taken
+    assert "killed by signal 9" in out and f"re-attached to {len(taken)} running worker(s)" in out
     assert [d["level"] for d in _events(job_dir, "recovery_done")] == ["online"]
     import torch
 
