@@ -122,11 +122,19 @@ def test_g2_no_spare_scales_in_by_a_node_and_reshards_8_to_6(cluster, jobs_root,
     # Kill once step 10 is in L2 on every rank and well before step 15's checkpoint (4
     # slow steps away): a kill during a checkpoint's L2 flush leaves that step in L1 only,
     # and B is started from A's L2 step directory.
-    deadline = time.time() + 60
-    while len({e["rank"] for e in _events(a.job_dir, "rank_checkpoint_durable")
-               if e.get("step") == 10 and e.get("tier") == "L2"}) < 8:
-        assert time.time() < deadline, "step 10 never reached L2 on every rank"
-        time.sleep(0.05)
+    # On a loaded box step 10's L2 may be durable only once step 15's checkpoint began:
+    # then wait for step 15 in L2 instead (and so on), and kill between two checkpoints.
+    target = 10
+    while True:
+        deadline = time.time() + 60
+        while len({e["rank"] for e in _events(a.job_dir, "rank_checkpoint_durable")
+                   if e.get("step") == target and e.get("tier") == "L2"}) < 8:
+            assert time.time() < deadline, f"step {target} never reached L2 on every rank"
+            time.sleep(0.05)
+        if not any(e.get("step") == target + 5 for e in _events(a.job_dir, "rank_checkpoint_saved")):
+            break  # the next checkpoint has not begun
+        target += 5
+        assert target + 5 < STEPS, "the job outran every window between two checkpoints"
     lab.kill_node(st["ranks"][2]["node"])
     assert a.wait() == 0, a.output()
     assert _levels(a) == ["scale-in"]
