@@ -39,6 +39,12 @@ class Case:
     cleanup: Callable[[Status], None] | None = None
     measure: str = "recovery"
     expect: str | None = None  # the ladder level this case must reach (checked, reported)
+    # the fault waits until every worker node's warm standby (recovery.local_standbys, started
+    # at the job's first step) is connected; the job gets STANDBY_STEPS more steps for that
+    standbys: bool = False
+
+
+STANDBY_STEPS = 150
 
 
 CASES: dict[str, Case] = {}
@@ -68,19 +74,20 @@ def _last(st: Status) -> dict:
 
 register(Case("kill-node", inject=lambda st: lab.kill_node(st["ranks"][1]["node"]), expect="node-replacement"))
 register(Case("rank0-node", inject=lambda st: lab.kill_node(st["ranks"][0]["node"]), expect="node-replacement"))
-register(Case("kill-rank", inject=lambda st: _kill_pid(_last(st)["pid"]), expect="online"))
+register(Case("kill-rank", inject=lambda st: _kill_pid(_last(st)["pid"]), expect="online", standbys=True))
 # the same without recovery.local_standbys: the restart in place starts a new process (cold import)
 register(Case("kill-rank-cold", inject=lambda st: _kill_pid(_last(st)["pid"]), expect="online",
-              config="recovery:\n  local_standbys: false\n"))
+              config="recovery:\n  local_standbys: false\n", standbys=True))
 register(Case("hang-rank", inject=lambda st: _kill_pid(_last(st)["pid"], signal.SIGSTOP),
-              cleanup=lambda st: _reap(_last(st)["pid"])))
+              cleanup=lambda st: _reap(_last(st)["pid"]), standbys=True))
 # the ladder's other levels, each forced by its configuration
 register(Case("scale-in", inject=lambda st: lab.kill_node(st["ranks"][1]["node"]), spares=0, expect="scale-in"))
 register(Case("process-restart", inject=lambda st: lab.kill_node(st["ranks"][1]["node"]),
-              config="recovery:\n  online_timeout_s: 0.005\n", expect="process-restart"))
+              config="recovery:\n  online_timeout_s: 0.005\n", expect="process-restart", standbys=True))
 # the same without recovery.local_standbys: every rank of the relaunch imports torch cold
 register(Case("process-restart-cold", inject=lambda st: lab.kill_node(st["ranks"][1]["node"]),
-              config="recovery:\n  online_timeout_s: 0.005\n  local_standbys: false\n", expect="process-restart"))
+              config="recovery:\n  online_timeout_s: 0.005\n  local_standbys: false\n", expect="process-restart",
+              standbys=True))
 register(Case("requeue", inject=lambda st: lab.kill_node(st["ranks"][1]["node"]), spares=0,
               config="recovery:\n  scale_in: false\n  max_requeues: 1\n", measure="restart"))
 register(Case("requeue-resubmit", inject=lambda st: lab.kill_node(st["ranks"][1]["node"]), spares=0,
@@ -104,6 +111,18 @@ register(Case("freeze-node", inject=lambda st: lab.freeze_node(st["ranks"][1]["n
               cleanup=lambda st: lab.thaw_and_revive(st["ranks"][1]["node"]), expect="node-replacement"))
 
 
+def _standbys_connected(run, status: Status, timeout_s: float = 120.0) -> Status:
+    """The status once every rank's node has a connected warm standby (outside the window)."""
+    nodes = {r["node"] for r in status["ranks"]}
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        st = run.status or status
+        if nodes <= {s["node"] for s in st.get("local_standbys", []) if s["connected"]}:
+            return st
+        time.sleep(0.05)
+    raise TimeoutError(f"no connected standby on every node of {sorted(nodes)}: {run.status}")
+
+
 def first_step_after(events: list[dict], t: float) -> float | None:
     """When the last rank of the first world formed after ``t`` completed its first step."""
     after = [e for e in events if e["kind"] == WorkerEvent.FIRST_STEP.logged and e["t"] > t]
@@ -120,9 +139,12 @@ def run_case(case: Case, root: Path, args) -> dict:
     cfg = root / f"{case.name}.yaml"
     cfg.write_text(lab.LOCAL_CONFIG.read_text() + (case.config() if callable(case.config) else case.config))
     lab.cluster("reset")
-    run = lab.submit(root / case.name, spares=case.spares, tasks_per_node=args.tasks_per_node, steps=args.steps,
+    steps = args.steps + (STANDBY_STEPS if case.standbys else 0)  # the cold twins alike
+    run = lab.submit(root / case.name, spares=case.spares, tasks_per_node=args.tasks_per_node, steps=steps,
                      step_time=args.step_time, config=cfg)
     status = run.wait_for_step(args.kill_at)
+    if case.standbys and "local_standbys: false" not in cfg.read_text():
+        status = _standbys_connected(run, status)
     t_fault = case.inject(status)  # ---- the timed window starts here
     try:
         code = run.wait()

@@ -94,8 +94,8 @@ def _start(state: SupervisorState, obs: Start, policy: Policy) -> Decision:
         for node in state.spare_nodes:
             state, more = launch_standbys(state, node, 0)
             acts += more
-        state, more = local.refill(state, policy, 0)
-        acts += more
+        # the worker nodes' own standbys wait for the job's first step (``_mark``): started
+        # now, their imports would double the CPU and file-system load of the ranks' start
     acts += [Say(f"job started: {table.world_size} ranks on {','.join(state.worker_nodes)} "
                  f"({state.tasks_per_node} per node); spares {','.join(state.spare_nodes) or 'none'}"),
              emit(EventKind.JOB_START, ranks=list(state.worker_nodes), spares=list(state.spare_nodes),
@@ -136,6 +136,8 @@ _MARKS = {WorkerEvent.RECONNECTED: "reconnected", WorkerEvent.RESTORED: "restore
 
 def _mark(state: SupervisorState, obs: WorkerMark, policy: Policy) -> Decision:
     rec = state.recovery
+    if rec is None and obs.kind is WorkerEvent.FIRST_STEP and obs.generation == state.table.generation:
+        return local.refill(state, policy, obs.generation)  # the job trains: now the nodes' standbys
     if rec is None or obs.generation != rec.generation or obs.kind not in _MARKS:
         return state, []
     key = _MARKS[obs.kind]

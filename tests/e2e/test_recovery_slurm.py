@@ -55,7 +55,8 @@ def test_node_loss_finishes_on_spare_bit_identical(cluster, jobs_root, reference
 
 
 def test_rank_killed_on_healthy_node_restarts_in_place(cluster, jobs_root, reference):
-    run = lab.submit(jobs_root / "rank-kill", steps=STEPS, step_time=FAULT_STEP_TIME)
+    # the node standbys start at the job's first step: train long enough for their import
+    run = lab.submit(jobs_root / "rank-kill", steps=STEPS, step_time=2 * FAULT_STEP_TIME)
     status = run.wait_for_step(KILL_AT)
     victim = status["ranks"][2]
     warm = _connected_standby(run, victim["node"])  # recovery.local_standbys (on by default)

@@ -29,7 +29,8 @@ SLOW_BOX = {"heartbeat_timeout_s": 8, "standby_heartbeat_timeout_s": 16}  # 2-co
 
 def _job(root, **kw) -> LocalJob:
     kw.setdefault("detect", SLOW_BOX)
-    return LocalJob(root, nodes=RANKS, steps=STEPS, step_time=0.1, script=SCRIPT, **kw).start()
+    kw.setdefault("step_time", 0.1)
+    return LocalJob(root, nodes=RANKS, steps=STEPS, script=SCRIPT, **kw).start()
 
 
 def _finals(out: Path) -> dict[int, dict]:
@@ -228,7 +229,8 @@ def test_ddp_relaunch_from_checkpoint_marks_redone_steps_as_replays(tmp_path, dd
     recovery.local_standbys: each surviving node's warm standby takes that node's slot
     in the relaunch (no torch import); the spare node's rank starts cold."""
     job = _job(tmp_path, checkpoint={"shared_every_kth": 1},
-               recovery={"online_timeout_s": 0.005, "local_standbys": True})
+               recovery={"online_timeout_s": 0.005, "local_standbys": True},
+               step_time=0.3)  # the standbys start at the first step: time for their import
     try:
         st = job.wait_for_step(13)
         lost = st["ranks"][1]["node"]

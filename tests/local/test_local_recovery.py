@@ -36,7 +36,7 @@ def test_node_loss_recovers_on_spare_bit_identical(job_factory, reference):
 def test_killed_rank_restarts_in_place_bit_identical(job_factory, reference):
     """recovery.local_standbys: the dead rank's slot goes to its node's warm standby (no
     process start), and a new standby is started on that node once the recovery is done."""
-    job = job_factory(recovery={"local_standbys": True})
+    job = job_factory(recovery={"local_standbys": True}, step_time=0.3)  # time for the standby to import
     st = job.wait_for_step(INJECT_AFTER)
     victim = st["ranks"][2]
     warm = job.local_standby(victim["node"])

@@ -54,7 +54,7 @@ def test_g2_node_loss_moves_both_ranks_to_the_spare(job_factory, reference_g2):
 @pytest.mark.timeout(300)
 def test_g2_one_local_rank_killed_only_it_restarts(job_factory, reference_g2):
     """With recovery.local_standbys the node's one standby takes local rank 1's slot."""
-    job = job_factory(tasks_per_node=G, recovery={"local_standbys": True})
+    job = job_factory(tasks_per_node=G, recovery={"local_standbys": True}, step_time=0.3)  # time for its import
     st = job.wait_for_step(INJECT_AFTER)
     victim = st["ranks"][3]  # local rank 1 of node index 1
     warm = job.local_standby(victim["node"])

@@ -31,6 +31,8 @@ def started(p=None, g=1, connect=True):
                             target_world=len(WORKERS), worker_nodes=WORKERS, spare_nodes=SPARES,
                             addresses={n: f"10.0.0.{n[1:]}" for n in WORKERS + SPARES}, tasks_per_node=g)
     state, acts = decide(state, m.Start(), 0.0, p)
+    state, more = decide(state, m.WorkerMark(WorkerEvent.FIRST_STEP, 0, 0, 0.05), 0.05, p)  # the job trains
+    acts = acts + more
     for wid, w in list(state.workers.items()):
         if w.role is Role.STANDBY and (connect or w.node in SPARES):
             state, _ = decide(state, m.Connected(wid, 100, 0.1), 0.1, p)
@@ -66,6 +68,27 @@ def test_the_key_defaults_on_and_is_online_only():
     assert not policy(mode=Mode.RELAUNCH).local_standbys  # relaunch mode: the zygotes (run.warm)
     with pytest.raises(ConfigError):
         load_config({"recovery": {"local_standbys": "sometimes"}})
+
+
+def test_the_worker_nodes_standbys_start_with_the_jobs_first_step_not_with_its_ranks():
+    p = policy()
+    state = SupervisorState(job_id="7", phase=JobPhase.STARTING, table=RankTable(generation=0, slots=()),
+                            target_world=len(WORKERS), worker_nodes=WORKERS, spare_nodes=SPARES,
+                            addresses={n: f"10.0.0.{n[1:]}" for n in WORKERS + SPARES})
+    state, acts = decide(state, m.Start(), 0.0, p)
+    # the ranks and the spare's standby only: 3 more imports would slow the ranks' start
+    assert [a.node for a in of(acts, m.Launch) if a.role is Role.STANDBY] == ["n5"]
+    assert not state.local_standbys and EventKind.LOCAL_STANDBY_STARTED not in kinds(acts)
+    state, acts = decide(state, m.WorkerMark(WorkerEvent.RECONNECTED, 0, 0, 0.04), 0.04, p)
+    assert not of(acts, m.Launch)
+    state, acts = decide(state, m.WorkerMark(WorkerEvent.FIRST_STEP, 2, 0, 0.05), 0.05, p)
+    assert sorted(a.node for a in of(acts, m.Launch)) == list(WORKERS)
+    state, acts = decide(state, m.WorkerMark(WorkerEvent.FIRST_STEP, 1, 0, 0.06), 0.06, p)
+    assert not of(acts, m.Launch)  # one each
+    off = policy(local_standbys=False)
+    state, _ = decide(dataclasses.replace(state, local_standbys={}), m.WorkerMark(WorkerEvent.FIRST_STEP, 0, 0, 0.1),
+                      0.1, off)
+    assert not state.local_standbys
 
 
 def test_start_launches_one_standby_per_worker_node_whatever_g():
