@@ -88,10 +88,12 @@ register(Case("process-restart", inject=lambda st: lab.kill_node(st["ranks"][1][
 register(Case("process-restart-cold", inject=lambda st: lab.kill_node(st["ranks"][1]["node"]),
               config="recovery:\n  online_timeout_s: 0.005\n  local_standbys: false\n", expect="process-restart",
               standbys=True))
+# (the job's steady state: its node standbys connected, so the stop is not theirs to wait for)
 register(Case("requeue", inject=lambda st: lab.kill_node(st["ranks"][1]["node"]), spares=0,
-              config="recovery:\n  scale_in: false\n  max_requeues: 1\n", measure="restart"))
+              config="recovery:\n  scale_in: false\n  max_requeues: 1\n", measure="restart", standbys=True))
 register(Case("requeue-resubmit", inject=lambda st: lab.kill_node(st["ranks"][1]["node"]), spares=0,
-              config="recovery:\n  scale_in: false\n  max_requeues: 1\n  requeue_by: resubmit\n", measure="restart"))
+              config="recovery:\n  scale_in: false\n  max_requeues: 1\n  requeue_by: resubmit\n", measure="restart",
+              standbys=True))
 register(Case("supervisor", inject=lambda st: _kill_pid(st["supervisor_pid"]), measure="reattach"))
 
 
