@@ -3,7 +3,7 @@
 
 A real Supervisor with LocalLauncher (3 ranks + 1 spare on localhost, gloo,
 examples/train_mlp.py, the tests/local job's shape). Once every rank has done
---inject-after steps the injector writes rank 1's node into the file the script
+--inject-after steps the injector writes rank 1's worker id into the file the script
 polls (``--block-file``) and notes the time: rank 1's main thread blocks on a lock
 forever at its next step; its process, heartbeat thread and pulse live on, its
 peers wait in the gradient all-reduce. Contenders, the same job otherwise, run
@@ -64,7 +64,7 @@ def run_once(root: Path, detect: dict, args: argparse.Namespace) -> dict:
     try:
         status = _wait_for_step(job_dir, args.inject_after, thread)
         tmp = flag.with_suffix(".tmp")
-        tmp.write_text(status["ranks"][1]["node"])
+        tmp.write_text(status["ranks"][1]["worker_id"])
         t_fault = time.time()  # before the rename: the window is never shorter than the truth
         os.replace(tmp, flag)
         thread.join(args.timeout_s)

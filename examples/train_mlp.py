@@ -36,8 +36,8 @@ def main() -> None:
     ap.add_argument("--gil-node", default="", help="tests: the first process on this node holds the GIL")
     ap.add_argument("--fault-at", type=int, default=8, help="tests: ... at this step")
     ap.add_argument("--gil-s", type=float, default=3.0, help="tests: ... for this long")
-    ap.add_argument("--block-file", default="", help="tests: once this file names this process's node, its main "
-                                                     "thread blocks forever (the injector times the fault)")
+    ap.add_argument("--block-file", default="", help="tests: once this file holds this process's worker id, its "
+                                                     "main thread blocks forever (the injector times the fault)")
     args = ap.parse_args()
     first = os.environ.get("SR_GENERATION") == "0"  # a restarted rank does not repeat the fault
 
@@ -78,10 +78,10 @@ def main() -> None:
 
 
 def _named(path: str) -> bool:
-    """The injector wrote this process's node into ``path`` (written whole, then renamed)."""
+    """The injector wrote this process's worker id into ``path`` (written whole, then renamed)."""
     try:
         with open(path) as f:
-            return f.read().strip() == os.environ.get("SR_NODE")
+            return f.read().strip() == os.environ.get("SR_WORKER_ID")
     except FileNotFoundError:
         return False
 

@@ -30,7 +30,7 @@ def test_a_rank_blocked_on_a_lock_is_found_by_its_waiting_peers_and_restarted(jo
     st = job.wait_for_step(INJECT_AFTER)
     victim = st["ranks"][1]
     others = {r["rank"]: r["pid"] for r in st["ranks"] if r["rank"] != 1}
-    flag.with_suffix(".tmp").write_text(victim["node"])
+    flag.with_suffix(".tmp").write_text(victim["worker_id"])
     t_fault = time.time()
     os.replace(flag.with_suffix(".tmp"), flag)  # its next step blocks on a lock forever
     assert job.wait(200) == 0, job.diag()
