@@ -12,6 +12,8 @@ after recovery (the last rank's). Cases:
                       its node's warm standby adopts the slot (recovery.local_standbys)
     kill-rank-cold    the same with recovery.local_standbys off: a new process imports torch
     hang-rank         the last rank SIGSTOPped → heartbeat stale → recovered
+    hang-main         the last rank's main thread blocks on a lock (heartbeat and pulse alive)
+                      → hung after the blocking timeout (its peers all wait) → restarted in place
     scale-in          node killed, no spare: the others continue
     process-restart   node killed, online recovery forced to time out → all relaunched;
                       each surviving node's warm standby takes its node's first slot

@@ -42,6 +42,7 @@ class Case:
     # the fault waits until every worker node's warm standby (recovery.local_standbys, started
     # at the job's first step) is connected; the job gets STANDBY_STEPS more steps for that
     standbys: bool = False
+    args: Callable[[Path], tuple[str, ...]] | None = None  # more training-script arguments, given the job dir
 
 
 STANDBY_STEPS = 150
@@ -72,6 +73,16 @@ def _last(st: Status) -> dict:
     return st["ranks"][-1]
 
 
+def _block_main(st: Status) -> float:
+    """The last rank's main thread blocks on a lock forever (examples/train_mlp.py
+    --block-file); its process, heartbeat thread and pulse live on."""
+    flag = Path(st["job_dir"]) / "block"
+    flag.with_suffix(".tmp").write_text(_last(st)["worker_id"])
+    t = time.time()  # before the rename: the window is never shorter than the truth
+    os.replace(flag.with_suffix(".tmp"), flag)
+    return t
+
+
 register(Case("kill-node", inject=lambda st: lab.kill_node(st["ranks"][1]["node"]), expect="node-replacement"))
 register(Case("rank0-node", inject=lambda st: lab.kill_node(st["ranks"][0]["node"]), expect="node-replacement"))
 register(Case("kill-rank", inject=lambda st: _kill_pid(_last(st)["pid"]), expect="online", standbys=True))
@@ -80,6 +91,9 @@ register(Case("kill-rank-cold", inject=lambda st: _kill_pid(_last(st)["pid"]), e
               config="recovery:\n  local_standbys: false\n", standbys=True))
 register(Case("hang-rank", inject=lambda st: _kill_pid(_last(st)["pid"], signal.SIGSTOP),
               cleanup=lambda st: _reap(_last(st)["pid"]), standbys=True))
+# a main thread stuck while the heartbeat thread beats on: the blocking timeout (docs/timeouts.md)
+register(Case("hang-main", inject=_block_main, args=lambda job_dir: ("--block-file", str(job_dir / "block")),
+              expect="online", standbys=True))
 # the ladder's other levels, each forced by its configuration
 register(Case("scale-in", inject=lambda st: lab.kill_node(st["ranks"][1]["node"]), spares=0, expect="scale-in"))
 register(Case("process-restart", inject=lambda st: lab.kill_node(st["ranks"][1]["node"]),
@@ -143,10 +157,12 @@ def run_case(case: Case, root: Path, args) -> dict:
     lab.cluster("reset")
     steps = args.steps + (STANDBY_STEPS if case.standbys else 0)  # the cold twins alike
     run = lab.submit(root / case.name, spares=case.spares, tasks_per_node=args.tasks_per_node, steps=steps,
-                     step_time=args.step_time, config=cfg)
+                     step_time=args.step_time, config=cfg,
+                     extra_args=case.args(root / case.name) if case.args else ())
     status = run.wait_for_step(args.kill_at)
     if case.standbys and "local_standbys: false" not in cfg.read_text():
         status = _standbys_connected(run, status)
+    status = {**status, "job_dir": str(run.job_dir)}
     t_fault = case.inject(status)  # ---- the timed window starts here
     try:
         code = run.wait()

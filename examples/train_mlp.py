@@ -36,6 +36,8 @@ def main() -> None:
     ap.add_argument("--gil-node", default="", help="tests: the first process on this node holds the GIL")
     ap.add_argument("--fault-at", type=int, default=8, help="tests: ... at this step")
     ap.add_argument("--gil-s", type=float, default=3.0, help="tests: ... for this long")
+    ap.add_argument("--block-file", default="", help="tests: once this file holds this process's worker id, its "
+                                                     "main thread blocks forever (the injector times the fault)")
     args = ap.parse_args()
     first = os.environ.get("SR_GENERATION") == "0"  # a restarted rank does not repeat the fault
 
@@ -64,6 +66,8 @@ def main() -> None:
                 if first and step.index == args.fault_at and os.environ.get("SR_NODE") in (args.block_node,
                                                                                             args.gil_node):
                     _inject(args)
+                if first and args.block_file and _named(args.block_file):
+                    _block_forever()
                 session.all_reduce_gradients(model)  # (4) collectives first, update last
                 opt.step()
                 sched.step()
@@ -73,13 +77,26 @@ def main() -> None:
                 print(f"step {step.index} loss {loss.item():.5f}", flush=True)
 
 
+def _named(path: str) -> bool:
+    """The injector wrote this process's worker id into ``path`` (written whole, then renamed)."""
+    try:
+        with open(path) as f:
+            return f.read().strip() == os.environ.get("SR_WORKER_ID")
+    except FileNotFoundError:
+        return False
+
+
+def _block_forever() -> None:
+    lock = threading.Lock()
+    lock.acquire()
+    lock.acquire()  # a deadlock: blocks forever
+
+
 def _inject(args) -> None:
     """Tests of the progress watchdog: a main thread that never comes back (its heartbeat
     thread and process live on), or one that holds the GIL (no other thread runs)."""
     if os.environ.get("SR_NODE") == args.block_node:
-        lock = threading.Lock()
-        lock.acquire()
-        lock.acquire()  # a deadlock: blocks forever
+        _block_forever()
     else:
         # ctypes.PyDLL calls keep the GIL (CDLL would release it): for these seconds
         # no thread of this interpreter runs, the heartbeat thread included.

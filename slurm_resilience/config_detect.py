@@ -12,6 +12,8 @@ from slurm_resilience.errors import ConfigError
 
 __all__ = ["DetectConfig"]
 
+BLOCK_PER_STALE = 2.5  # the blocking timeout's default floor, in heartbeat timeouts
+
 
 @dataclass(frozen=True, kw_only=True)
 class DetectConfig:
@@ -45,9 +47,16 @@ class DetectConfig:
         progress_hard_s: floor of the hard step timeout: a rank without progress this long,
             not waiting on its peers, is hung and recovered (>= progress_soft_s,
             < reconnect.pg_timeout_s).
+        progress_block_s: floor of the blocking step timeout: a rank without progress this
+            long, not waiting, while every other rank waits on its peers (the job is blocked
+            on it), is hung and recovered without waiting for the hard timeout; only once
+            it has completed a step (> heartbeat_timeout_s, <= progress_hard_s). Unset:
+            2.5 x heartbeat_timeout_s (5 s by default), at most progress_hard_s; equal to
+            progress_hard_s turns the shortcut off.
         progress_factor: the timeouts grow with the measured step time: soft =
-            max(progress_soft_s, factor/2 x longest recent step), hard = max(progress_hard_s,
-            factor x longest recent step) (>= 2).
+            max(progress_soft_s, factor/2 x longest recent step), block =
+            max(progress_block_s, factor/2 x longest recent step), hard =
+            max(progress_hard_s, factor x longest recent step) (>= 2).
     """
 
     heartbeat_period_s: float = 0.25
@@ -62,7 +71,16 @@ class DetectConfig:
     pulse: bool = True
     progress_soft_s: float = 10.0
     progress_hard_s: float = 20.0
+    progress_block_s: float | None = None
     progress_factor: float = 10.0
+
+    @property
+    def block_floor_s(self) -> float:
+        """The blocking step timeout's floor: as set, else 2.5 x heartbeat_timeout_s (at most
+        progress_hard_s): a healthy interpreter may go quiet up to the heartbeat timeout."""
+        if self.progress_block_s is not None:
+            return self.progress_block_s
+        return min(self.progress_hard_s, BLOCK_PER_STALE * self.heartbeat_timeout_s)
 
     def __post_init__(self) -> None:
         if self.progress_factor < 2:

@@ -33,6 +33,9 @@ def rules(cfg: "ResilienceConfig") -> list[tuple[str, float, str, float, str]]:
          d.heartbeat_period_s, "a survivor must leave a broken collective (one wait slice) faster than a beat"),
         ("detect.heartbeat_timeout_s", d.heartbeat_timeout_s, "detect.progress_soft_s", d.progress_soft_s,
          "a stale heartbeat is a suspect before the step watchdog may call a rank slow"),
+        ("detect.heartbeat_timeout_s", d.heartbeat_timeout_s, "detect.progress_block_s", d.block_floor_s,
+         "a healthy rank may go quiet (GIL held, CPU starved) up to the heartbeat timeout; the job "
+         "waiting on it must not make that a hang"),
         ("detect.progress_hard_s", d.progress_hard_s, "reconnect.pg_timeout_s", c.pg_timeout_s,
          "the watchdog must recover a hung rank before its peers' collectives time out on their own"),
         ("reconnect.pg_timeout_s", c.pg_timeout_s, "reconnect.nccl_heartbeat_timeout_s", c.nccl_heartbeat_timeout_s,
@@ -44,8 +47,8 @@ def check_hierarchy(cfg: "ResilienceConfig") -> None:
     """Raise ConfigError naming the first two values out of order.
 
     Raises:
-        ConfigError: a rule of :func:`rules` is broken, progress_soft_s > progress_hard_s,
-            or recovery.online_timeout_s > recovery.fallback_timeout_s.
+        ConfigError: a rule of :func:`rules` is broken, progress_soft_s or progress_block_s
+            > progress_hard_s, or recovery.online_timeout_s > recovery.fallback_timeout_s.
     """
     for small, a, large, b, why in rules(cfg):
         if not a < b:
@@ -54,6 +57,10 @@ def check_hierarchy(cfg: "ResilienceConfig") -> None:
     if d.progress_soft_s > d.progress_hard_s:
         raise ConfigError(f"detect.progress_soft_s={d.progress_soft_s:g} must be <= "
                           f"detect.progress_hard_s={d.progress_hard_s:g}: a rank is reported slow before it is hung")
+    if d.block_floor_s > d.progress_hard_s:
+        raise ConfigError(f"detect.progress_block_s={d.block_floor_s:g} must be <= "
+                          f"detect.progress_hard_s={d.progress_hard_s:g}: the job blocked on a rank is the "
+                          "shortcut, not the longer wait")
     if r.online_timeout_s > r.fallback_timeout_s:
         raise ConfigError(f"recovery.online_timeout_s={r.online_timeout_s:g} must be <= "
                           f"recovery.fallback_timeout_s={r.fallback_timeout_s:g}: the fallback relaunches every "

@@ -8,34 +8,47 @@ Three signs per rank, each from a different place:
 * the progress counter itself, and whether the main thread is waiting on its peers.
 
 A stale heartbeat alone is only a *suspect* (reported, not acted on); a rank is
-*hung* when the evidence says so. Rules (:func:`assess`, pure), first match wins:
+*hung* when the evidence says so. The progress counter reaches the supervisor twice:
+in every pulse line and in every store heartbeat (the heartbeat thread copies it from
+the same page), so a rank whose pulse died still shows whether its main thread moves.
+Progress is *seen* when the pulse is fresh or the heartbeat is. Rules (:func:`assess`,
+pure), first match wins:
 
 ==========================  =================================  ===========  ==========
 pulse                       progress / process state           heartbeat    verdict
 ==========================  =================================  ===========  ==========
 fresh                       stopped (state T)                  stale        HUNG
-fresh                       in checkpoint I/O, no progress     any          SLOW after
+progress seen               in checkpoint I/O, no progress     any          SLOW after
                             > soft                                          soft, never hung
-fresh                       no progress > hard, not waiting    any          HUNG
-fresh                       no progress > hard, waiting        any          WAITING¹
-fresh                       no progress > soft                 any          SLOW
+progress seen               no progress > hard, not waiting    any          HUNG
+progress seen               no progress > hard, waiting        any          WAITING¹
+progress seen               no progress > block, not waiting,  any          HUNG³
+                            every other rank waiting
+progress seen               no progress > soft                 any          SLOW
 fresh                       advancing                          stale        SUSPECT
 older than vouch, or none   any                                stale        SILENT²
-older than the stale time   any                                fresh        SUSPECT
+older than the stale time   advancing                          fresh        SUSPECT
 ==========================  =================================  ===========  ==========
 
 "fresh" for a pulse is younger than ``Timeouts.vouch_s`` (4 heartbeat periods, at
 least 1 s, at most the heartbeat timeout): on a frozen node the pulse and the
 heartbeat stop together, so the pulse is long silent when the heartbeat turns stale.
+"no progress for X" is evidence, not a guess: X spans two reports (pulse lines or
+heartbeats) that showed the same counter, so a late report never lengthens it.
 
-¹ blocked on a peer: not its fault. When every rank with a fresh pulse is past the
-  hard timeout and waits (a collective that never returns anywhere), all are HUNG.
+¹ blocked on a peer: not its fault. When every rank whose progress is seen is past
+  the hard timeout and waits (a collective that never returns anywhere), all are HUNG.
 ² no sign of life at all: the old heartbeat path (the executor probes the node:
   unreachable → node lost, else process hung), so a frozen node costs no more
   than the heartbeat timeout.
+³ the rank blocks the job: every other rank's progress is seen and it waits on its
+  peers (or is blocked too), so nothing moves until this rank does. Only a rank that
+  has completed a step since the watch began or the last recovery (its first step
+  may compile, warm up, load: the hard timeout judges it); at least one waiting peer.
 
 The step timeouts come from measured step times (:func:`derive_timeouts`):
-soft = max(``progress_soft_s``, factor/2 × longest recent step), hard =
+soft = max(``progress_soft_s``, factor/2 × longest recent step), block =
+max(``progress_block_s``, factor/2 × longest recent step), hard =
 max(``progress_hard_s``, factor × longest recent step).
 """
 
@@ -46,7 +59,7 @@ import dataclasses
 import enum
 from typing import Mapping, Sequence
 
-__all__ = ["Verdict", "Signs", "Timeouts", "assess", "derive_timeouts", "ProgressWatch"]
+__all__ = ["Verdict", "Signs", "Timeouts", "assess", "derive_timeouts", "progress_in", "ProgressWatch"]
 
 
 class Verdict(enum.Enum):
@@ -80,56 +93,64 @@ class Signs:
     state: str | None = None
     waiting: bool = False
     busy: bool = False  # in the toolkit's own checkpoint I/O: not a step, no step timeout
-    stalled_s: float = 0.0  # since the progress counter last changed
+    stalled_s: float = 0.0  # the counter was the same in two reports this far apart
+    hb_progress: bool = False  # the heartbeat carries the counter: seen while the heartbeat is fresh
+    stepped: bool = False  # completed a step since the watch began or the last recovery
 
 
 @dataclasses.dataclass(frozen=True)
 class Timeouts:
     """``stale_s``: heartbeat timeout; ``soft_s``/``hard_s``: step timeouts; ``pulse_s``: a pulse
     older than this no longer vouches for a rank whose heartbeat is stale (shorter than
-    ``stale_s``, so a frozen node, where both stop together, is not detected later)."""
+    ``stale_s``, so a frozen node, where both stop together, is not detected later);
+    ``block_s``: step timeout of a rank every other rank waits on (None: ``hard_s``)."""
 
     stale_s: float
     soft_s: float
     hard_s: float
     pulse_s: float | None = None  # None: stale_s
+    block_s: float | None = None
 
     @property
     def vouch_s(self) -> float:
         return self.stale_s if self.pulse_s is None else self.pulse_s
 
+    @property
+    def blocking_s(self) -> float:
+        return self.hard_s if self.block_s is None else min(self.block_s, self.hard_s)
+
 
 def derive_timeouts(step_times: Sequence[float], *, stale_s: float, soft_s: float, hard_s: float,
-                    factor: float, pulse_s: float | None = None) -> Timeouts:
+                    factor: float, pulse_s: float | None = None, block_s: float | None = None) -> Timeouts:
     """Pure: the step timeouts for the recent step times (the floors while none is known)."""
     longest = max(step_times, default=0.0)
-    return Timeouts(stale_s=stale_s, soft_s=max(soft_s, factor / 2 * longest), hard_s=max(hard_s, factor * longest),
-                    pulse_s=pulse_s)
+    hard = max(hard_s, factor * longest)
+    return Timeouts(stale_s=stale_s, soft_s=max(soft_s, factor / 2 * longest), hard_s=hard, pulse_s=pulse_s,
+                    block_s=None if block_s is None else min(hard, max(block_s, factor / 2 * longest)))
 
 
 def assess(signs: Mapping[str, Signs], t: Timeouts) -> dict[str, tuple[Verdict, str]]:
     """Pure: each rank's verdict and the evidence for it (the table above)."""
     out: dict[str, tuple[Verdict, str]] = {}
     past_hard: list[str] = []
+    fresh = {w: s.pulse_age is not None and s.pulse_age <= t.vouch_s for w, s in signs.items()}
+    seen = {w: fresh[w] or (s.hb_progress and s.hb_age <= t.stale_s) for w, s in signs.items()}
     for wid, s in signs.items():
         hb_stale = s.hb_age > t.stale_s
-        if s.pulse_age is not None and s.pulse_age <= t.vouch_s:
-            if s.state == "T" and hb_stale:
-                out[wid] = (Verdict.HUNG, f"process stopped (state T), heartbeat stale for {s.hb_age:.1f} s")
-            elif s.busy:
-                out[wid] = ((Verdict.SLOW, f"in checkpoint I/O for {s.stalled_s:.1f} s (soft timeout "
-                                           f"{t.soft_s:.1f} s)") if s.stalled_s > t.soft_s else (Verdict.OK, ""))
-            elif s.stalled_s > t.hard_s:
-                past_hard.append(wid)
-            elif s.stalled_s > t.soft_s:
-                out[wid] = (Verdict.WAITING if s.waiting else Verdict.SLOW,
-                            f"no progress for {s.stalled_s:.1f} s (soft timeout {t.soft_s:.1f} s)"
-                            + (", waiting on its peers" if s.waiting else ""))
-            elif hb_stale:
-                out[wid] = (Verdict.SUSPECT, f"heartbeat stale for {s.hb_age:.1f} s, but the process is alive "
-                                             f"(state {s.state}) and progressing (pulse fresh)")
-            else:
-                out[wid] = (Verdict.OK, "")
+        if fresh[wid] and s.state == "T" and hb_stale:
+            out[wid] = (Verdict.HUNG, f"process stopped (state T), heartbeat stale for {s.hb_age:.1f} s")
+        elif seen[wid] and s.busy:
+            out[wid] = ((Verdict.SLOW, f"in checkpoint I/O for {s.stalled_s:.1f} s (soft timeout "
+                                       f"{t.soft_s:.1f} s)") if s.stalled_s > t.soft_s else (Verdict.OK, ""))
+        elif seen[wid] and s.stalled_s > t.hard_s:
+            past_hard.append(wid)
+        elif seen[wid] and s.stalled_s > t.soft_s:
+            out[wid] = (Verdict.WAITING if s.waiting else Verdict.SLOW,
+                        f"no progress for {s.stalled_s:.1f} s (soft timeout {t.soft_s:.1f} s)"
+                        + (", waiting on its peers" if s.waiting else ""))
+        elif fresh[wid] and hb_stale:
+            out[wid] = (Verdict.SUSPECT, f"heartbeat stale for {s.hb_age:.1f} s, but the process is alive "
+                                         f"(state {s.state}) and progressing (pulse fresh)")
         elif hb_stale:
             what = "no pulse" if s.pulse_age is None else f"pulse silent for {s.pulse_age:.1f} s"
             out[wid] = (Verdict.SILENT, f"heartbeat stale for {s.hb_age:.1f} s and {what}")
@@ -138,57 +159,108 @@ def assess(signs: Mapping[str, Signs], t: Timeouts) -> dict[str, tuple[Verdict, 
         else:
             out[wid] = (Verdict.OK, "")
     culprits = [w for w in past_hard if not signs[w].waiting]
-    # "Every rank waits" needs every rank with a fresh pulse past the hard timeout: the culprit
+    # "Every rank waits" needs every rank whose progress is seen past the hard timeout: the culprit
     # may have moved last (it completed the previous step after its peers entered the next
     # collective) and cross the timeout a moment after them.
-    everyone = not culprits and all(w in past_hard for w in signs
-                                    if signs[w].pulse_age is not None and signs[w].pulse_age <= t.vouch_s)
+    everyone = not culprits and all(w in past_hard for w in signs if seen[w])
     for wid in past_hard:
         s = signs[wid]
         if (culprits and s.waiting) or not (culprits or everyone):
             out[wid] = (Verdict.WAITING, f"no progress for {s.stalled_s:.1f} s, waiting on its peers")
         elif culprits:
             out[wid] = (Verdict.HUNG, f"no progress for {s.stalled_s:.1f} s (hard timeout {t.hard_s:.1f} s) "
-                                      f"while not waiting on its peers (state {s.state})")
+                                      f"while not waiting on its peers{_where(s, fresh[wid])}")
         else:
             out[wid] = (Verdict.HUNG, f"no progress for {s.stalled_s:.1f} s (hard timeout {t.hard_s:.1f} s) "
                                       "on every stalled rank, all waiting: a collective that never returns")
+    for wid in _blockers(signs, seen, t):
+        s = signs[wid]
+        out[wid] = (Verdict.HUNG, f"no progress for {s.stalled_s:.1f} s (blocking timeout {t.blocking_s:.1f} s), "
+                                  f"not waiting, while every other rank waits on its peers{_where(s, fresh[wid])}")
     return out
 
 
+def progress_in(beat: Mapping | None) -> tuple[int, int, int] | None:
+    """Pure: ``(progress, phase, step)`` a heartbeat carries (``worker/heartbeat.py``); None
+    for a beat without them (none yet, or a rank of an older version) or a malformed one."""
+    try:
+        return (int(beat["progress"]), int(beat["phase"]), int(beat["step"])) if beat and "progress" in beat else None
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def _blockers(signs: Mapping[str, Signs], seen: Mapping[str, bool], t: Timeouts) -> list[str]:
+    """Pure: the ranks the whole job waits on (rule ³), not yet past the hard timeout.
+
+    Stuck: progress seen, neither waiting nor in checkpoint I/O, no progress past the
+    blocking timeout. The job is blocked on them when every rank's progress is seen
+    and each one waits or is stuck, and at least one waits (a peer to block)."""
+    stuck = {w for w, s in signs.items()
+             if seen[w] and not s.waiting and not s.busy and s.stalled_s > t.blocking_s}
+    if not stuck or not all(seen[w] and (s.waiting or w in stuck) for w, s in signs.items()):
+        return []
+    if not any(s.waiting for s in signs.values()):
+        return []
+    return [w for w in stuck if signs[w].stepped and signs[w].stalled_s <= t.hard_s]
+
+
+def _where(s: Signs, fresh: bool) -> str:
+    """Where the progress was seen: the pulse (with the process state) or only the heartbeat."""
+    if fresh:
+        return f" (state {s.state})"
+    what = "no pulse" if s.pulse_age is None else f"pulse silent for {s.pulse_age:.1f} s"
+    return f" (progress from its heartbeat; {what})"
+
+
 class ProgressWatch:
-    """The watchdog's bookkeeping (when each counter last moved, recent step times);
-    the verdicts are :func:`assess`'s. ``now`` is given: testable with a fake clock."""
+    """The watchdog's bookkeeping (when each counter last moved, recent step times, who
+    has completed a step); the verdicts are :func:`assess`'s. ``now`` is given:
+    testable with a fake clock."""
 
     def __init__(self, *, stale_s: float, soft_s: float, hard_s: float, factor: float, pulse_s: float | None = None,
-                 window: int = 20) -> None:
-        self._floors = dict(stale_s=stale_s, soft_s=soft_s, hard_s=hard_s, factor=factor, pulse_s=pulse_s)
-        self._moved: dict[str, tuple[int, float]] = {}  # worker → (progress, when it changed)
+                 block_s: float | None = None, window: int = 20) -> None:
+        self._floors = dict(stale_s=stale_s, soft_s=soft_s, hard_s=hard_s, factor=factor, pulse_s=pulse_s,
+                            block_s=block_s)
+        self._moved: dict[str, tuple[int, float]] = {}  # worker → (progress, first report showing it)
         self._stepped: dict[str, tuple[int, float]] = {}  # worker → (step, when it was first seen)
+        self._warm: set[str] = set()  # completed a step since it was first seen or the last recovery
         self._times: collections.deque[float] = collections.deque(maxlen=window)
         self.verdicts: dict[str, tuple[Verdict, str]] = {}
 
     def timeouts(self) -> Timeouts:
         return derive_timeouts(self._times, **self._floors)
 
-    def observe(self, hb_t: Mapping[str, float], pulses: Mapping, now: float, *,
-                paused: bool = False) -> list[tuple[str, Verdict, Verdict, str]]:
+    def observe(self, hb_t: Mapping[str, float], pulses: Mapping, now: float, *, paused: bool = False,
+                hb_progress: Mapping[str, tuple[int, int, int]] | None = None,
+                ) -> list[tuple[str, Verdict, Verdict, str]]:
         """Fold in one look at the ranks (``hb_t``: last heartbeat, or start, per rank;
-        ``pulses``: ``detect.Pulse`` per worker). ``paused``: a recovery is in flight, so
-        a stall is expected: progress clocks restart. Returns the changes of verdict
-        ``(worker, old, new, evidence)``."""
+        ``pulses``: ``detect.Pulse`` per worker; ``hb_progress``: ``(progress, phase, step)``
+        carried by a rank's newest heartbeat, phase as in ``worker/pulse.py``). ``paused``:
+        a recovery is in flight, so a stall is expected: progress clocks restart.
+        Returns the changes of verdict ``(worker, old, new, evidence)``."""
         signs: dict[str, Signs] = {}
         for wid, t in hb_t.items():
             p = pulses.get(wid)
-            if p is None:
+            h = (hb_progress or {}).get(wid)
+            reports = []  # (when, progress, phase, step): the pulse's line, the heartbeat's copy
+            if p is not None:
+                reports.append((p.t, p.progress, 1 if p.waiting else 2 if p.busy else 0, p.step))
+            if h is not None:
+                reports.append((t, *h))
+            if not reports:
                 signs[wid] = Signs(hb_age=now - t)
                 continue
-            self._note_step(wid, p.step, now, paused)
+            self._note_step(wid, max(r[3] for r in reports), now, paused)
+            value = max(r[1] for r in reports)  # one counter, two copies: the higher is newer
+            showing = [r for r in reports if r[1] == value]
+            newest = max(showing, key=lambda r: r[0])
             last = self._moved.get(wid)
-            if paused or last is None or last[0] != p.progress:
-                self._moved[wid] = last = (p.progress, now)
-            signs[wid] = Signs(hb_age=now - t, pulse_age=now - p.t, state=p.state, waiting=p.waiting,
-                               busy=p.busy, stalled_s=now - last[1])
+            if paused or last is None or last[0] != value:
+                self._moved[wid] = last = (value, newest[0] if paused else min(r[0] for r in showing))
+            signs[wid] = Signs(hb_age=now - t, pulse_age=None if p is None else now - p.t,
+                               state=None if p is None else p.state, waiting=newest[2] == 1, busy=newest[2] == 2,
+                               stalled_s=max(0.0, newest[0] - last[1]), hb_progress=h is not None,
+                               stepped=wid in self._warm)
         new = assess(signs, self.timeouts())
         changes = []
         for wid, (verdict, why) in new.items():
@@ -199,12 +271,16 @@ class ProgressWatch:
         for wid in [w for w in self._moved if w not in hb_t]:  # workers no longer watched
             self._moved.pop(wid, None)
             self._stepped.pop(wid, None)
+            self._warm.discard(wid)
         return changes
 
     def _note_step(self, wid: str, step: int, now: float, paused: bool) -> None:
         prev = self._stepped.get(wid)
         if paused or prev is None or step < prev[0]:
             self._stepped[wid] = (step, now)  # a recovery's own pause is not a step time
+            if paused:
+                self._warm.discard(wid)  # its next step may rebuild, reload, recompile
         elif step > prev[0]:
             self._times.append((now - prev[1]) / (step - prev[0]))
             self._stepped[wid] = (step, now)
+            self._warm.add(wid)

@@ -35,7 +35,7 @@ from .probe import NodeProbed, NodeProber, silent_nodes
 from .messages import (
     AllDone, Connected, LivenessChange, NodeBack, Observation, Preempted, Straggler, Suspect, Suspects, Tick, WorkerMark,
 )
-from .progress import ACTED_ON, ProgressWatch
+from .progress import ACTED_ON, ProgressWatch, progress_in
 from . import local
 from .recover import returning_candidates
 from .state import SupervisorState
@@ -61,6 +61,7 @@ class Watch:
         # frozen node both stop together, and the node must not be found later than before.
         self.progress = ProgressWatch(stale_s=d.heartbeat_timeout_s, soft_s=d.progress_soft_s,
                                       hard_s=d.progress_hard_s, factor=d.progress_factor,
+                                      block_s=d.block_floor_s,
                                       pulse_s=min(d.heartbeat_timeout_s, max(4 * d.heartbeat_period_s, 1.0)))
         self.handles, self.events, self.preempted = handles, events, preempted
         self.events_seen = events_seen
@@ -149,7 +150,8 @@ class Watch:
         if self.prober is not None:  # the slurmd probe of a node gone quiet (probe.py)
             self._beats.update({w: t for w, t in times.items() if t is not None})
             self._probe_early(state, {w: t for w, t in times.items() if w in ranks}, now)
-        changes = self.progress.observe(ranks_t, pulses, now, paused=state.recovery is not None)
+        carried = {w: c for w, b in beats.items() if w in ranks and (c := progress_in(b)) is not None}
+        changes = self.progress.observe(ranks_t, pulses, now, paused=state.recovery is not None, hb_progress=carried)
         for wid, (verdict, why) in self.progress.verdicts.items():
             if verdict in ACTED_ON:
                 suspects.setdefault(wid, {"t": now}).update(heartbeat_stale=True, evidence=why)

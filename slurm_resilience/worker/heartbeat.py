@@ -91,8 +91,9 @@ class Heartbeat:
         self.progress.bump(info.get("step"))
 
     def _beat(self) -> None:
+        progress, phase, _, _ = self.progress.read()  # the pulse's page: a dead pulse loses nothing
         with self._lock:
-            payload = dict(self._info, t=time.time())
+            payload = dict(self._info, progress=progress, phase=phase, t=time.time())
         self._store.set(StoreKey.HEARTBEAT.of(self._env.worker_id), json.dumps(payload))
 
     def _run(self) -> None:

@@ -8,7 +8,9 @@ from slurm_resilience.protocol import EventKind
 from slurm_resilience.supervisor import messages as m
 from slurm_resilience.supervisor.decide import decide
 from slurm_resilience.supervisor.detect import Pulse
-from slurm_resilience.supervisor.progress import ProgressWatch, Signs, Timeouts, Verdict, assess, derive_timeouts
+from slurm_resilience.supervisor.progress import (
+    ProgressWatch, Signs, Timeouts, Verdict, assess, derive_timeouts, progress_in,
+)
 
 from test_decide import kinds, of, policy, started, suspect
 
@@ -158,3 +160,137 @@ def test_peers_past_the_timeout_wait_for_a_culprit_that_moved_last():
     signs["b"] = Signs(hb_age=0.2, pulse_age=0.1, state="S", stalled_s=20.1, waiting=False)
     got = {w: v for w, (v, _) in assess(signs, T).items()}
     assert got == {"a": Verdict.WAITING, "b": Verdict.HUNG, "c": Verdict.WAITING}
+
+
+# -- the job blocked on one rank: a shorter, evidence-based timeout (rule 3) -------------------
+
+TB = Timeouts(stale_s=2.0, soft_s=10.0, hard_s=20.0, pulse_s=1.0, block_s=5.0)
+
+
+def _rank(stalled, waiting=False, **kw):
+    return Signs(**{"hb_age": 0.2, "pulse_age": 0.1, "state": "S", "stalled_s": stalled, "waiting": waiting,
+                    "stepped": True, **kw})
+
+
+def _verdicts(signs, t=TB):
+    return {w: v for w, (v, _) in assess(signs, t).items()}
+
+
+def test_a_rank_every_other_rank_waits_on_is_hung_after_the_blocking_timeout():
+    signs = {"a": _rank(5.5, waiting=True), "b": _rank(5.2), "c": _rank(0.3, waiting=True)}
+    got = assess(signs, TB)
+    assert got["b"][0] is Verdict.HUNG and {got["a"][0], got["c"][0]} == {Verdict.OK}
+    assert "blocking timeout 5.0 s" in got["b"][1] and "every other rank waits on its peers (state S)" in got["b"][1]
+    signs["b"] = _rank(4.9)  # not yet
+    assert _verdicts(signs)["b"] is Verdict.OK
+    assert _verdicts(signs | {"b": _rank(5.2)}, T)["b"] is Verdict.OK  # no block_s: the hard timeout only
+
+
+@pytest.mark.parametrize("peer, why", [
+    (_rank(0.5), "a peer computes: the job moves"),
+    (_rank(6.0, busy=True), "a peer in checkpoint I/O"),
+    (Signs(hb_age=0.2), "a peer whose progress is not seen: no evidence"),
+    (Signs(hb_age=0.2, pulse_age=1.5, state="S", stalled_s=6.0, waiting=True), "a peer's pulse is not fresh"),
+])
+def test_no_blocking_verdict_without_evidence_that_every_other_rank_waits(peer, why):
+    signs = {"a": _rank(6.0, waiting=True), "b": _rank(6.0), "c": peer}
+    assert _verdicts(signs)["b"] is Verdict.OK, why
+
+
+def test_the_blocking_rule_needs_a_completed_step_and_a_waiting_peer():
+    signs = {"a": _rank(6.0, waiting=True), "b": _rank(6.0, stepped=False)}  # its first step: compiling, loading
+    assert _verdicts(signs)["b"] is Verdict.OK
+    assert _verdicts({"b": _rank(6.0)})["b"] is Verdict.OK  # alone: nobody is blocked on it
+    assert _verdicts({"a": _rank(6.0), "b": _rank(6.0)}) == {"a": Verdict.OK, "b": Verdict.OK}  # nobody waits
+    # two ranks stuck while the third waits on both: both block the job
+    three = {"a": _rank(6.0), "b": _rank(6.0), "c": _rank(6.0, waiting=True)}
+    assert _verdicts(three) == {"a": Verdict.HUNG, "b": Verdict.HUNG, "c": Verdict.OK}
+
+
+def test_a_gil_hold_shorter_than_the_blocking_timeout_is_only_a_suspect():
+    # the holder's heartbeat is stale, its pulse fresh; its peers wait in the collective
+    signs = {"a": _rank(3.4, waiting=True), "b": _rank(3.4, hb_age=3.3), "c": _rank(3.4, waiting=True)}
+    assert _verdicts(signs) == {"a": Verdict.OK, "b": Verdict.SUSPECT, "c": Verdict.OK}
+
+
+def test_the_blocking_timeout_grows_with_the_step_time_and_stays_below_the_hard_one():
+    assert derive_timeouts([], stale_s=2, soft_s=10, hard_s=20, factor=10, block_s=5).blocking_s == 5
+    assert derive_timeouts([0.3], stale_s=2, soft_s=10, hard_s=20, factor=10, block_s=5).blocking_s == 5
+    assert derive_timeouts([2.0], stale_s=2, soft_s=10, hard_s=20, factor=10, block_s=5).blocking_s == 10
+    assert derive_timeouts([2.0], stale_s=2, soft_s=10, hard_s=20, factor=10, block_s=25).blocking_s == 20
+    assert derive_timeouts([2.0], stale_s=2, soft_s=10, hard_s=20, factor=10).blocking_s == 20  # off
+
+
+def test_watch_a_blocked_main_thread_is_hung_after_the_blocking_timeout():
+    w = ProgressWatch(stale_s=2, soft_s=10, hard_s=20, factor=10, block_s=5, pulse_s=1)
+    for i in range(200):  # r1's main thread blocks at t=2 (step 8); its heartbeat beats on
+        t = i * 0.25
+        n1 = min(i, 8)
+        r0 = _pulse(t, i if i < 9 else 9, step=min(i, 8), waiting=i >= 9)  # r0 then waits in the collective
+        w.observe({"r0": t, "r1": t}, {"r0": r0, "r1": _pulse(t, n1, step=n1)}, t)
+        if w.verdicts["r1"][0] is Verdict.HUNG:
+            break
+    assert 2.0 + 5 < t <= 2.0 + 5.5 and "blocking timeout" in w.verdicts["r1"][1]
+    assert w.verdicts["r0"][0] is Verdict.OK
+
+
+def test_watch_a_recovery_makes_every_rank_earn_the_blocking_rule_again():
+    w = ProgressWatch(stale_s=2, soft_s=10, hard_s=20, factor=10, block_s=5, pulse_s=1)
+    w.observe({"r0": 0.0, "r1": 0.0}, {"r0": _pulse(0.0, 1, step=1), "r1": _pulse(0.0, 1, step=1)}, 0.0)
+    w.observe({"r0": 0.5, "r1": 0.5}, {"r0": _pulse(0.5, 2, step=2), "r1": _pulse(0.5, 2, step=2)}, 0.5)
+    w.observe({"r0": 1.0, "r1": 1.0}, {"r0": _pulse(1.0, 3, step=2), "r1": _pulse(1.0, 3, step=2)}, 1.0, paused=True)
+    for t in (2.0, 4.0, 6.5):  # after the recovery r1's first step takes long (a rebuild) while r0 waits
+        w.observe({"r0": t, "r1": t}, {"r0": _pulse(t, 4, step=2, waiting=True), "r1": _pulse(t, 3, step=2)}, t)
+    assert w.verdicts["r1"][0] is Verdict.OK  # the hard timeout still judges it
+
+
+# -- a rank whose pulse died: the heartbeat carries the progress counter too ---------------------
+
+@pytest.mark.parametrize("signs, expected", [
+    (dict(hb_age=0.3, pulse_age=30.0, state="S", hb_progress=True, stalled_s=25.0), Verdict.HUNG),
+    (dict(hb_age=0.3, hb_progress=True, stalled_s=25.0), Verdict.HUNG),  # pulse off: the heartbeat's copy
+    (dict(hb_age=0.3, pulse_age=30.0, state="S", hb_progress=True, stalled_s=12.0), Verdict.SLOW),
+    (dict(hb_age=0.3, pulse_age=30.0, state="S", hb_progress=True, stalled_s=1.0), Verdict.SUSPECT),  # moving
+    (dict(hb_age=3.0, pulse_age=30.0, state="S", hb_progress=True, stalled_s=25.0), Verdict.SILENT),  # neither
+    (dict(hb_age=0.3, pulse_age=30.0, state="S", stalled_s=25.0), Verdict.SUSPECT),  # an old rank: no copy
+])
+def test_progress_seen_in_the_heartbeat_when_the_pulse_is_gone(signs, expected):
+    assert verdict(**signs) is expected
+
+
+def test_a_dead_pulse_and_a_stuck_main_thread_are_found_by_the_heartbeat_copy():
+    v, why = assess({"w": Signs(hb_age=0.3, pulse_age=30.0, state="S", hb_progress=True, stalled_s=25.0)}, T)["w"]
+    assert v is Verdict.HUNG and "progress from its heartbeat; pulse silent for 30.0 s" in why
+    peers = {"a": Signs(hb_age=0.2, pulse_age=0.1, state="S", stalled_s=6.0, waiting=True, stepped=True),
+             "b": Signs(hb_age=0.2, pulse_age=9.0, state="S", stalled_s=6.0, hb_progress=True, stepped=True)}
+    got = assess(peers, TB)
+    assert got["b"][0] is Verdict.HUNG and "blocking timeout" in got["b"][1] and "heartbeat" in got["b"][1]
+
+
+def test_watch_the_pulse_dies_then_the_main_thread_blocks():
+    w = ProgressWatch(stale_s=2, soft_s=10, hard_s=20, factor=10, block_s=5, pulse_s=1)
+    for i in range(400):  # r1's pulse dies at t=1; its main thread blocks at t=2; its heartbeat beats on
+        t = i * 0.25
+        n1 = min(i, 8)
+        pulses = {"r0": _pulse(t, min(i, 9), step=min(i, 8), waiting=i >= 9), "r1": _pulse(min(t, 1.0), min(i, 4))}
+        w.observe({"r0": t, "r1": t}, pulses, t, hb_progress={"r0": (min(i, 9), int(i >= 9), min(i, 8)),
+                                                              "r1": (n1, 0, n1)})
+        if w.verdicts["r1"][0] is Verdict.HUNG:
+            break
+    assert 2.0 + 5 < t <= 2.0 + 5.5, t  # the blocking timeout, not the peers' pg_timeout_s
+    assert "pulse silent" in w.verdicts["r1"][1]
+
+
+def test_watch_a_late_pulse_line_never_lengthens_the_evidence():
+    w = ProgressWatch(stale_s=2, soft_s=4, hard_s=8, factor=10, pulse_s=1)
+    w.observe({"r0": 0.0}, {"r0": _pulse(0.0, 1)}, 0.0)
+    w.observe({"r0": 7.0}, {"r0": _pulse(7.0, 1)}, 7.0)
+    w.observe({"r0": 8.9}, {"r0": _pulse(7.9, 1)}, 8.9)  # now - first sight is 8.9 s, the reports span 7.9 s
+    assert w.verdicts["r0"][0] is Verdict.SLOW
+
+
+def test_a_heartbeat_carries_progress_or_says_nothing():
+    assert progress_in({"t": 1.0, "step": 3, "progress": 41, "phase": 1}) == (41, 1, 3)
+    assert progress_in({"t": 1.0, "step": 3}) is None  # an older rank
+    assert progress_in(None) is None
+    assert progress_in({"t": 1.0, "step": "x", "progress": 41, "phase": 1}) is None

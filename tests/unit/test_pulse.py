@@ -123,3 +123,46 @@ def test_the_page_shows_the_innermost_phase():
     board.bump(step=9)
     board.set_port(4321)
     assert board.read() == (5, 0, 4321, 9)
+
+
+def test_a_dead_pulse_leaves_the_progress_in_the_heartbeat_and_the_watchdog_finds_the_stuck_rank(server):
+    """The rank's real heartbeat thread and pulse (this process plays the rank); the pulse is
+    SIGKILLed, the main thread stops: the watchdog still sees the counter (in the beats)
+    and calls the rank hung on that evidence, not a suspect until pg_timeout_s."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from slurm_resilience.protocol import Role, WorkerEnv, heartbeat_key
+    from slurm_resilience.supervisor.detect import read_heartbeats
+    from slurm_resilience.supervisor.progress import ProgressWatch, Verdict, progress_in
+    from slurm_resilience.worker.heartbeat import Heartbeat
+
+    srv, _ = server
+    base = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=10), wait_for_workers=False)
+    store = dist.PrefixStore(TOKEN + "/", base)
+    env = WorkerEnv(store_addr="127.0.0.1", store_port=base.port, liveness_port=srv.port, token=TOKEN, job_dir="",
+                    worker_id="w1", node="n1", role=Role.RANK, generation=0, config_path="", job_id="j")
+    hb = Heartbeat(env, 0.05).start()
+    watch = ProgressWatch(stale_s=1.0, soft_s=0.6, hard_s=1.2, factor=2, pulse_s=0.3)
+
+    def look():
+        beat = read_heartbeats(store, {"w1": heartbeat_key("w1")})["w1"]
+        now = time.time()
+        watch.observe({"w1": beat["t"]}, srv.pulses(), now, hb_progress={"w1": progress_in(beat)})
+        return watch.verdicts["w1"]
+
+    try:
+        _until(lambda: srv.pulses().get("w1"))
+        hb.update(step=3)  # the main thread completed a step
+        beat = _until(lambda: (b := read_heartbeats(store, {"w1": heartbeat_key("w1")})["w1"]) and b["step"] == 3 and b)
+        assert progress_in(beat) == (1, 0, 3)
+        os.kill(hb._pulse.pid, signal.SIGKILL)  # the pulse process this test's Heartbeat started
+        hb._pulse.wait(timeout=10)
+        verdict, why = _until(lambda: (v := look())[0] is Verdict.HUNG and v)  # the main thread is stuck
+        assert "progress from its heartbeat; pulse silent" in why, why
+        hb.update(step=4)  # it moves again: no hang, only the missing pulse is reported
+        verdict, why = _until(lambda: (v := look())[0] is not Verdict.HUNG and v)
+        assert verdict is Verdict.SUSPECT and "pulse silent" in why, why
+    finally:
+        hb.stop()

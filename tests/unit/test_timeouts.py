@@ -33,6 +33,10 @@ def test_the_defaults_are_in_order():
      "reconnect.pg_timeout_s=200 must be < reconnect.nccl_heartbeat_timeout_s=120"),
     ({"detect": {"progress_soft_s": 15, "progress_hard_s": 12}},
      "detect.progress_soft_s=15 must be <= detect.progress_hard_s=12"),
+    ({"detect": {"progress_block_s": 2}},
+     "detect.heartbeat_timeout_s=2 must be < detect.progress_block_s=2: a healthy rank may go quiet"),
+    ({"detect": {"progress_block_s": 25}},
+     "detect.progress_block_s=25 must be <= detect.progress_hard_s=20"),
     ({"recovery": {"online_timeout_s": 200}},
      "recovery.online_timeout_s=200 must be <= recovery.fallback_timeout_s=120"),
 ])
@@ -44,6 +48,16 @@ def test_a_consistent_custom_set_loads():
     cfg = load_config({"detect": {"heartbeat_timeout_s": 8, "progress_soft_s": 9, "progress_hard_s": 9},
                        "reconnect": {"pg_timeout_s": 10, "nccl_heartbeat_timeout_s": 11}})
     assert cfg.detect.progress_hard_s == 9
+
+
+def test_the_blocking_timeout_floor_follows_the_heartbeat_timeout_unless_set():
+    assert load_config({}).detect.block_floor_s == 5.0  # 2.5 x the 2 s heartbeat timeout
+    # a raised heartbeat timeout (a loaded box) raises it, never past the hard timeout
+    assert load_config({"detect": {"heartbeat_timeout_s": 4}}).detect.block_floor_s == 10.0
+    assert load_config({"detect": {"heartbeat_timeout_s": 8, "standby_heartbeat_timeout_s": 16}}
+                       ).detect.block_floor_s == 20.0
+    assert load_config({"detect": {"progress_block_s": 7}}).detect.block_floor_s == 7.0
+    assert load_config({"detect": {"progress_block_s": 20}}).detect.block_floor_s == 20.0  # shortcut off
 
 
 def test_progress_factor_below_2_is_refused():
