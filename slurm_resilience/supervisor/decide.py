@@ -204,13 +204,13 @@ def _spare_checked(state: SupervisorState, obs: SpareChecked, now: float, policy
                                 standbys={n: w for n, w in state.standbys.items() if n != obs.node},
                                 returning=state.returning - {obs.node})
     acts += [Kill(w) for w in pool]
+    state, more = local.drop(state, obs.node, kill=True)  # a spare's extra standbys (or, adopted, its own)
+    acts += more
     ranks = state.table.ranks_on(obs.node)
     if ranks:  # adopted before a stale re-check came back: its ranks move on
         fault = Fault(kind=FaultKind.NODE_UNHEALTHY, rank=ranks[0], node=obs.node, time=now,
                       detail=f"health check failed after adoption: {obs.reason}")
         state = state.with_dead(*(state.table.slots[r].worker_id for r in ranks))
-        state, more = local.drop(state, obs.node, kill=True)
-        acts += more
         state, more = recover.incident(state, [fault], obs.t, now, policy, isolate_state="DRAIN")
         return state, acts + more
     if obs.node not in state.excluded:

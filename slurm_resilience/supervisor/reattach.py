@@ -72,5 +72,6 @@ def adopt_plans(state: SupervisorState, plans: Iterable[Plan]) -> SupervisorStat
         taken = {s.worker_id for s in plan.table.slots}
         state = dataclasses.replace(state, table=plan.table, workers=workers,
                                     standbys={n: w for n, w in state.standbys.items() if not set(w) & taken},
-                                    local_standbys={n: w for n, w in state.local_standbys.items() if w not in taken})
+                                    local_standbys={n: left for n, w in state.local_standbys.items()
+                                                    if (left := tuple(x for x in w if x not in taken))})
     return state
