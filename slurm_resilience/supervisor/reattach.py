@@ -31,8 +31,12 @@ STATE_VERSION = 2
 
 
 def save(job_dir: str, state: SupervisorState, events_seen: int) -> None:
+    """Atomic, not fsynced: written at every decision, on a recovery's critical path (before
+    its plan goes out); only the supervisor restarted on this same host reads it back, after
+    a process crash the page cache survives (a lost batch host ends the job's supervision)."""
     write_private(os.path.join(job_dir, STATE_FILE), json.dumps(
-        {"version": STATE_VERSION, "t": time.time(), "events_seen": events_seen, "state": state.to_dict()}))
+        {"version": STATE_VERSION, "t": time.time(), "events_seen": events_seen, "state": state.to_dict()}),
+        durable=False)
 
 
 def load(job_dir: str) -> tuple[SupervisorState, int, float]:

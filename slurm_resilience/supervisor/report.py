@@ -67,4 +67,4 @@ def status_dict(state: SupervisorState, *, mode: str, retry_budget: int,
 
 
 def write_status(job_dir: str, status: Mapping[str, Any]) -> None:
-    write_private(os.path.join(job_dir, STATUS_FILE), json.dumps(status))
+    write_private(os.path.join(job_dir, STATUS_FILE), json.dumps(status), durable=False)  # twice a second
