@@ -2,6 +2,8 @@
 extra ones every spare node keeps, so that a process restart right after a node
 replacement finds every slot warm. Pure decisions only (no Slurm, torch or files)."""
 
+import dataclasses
+
 import pytest
 
 from slurm_resilience.config import load_config
@@ -123,3 +125,24 @@ def test_k_standbys_round_trip_and_reattach_drops_only_the_taken_one():
     plan = of(acts, m.Publish)[0].plan
     assert adopt_plans(state, [plan]).local_standbys["n3"] == (b,) and plan.table.slots[2].worker_id == a
     assert set(state.local_standbys) == set(WORKERS + SPARES)
+
+
+def test_a_returning_node_gets_its_own_standbys_with_its_spare_pool():
+    """Scale back out: the returned node's G standbys become ranks; the K of its own,
+    started with them, stay its local standbys (nothing to refill for it afterwards)."""
+    p = policy()
+    state, _ = started(p)
+    state, _ = decide(state, lost(state, 1), 1.0, p)  # n3 lost, n5 takes rank 1
+    state, _ = decide(state, m.Published(1, 1.2), 1.2, p)
+    state, _ = finish(state, p)
+    state = dataclasses.replace(state, target_world=4)  # room for one more node
+    state, acts = decide(state, m.NodeBack("n3", "IDLE"), 4.0, p)
+    launched = [(a.node, a.role) for a in of(acts, m.Launch)]
+    assert launched == [("n3", Role.STANDBY)] * 2 and len(state.local_standbys["n3"]) == 1
+    own = state.local_standbys["n3"]
+    for a in of(acts, m.Launch):
+        state, _ = decide(state, m.Connected(a.worker_id, 99, 4.5), 4.5, p)
+    state, acts = decide(state, m.SpareChecked("n3", None, 4.6), 4.6, p)
+    plan = of(acts, m.Publish)[0].plan
+    assert plan.table.slots[-1].node == "n3" and plan.table.slots[-1].worker_id not in own
+    assert state.local_standbys["n3"] == own
