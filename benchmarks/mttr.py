@@ -16,7 +16,10 @@ after recovery (the last rank's). Cases:
                       → hung after the blocking timeout (its peers all wait) → restarted in place
     scale-in          node killed, no spare: the others continue
     process-restart   node killed, online recovery forced to time out → all relaunched;
-                      each surviving node's warm standby takes its node's first slot
+                      each node's warm standbys take its slots (recovery.local_standbys_per_node
+                      of them, 1 by default), the former spare's extra ones included
+    process-restart-all   the same with recovery.local_standbys_per_node: all (a standby for
+                      every slot of a node; differs from process-restart with --tasks-per-node > 1)
     process-restart-cold  the same with recovery.local_standbys off: every rank starts cold
     requeue           node killed, no spare, scale-in off → scontrol requeue
     requeue-resubmit  the same with recovery.requeue_by: resubmit (a new job id, same job dir)

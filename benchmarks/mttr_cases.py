@@ -98,6 +98,11 @@ register(Case("hang-main", inject=_block_main, args=lambda job_dir: ("--block-fi
 register(Case("scale-in", inject=lambda st: lab.kill_node(st["ranks"][1]["node"]), spares=0, expect="scale-in"))
 register(Case("process-restart", inject=lambda st: lab.kill_node(st["ranks"][1]["node"]),
               config="recovery:\n  online_timeout_s: 0.005\n", expect="process-restart", standbys=True))
+# the same with a standby for every slot of a node (recovery.local_standbys_per_node: all = G;
+# with --tasks-per-node 1 it is process-restart)
+register(Case("process-restart-all", inject=lambda st: lab.kill_node(st["ranks"][1]["node"]),
+              config="recovery:\n  online_timeout_s: 0.005\n  local_standbys_per_node: all\n",
+              expect="process-restart", standbys=True))
 # the same without recovery.local_standbys: every rank of the relaunch imports torch cold
 register(Case("process-restart-cold", inject=lambda st: lab.kill_node(st["ranks"][1]["node"]),
               config="recovery:\n  online_timeout_s: 0.005\n  local_standbys: false\n", expect="process-restart",

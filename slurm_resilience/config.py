@@ -84,6 +84,10 @@ class RecoveryConfig:
         local_standbys: online mode: one warm standby (the program, imported up to
             ``Session()``) on every worker node; a rank restarted in place adopts it
             instead of a cold process, and a new one starts once the recovery is done.
+        local_standbys_per_node: how many such standbys each node keeps: an integer >= 1
+            (at most ``job.tasks_per_node`` are used) or ``"all"`` (= ``job.tasks_per_node``,
+            so a process restart adopts a standby for every slot); every spare node keeps
+            as many on top of its G, which become its node's own when it joins the table.
     """
 
     online_timeout_s: float = 30.0
@@ -102,6 +106,7 @@ class RecoveryConfig:
     health_check_timeout_s: float = 30.0
     spare_check_max_age_s: float = 300.0
     local_standbys: bool = True
+    local_standbys_per_node: int | str = 1
 
     def __post_init__(self) -> None:
         for name in ("online_timeout_s", "fallback_timeout_s", "health_check_timeout_s", "spare_check_max_age_s"):
@@ -122,6 +127,10 @@ class RecoveryConfig:
                               f"{', '.join(ISOLATE_STATES)}")
         if self.isolate_hook_timeout_s <= 0:
             raise ConfigError(f"recovery.isolate_hook_timeout_s={self.isolate_hook_timeout_s} must be > 0")
+        per = self.local_standbys_per_node
+        if per != "all" and (isinstance(per, str) or per < 1):
+            raise ConfigError(f"recovery.local_standbys_per_node={per!r} must be an integer >= 1 or \"all\" "
+                              "(one per slot of the node)")
         if self.isolate_hook and not self.isolate_hook[0]:
             raise ConfigError("recovery.isolate_hook starts with an empty string: the first item is the program")
 

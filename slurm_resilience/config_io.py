@@ -32,6 +32,11 @@ def check_type(where: str, value: Any, annotation: Any) -> Any:
         if optional:
             return None
         raise ConfigError(f"{where} must be {_type_word(base)}, got null")
+    plain = [a for a in args if a is not type(None)]
+    if len(plain) > 1 and typing.get_origin(annotation) is not dict:  # e.g. ``int | str``
+        if any(isinstance(value, a) and not (a is int and isinstance(value, bool)) for a in plain):
+            return value
+        raise ConfigError(f"{where} must be {' or '.join(_type_word(a) for a in plain)}, got {value!r}")
     origin = typing.get_origin(base)
     if origin is dict:
         if isinstance(value, Mapping):

@@ -5,6 +5,9 @@ Every file the toolkit writes that a reader may pick up while it is being writte
 in the same directory (created 0600 by mkstemp), fsync, rename, fsync of the
 directory. A crash never leaves a half-written file under the final name, and an
 existing world-readable file is replaced, not reused, so it cannot keep its mode.
+``durable=False`` skips the two fsyncs (the rename stays atomic): for what only a
+process on the same host reads again after a *process* crash (the supervisor's state,
+status and metrics, rewritten many times a second), where the page cache survives.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ def makedirs_private(directory: str) -> None:
         os.chmod(d, 0o700)  # the umask may have narrowed it further; never widened
 
 
-def write_private(path: str, data: str | bytes, *, mode: int = 0o600) -> str:
+def write_private(path: str, data: str | bytes, *, mode: int = 0o600, durable: bool = True) -> str:
     directory = os.path.dirname(path) or "."
     makedirs_private(directory)
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=directory)
@@ -38,13 +41,15 @@ def write_private(path: str, data: str | bytes, *, mode: int = 0o600) -> str:
             f.write(data.encode() if isinstance(data, str) else data)
             f.flush()
             os.fchmod(f.fileno(), mode)
-            os.fsync(f.fileno())
+            if durable:
+                os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
-    fsync_dir(directory)
+    if durable:
+        fsync_dir(directory)
     return path
 
 

@@ -66,7 +66,7 @@ def decide(state: SupervisorState, obs: Observation, now: float, policy: Policy)
         return requeue(state, f"preempted ({obs.signal or 'the preemption signal'} before the time limit "
                               "or by the scheduler)", policy, persist=True)
     if isinstance(obs, NodeBack):
-        return _node_back(state, obs)
+        return _node_back(state, obs, policy)
     if isinstance(obs, Straggler):
         return recover.on_straggler(state, obs, now, policy)
     if isinstance(obs, LivenessChange):
@@ -178,11 +178,13 @@ def _finish(state: SupervisorState, policy: Policy) -> Decision:
                                  Exit(EXIT_OK)]
 
 
-def _node_back(state: SupervisorState, obs: NodeBack) -> Decision:
+def _node_back(state: SupervisorState, obs: NodeBack, policy: Policy) -> Decision:
     if obs.node not in recover.returning_candidates(state):
         return state, []
     state = dataclasses.replace(state, excluded=state.excluded - {obs.node}, returning=state.returning | {obs.node})
     state, acts = launch_standbys(state, obs.node, state.table.generation)
+    state, more = local.refill(state, policy, state.table.generation)  # its own K, like every spare's
+    acts += more
     return state, acts + [emit(EventKind.NODE_RETURNED, node=obs.node, state=obs.state),
                           Say(f"node {obs.node} is back in service ({obs.state}): starting "
                               f"{state.tasks_per_node} standby(s) to scale out")]
@@ -206,13 +208,13 @@ def _spare_checked(state: SupervisorState, obs: SpareChecked, now: float, policy
                                 standbys={n: w for n, w in state.standbys.items() if n != obs.node},
                                 returning=state.returning - {obs.node})
     acts += [Kill(w) for w in pool]
+    state, more = local.drop(state, obs.node, kill=True)  # a spare's extra standbys (or, adopted, its own)
+    acts += more
     ranks = state.table.ranks_on(obs.node)
     if ranks:  # adopted before a stale re-check came back: its ranks move on
         fault = Fault(kind=FaultKind.NODE_UNHEALTHY, rank=ranks[0], node=obs.node, time=now,
                       detail=f"health check failed after adoption: {obs.reason}")
         state = state.with_dead(*(state.table.slots[r].worker_id for r in ranks))
-        state, more = local.drop(state, obs.node, kill=True)
-        acts += more
         state, more = recover.incident(state, [fault], obs.t, now, policy, isolate_state="DRAIN")
         return state, acts + more
     if obs.node not in state.excluded:

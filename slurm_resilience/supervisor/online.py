@@ -288,7 +288,7 @@ class Supervisor:
         for r in status["ranks"]:  # the watchdog's verdict: ok, suspect, slow, waiting, hung, silent
             r["liveness"] = self.watch.liveness(r["worker_id"])
         write_status(self.job_dir, status)
-        write_private(os.path.join(self.job_dir, "metrics.prom"), self.metrics.render(status))
+        write_private(os.path.join(self.job_dir, "metrics.prom"), self.metrics.render(status), durable=False)
 
     def _say(self, text: str) -> None:
         print(f"[sr +{time.time() - self._t0:8.3f}s] {text}", file=self.out, flush=True)

@@ -31,8 +31,12 @@ STATE_VERSION = 2
 
 
 def save(job_dir: str, state: SupervisorState, events_seen: int) -> None:
+    """Atomic, not fsynced: written at every decision, on a recovery's critical path (before
+    its plan goes out); only the supervisor restarted on this same host reads it back, after
+    a process crash the page cache survives (a lost batch host ends the job's supervision)."""
     write_private(os.path.join(job_dir, STATE_FILE), json.dumps(
-        {"version": STATE_VERSION, "t": time.time(), "events_seen": events_seen, "state": state.to_dict()}))
+        {"version": STATE_VERSION, "t": time.time(), "events_seen": events_seen, "state": state.to_dict()}),
+        durable=False)
 
 
 def load(job_dir: str) -> tuple[SupervisorState, int, float]:
@@ -72,5 +76,6 @@ def adopt_plans(state: SupervisorState, plans: Iterable[Plan]) -> SupervisorStat
         taken = {s.worker_id for s in plan.table.slots}
         state = dataclasses.replace(state, table=plan.table, workers=workers,
                                     standbys={n: w for n, w in state.standbys.items() if not set(w) & taken},
-                                    local_standbys={n: w for n, w in state.local_standbys.items() if w not in taken})
+                                    local_standbys={n: left for n, w in state.local_standbys.items()
+                                                    if (left := tuple(x for x in w if x not in taken))})
     return state

@@ -59,14 +59,16 @@ def on_suspects(state: SupervisorState, obs: Suspects, now: float, policy: Polic
                      f"{fault.kind.name} ({fault.detail})")]
         if fault.kind is FaultKind.PROCESS_HUNG or (s.slurmd_reachable and s.still_running):
             acts.append(Kill(s.worker_id))
-        if slot is None and local.is_local(state, s.worker_id):  # a worker node's standby lost:
-            state, _ = local.drop(state, w.node, kill=False)  # its node's ranks speak for the node
+        if slot is None and local.is_local(state, s.worker_id):  # a node's own standby lost:
+            state = local.forget(state, s.worker_id)  # its node's ranks (or spare pool) speak for the node
             continue  # (isolating it here would strand them on an excluded node)
         if slot is None:  # a standby lost: its node can no longer take over a whole node
             pool = state.standbys.get(w.node, ())
             state = dataclasses.replace(state.with_dead(*pool),
                                         standbys={n: x for n, x in state.standbys.items() if n != w.node})
             acts += [Kill(x) for x in pool if x != s.worker_id]
+            state, more = local.drop(state, w.node, kill=not is_node_fault(fault.kind))  # a spare's extra ones
+            acts += more
             if is_node_fault(fault.kind):
                 state, more = _isolate(state, w.node, fault.kind, policy)
                 acts += more
@@ -214,9 +216,9 @@ def on_tick(state: SupervisorState, now: float, policy: Policy) -> Decision:
 def _relaunch_all(state: SupervisorState, cases, failed, detected: float, now: float, policy: Policy,
                   *, reason: str) -> Decision:
     """PROCESS_RESTART: every rank anew on its (healthy) node, from the checkpoint tiers.
-    Each node's warm standby (recovery.local_standbys: an idle process, not one of the
-    possibly hung survivors, on a node not excluded) takes that node's first slot; the
-    node's other slots get new processes."""
+    Each node's warm standbys (recovery.local_standbys: idle processes, not the possibly
+    hung survivors, on a node not excluded; a former spare brought its extra ones) take
+    that node's first K slots; the node's other slots get new processes."""
     moves, adopted = [], []
     for slot in state.table.slots:
         state, wid = local.take(state, slot.node, policy)

@@ -58,13 +58,13 @@ def status_dict(state: SupervisorState, *, mode: str, retry_budget: int,
         "spares": ([{"node": n, "worker_id": wid, "pid": getattr(workers.get(wid), "pid", None)}
                     for n, wids in state.standbys.items() for wid in wids] if mode == "online" else
                    [{"node": n, "worker_id": None, "pid": None} for n in state.free_spares(Mode.RELAUNCH)]),
-        # recovery.local_standbys: the one warm standby of each worker node
+        # recovery.local_standbys: one entry per node's own warm standby (K per node; a spare's extra ones)
         "local_standbys": [{"node": n, "worker_id": wid, "pid": getattr(workers.get(wid), "pid", None),
                             "connected": getattr(workers.get(wid), "connected", False)}
-                           for n, wid in sorted(state.local_standbys.items())],
+                           for n, wids in sorted(state.local_standbys.items()) for wid in wids],
         "t": time.time(),
     }
 
 
 def write_status(job_dir: str, status: Mapping[str, Any]) -> None:
-    write_private(os.path.join(job_dir, STATUS_FILE), json.dumps(status))
+    write_private(os.path.join(job_dir, STATUS_FILE), json.dumps(status), durable=False)  # twice a second

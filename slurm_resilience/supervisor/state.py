@@ -53,7 +53,8 @@ class Policy:
     spare_check_max_age_s: float = 300.0
     isolate_state: str
     migrate_stragglers: bool
-    local_standbys: bool = False  # one warm standby per worker node adopts a rank restarted in place
+    local_standbys: bool = False  # warm standbys per node adopt ranks restarted in place (local.py)
+    local_standbys_per_node: int | None = 1  # None: "all" (G per node)
 
     @classmethod
     def from_config(cls, cfg: ResilienceConfig, *, mode: Mode, can_requeue: bool) -> "Policy":
@@ -70,7 +71,9 @@ class Policy:
             online_timeout_s=rc.online_timeout_s, fallback_timeout_s=rc.fallback_timeout_s,
             spare_check_max_age_s=rc.spare_check_max_age_s,
             isolate_state=rc.isolate_state, migrate_stragglers=rc.migrate_stragglers and online,
-            local_standbys=rc.local_standbys and online)
+            local_standbys=rc.local_standbys and online,
+            local_standbys_per_node=(None if rc.local_standbys_per_node == "all"
+                                     else int(rc.local_standbys_per_node)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,7 +124,8 @@ class SupervisorState:
     tasks_per_node: int = 1  # G: ranks per node, warm standbys per spare node
     device: str = "cpu"  # "cuda": rank r uses cuda:LOCAL_RANK
     standbys: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)  # node -> G worker ids
-    local_standbys: Mapping[str, str] = dataclasses.field(default_factory=dict)  # worker node -> its one standby
+    # node (worker, or spare: its extra ones) -> its own warm standbys (recovery.local_standbys)
+    local_standbys: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
     excluded: frozenset[str] = frozenset()
     returning: frozenset[str] = frozenset()
     spare_passed: Mapping[str, float] = dataclasses.field(default_factory=dict)  # node -> last passed check
@@ -149,7 +153,7 @@ class SupervisorState:
         if w is None or w.dead:
             return False
         return (self.slot_of(worker_id) is not None or worker_id in self.standbys.get(w.node, ())
-                or self.local_standbys.get(w.node) == worker_id)
+                or worker_id in self.local_standbys.get(w.node, ()))
 
     def watched_nodes(self) -> list[str]:
         return sorted(n for n in set(self.table.nodes) | set(self.standbys) if n not in self.excluded)
@@ -186,7 +190,7 @@ class SupervisorState:
             "spare_nodes": list(self.spare_nodes), "addresses": dict(self.addresses),
             "tasks_per_node": self.tasks_per_node, "device": self.device,
             "standbys": {n: list(w) for n, w in self.standbys.items()}, "excluded": sorted(self.excluded),
-            "local_standbys": dict(self.local_standbys),
+            "local_standbys": {n: list(w) for n, w in self.local_standbys.items()},
             "returning": sorted(self.returning), "spare_passed": dict(self.spare_passed),
             "workers": [dataclasses.asdict(w) | {"role": w.role.value} for w in self.workers.values()],
             "fault_retries_used": self.fault_retries_used, "requeue_count": self.requeue_count,
@@ -209,7 +213,8 @@ class SupervisorState:
             spare_nodes=tuple(d["spare_nodes"]), addresses=dict(d["addresses"]),
             tasks_per_node=int(d.get("tasks_per_node", 1)), device=str(d.get("device", "cpu")),
             standbys={n: tuple(w) for n, w in d["standbys"].items()}, excluded=frozenset(d["excluded"]),
-            local_standbys={str(n): str(w) for n, w in d.get("local_standbys", {}).items()},
+            local_standbys={str(n): (str(w),) if isinstance(w, str) else tuple(map(str, w))  # str: one, before
+                            for n, w in d.get("local_standbys", {}).items()},
             returning=frozenset(d["returning"]), workers=workers,
             spare_passed={n: float(t) for n, t in d.get("spare_passed", {}).items()},
             fault_retries_used=int(d["fault_retries_used"]), requeue_count=int(d["requeue_count"]),

@@ -69,8 +69,8 @@ def test_ranks_and_spares_in_podman_lose_a_node_finish_bit_identical_and_clean_u
     assert container_name(job_id, spare, standby) in running
     table = json.loads((run.job_dir / "ranktable.json").read_text())
     assert [s["worker_id"] for s in table["ranks"] if s["rank"] == 1] == [standby]
-    # no worker launched later but the worker nodes' own standbys (recovery.local_standbys; the
-    # spare, a worker node now, gets one after the recovery)
+    # no worker launched later but the nodes' own standbys (recovery.local_standbys: one per
+    # worker node and one extra on the spare, which is its own now that it is a worker node)
     local = {e["worker_id"] for e in read_events(str(run.job_dir / "events.jsonl"))
              if e["kind"] == "local_standby_started"}
     logs = [p for p in (run.job_dir / "logs").glob("*.log") if p.stem not in local]

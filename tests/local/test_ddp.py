@@ -226,22 +226,24 @@ def test_ddp_relaunch_from_checkpoint_marks_redone_steps_as_replays(tmp_path, dd
     """Online recovery given no time: every rank is relaunched and restores step 10 from
     the checkpoint tiers while the job had passed step 13. Steps 10.. are redone: the
     result is still bit-identical, and the logger logs no step twice (step.replay).
-    recovery.local_standbys: each surviving node's warm standby takes that node's slot
-    in the relaunch (no torch import); the spare node's rank starts cold."""
+    recovery.local_standbys: each node's warm standby takes that node's slot in the
+    relaunch (no torch import), the former spare's included: the spare kept one extra
+    standby that became its own when it took the lost node's rank, so no rank starts cold."""
     job = _job(tmp_path, checkpoint={"shared_every_kth": 1},
                recovery={"online_timeout_s": 0.005, "local_standbys": True},
                step_time=0.3)  # the standbys start at the first step: time for their import
     try:
         st = job.wait_for_step(13)
         lost = st["ranks"][1]["node"]
-        warm = {n: job.local_standby(n)["worker_id"] for n in (st["ranks"][0]["node"], st["ranks"][2]["node"])}
+        spare = st["spares"][0]["node"]
+        warm = {n: job.local_standby(n)["worker_id"] for n in (st["ranks"][0]["node"], spare, st["ranks"][2]["node"])}
         job.launcher.fail_node(lost)  # forces a relaunch that restores from disk
         assert job.wait(240) == 0, job.diag()
         assert [e["level"] for e in job.events() if e["kind"] == "recovery_done"] == ["process-restart"], job.diag()
         relaunch = max(e["generation"] for e in job.events() if e["kind"] == "recovery_done")
         adopted = {e["node"]: e["worker_id"] for e in job.events()
                    if e["kind"] == "local_standby_adopted" and e["generation"] == relaunch}
-        assert adopted == warm, job.diag()
+        assert adopted == warm, job.diag()  # all 3 slots warm: no process started for the relaunch
         restored = {e["step"] for e in job.events() if e["kind"] == "rank_restored" and e["generation"] > 0}
         assert restored and max(restored) < 13, restored  # a real rollback
         _same_as_reference(job, ddp_reference)

@@ -1,5 +1,7 @@
 """recovery.local_standbys (supervisor/local.py): one warm standby per worker node takes
-the slot of a rank restarted in place; pure decisions only (no Slurm, torch or files)."""
+the slot of a rank restarted in place; pure decisions only (no Slurm, torch or files).
+K standbys per node (``local_standbys_per_node``) and a spare's extra ones:
+tests/unit/test_local_standbys_count.py."""
 
 import dataclasses
 
@@ -46,6 +48,13 @@ def of(acts, cls):
 
 def kinds(acts):
     return [a.kind for a in of(acts, m.Emit)]
+
+
+def one(state, node):
+    """``node``'s one standby (K = 1, the default), None when it has none."""
+    pool = state.local_standbys.get(node, ())
+    assert len(pool) <= 1
+    return pool[0] if pool else None
 
 
 def killed(state, rank):  # a process died on a healthy node
@@ -95,17 +104,19 @@ def test_start_launches_one_standby_per_worker_node_whatever_g():
     for g in (1, 2):
         state, acts = started(g=g)
         standbys = [(a.node, a.role) for a in of(acts, m.Launch) if a.role is Role.STANDBY]
-        assert standbys == [("n5", Role.STANDBY)] * g + [(n, Role.STANDBY) for n in WORKERS]
-        assert sorted(state.local_standbys) == list(WORKERS)
-        assert kinds(acts).count(EventKind.LOCAL_STANDBY_STARTED) == 3
-        assert all(state.watched(w) and state.slot_of(w) is None for w in state.local_standbys.values())
+        # the spare's G, then one per worker node and one extra on the spare
+        assert standbys == [("n5", Role.STANDBY)] * g + [(n, Role.STANDBY) for n in WORKERS + SPARES]
+        assert sorted(state.local_standbys) == list(WORKERS + SPARES)
+        assert kinds(acts).count(EventKind.LOCAL_STANDBY_STARTED) == 4
+        assert all(state.watched(one(state, n)) and state.slot_of(one(state, n)) is None for n in state.local_standbys)
         assert state.free_spares(Mode.ONLINE) == ["n5"]  # not spares: they never take a whole node
+        assert one(state, "n5") not in state.standbys["n5"]
 
 
 def test_a_rank_killed_on_a_healthy_node_goes_to_its_node_standby_without_a_process_start():
     p = policy()
     state, _ = started(p)
-    warm = state.local_standbys["n3"]
+    warm = one(state, "n3")
     state, acts = decide(state, killed(state, 1), 1.1, p)
     plan = of(acts, m.Publish)[0].plan
     assert plan.table.slots[1].node == "n3" and plan.table.slots[1].worker_id == warm and plan.joining == (1,)
@@ -118,14 +129,14 @@ def test_a_rank_killed_on_a_healthy_node_goes_to_its_node_standby_without_a_proc
     assert not of(acts, m.Launch)
     state, acts = finish(state, p)
     assert [(a.node, a.role, a.generation) for a in of(acts, m.Launch)] == [("n3", Role.STANDBY, 1)]
-    assert state.local_standbys["n3"] not in (warm, None) and state.phase is JobPhase.RUNNING
+    assert one(state, "n3") not in (warm, None) and state.phase is JobPhase.RUNNING
     assert kinds(acts).index(EventKind.RECOVERY_DONE) < kinds(acts).index(EventKind.LOCAL_STANDBY_STARTED)
 
 
 def test_g2_one_standby_serves_either_local_slot_and_a_second_death_runs_cold():
     p = policy()
     state, _ = started(p, g=2)
-    warm = state.local_standbys["n3"]
+    warm = one(state, "n3")
     state, acts = decide(state, killed(state, 3), 1.0, p)  # n3's local rank 1
     plan = of(acts, m.Publish)[0].plan
     assert plan.table.slots[3].worker_id == warm and plan.table.slots[3].local_rank == 1
@@ -144,7 +155,7 @@ def test_without_a_usable_standby_the_restart_in_place_launches_as_before(why):
     p = policy(local_standbys=why != "off")
     state, acts = started(p, connect=why != "not connected")
     if why == "dead":
-        state, _ = decide(state, m.Suspects((m.Suspect(worker_id=state.local_standbys["n3"], t=0.5,
+        state, _ = decide(state, m.Suspects((m.Suspect(worker_id=one(state, "n3"), t=0.5,
                                                        process_exited=True, slurmd_reachable=True),)), 0.5, p)
         assert "n3" not in state.local_standbys and state.recovery is None  # an idle standby: no recovery
     if why == "off":
@@ -154,10 +165,10 @@ def test_without_a_usable_standby_the_restart_in_place_launches_as_before(why):
     assert EventKind.LOCAL_STANDBY_ADOPTED not in kinds(acts)
 
 
-def test_a_lost_node_takes_its_standby_with_it_and_the_spare_gets_one_after_the_recovery():
+def test_a_lost_node_takes_its_standby_with_it_and_the_spare_brings_its_own():
     p = policy()
     state, _ = started(p)
-    warm = state.local_standbys["n3"]
+    warm, extra = one(state, "n3"), one(state, "n5")
     wid = state.table.slots[1].worker_id
     state, acts = decide(state, m.Suspects((m.Suspect(worker_id=wid, t=1.0, process_exited=True,
                                                       slurmd_reachable=False),)), 1.0, p)
@@ -165,8 +176,8 @@ def test_a_lost_node_takes_its_standby_with_it_and_the_spare_gets_one_after_the_
     assert state.workers[warm].dead and m.Kill(warm) not in acts  # nothing waits on the lost node
     state, _ = decide(state, m.Published(1, 1.2), 1.2, p)
     state, acts = finish(state, p)
-    assert [(a.node, a.role) for a in of(acts, m.Launch)] == [("n5", Role.STANDBY)]  # n5 is a worker now
-    assert "n3" not in state.local_standbys and "n5" in state.local_standbys
+    assert not of(acts, m.Launch)  # n5 is a worker now, with the extra standby it kept as a spare
+    assert "n3" not in state.local_standbys and one(state, "n5") == extra
 
 
 def test_state_round_trips_reattach_drops_a_taken_standby_and_status_lists_them():
@@ -179,19 +190,19 @@ def test_state_round_trips_reattach_drops_a_taken_standby_and_status_lists_them(
     assert "n3" not in adopt_plans(state, [plan]).local_standbys
     st = status_dict(state, mode="online", retry_budget=3)
     assert [(x["node"], x["worker_id"], x["pid"]) for x in st["local_standbys"]] == \
-        [(n, state.local_standbys[n], 100) for n in WORKERS]
-    assert local.is_local(state, state.local_standbys["n2"]) and not local.is_local(state, plan.table.slots[0].worker_id)
+        [(n, one(state, n), 100) for n in WORKERS + SPARES]
+    assert local.is_local(state, one(state, "n2")) and not local.is_local(state, plan.table.slots[0].worker_id)
 
 
 def test_a_migrated_straggler_node_ends_its_standby():
     p = policy(migrate_stragglers=True)
     state, _ = started(p)
-    warm = state.local_standbys["n3"]
+    warm = one(state, "n3")
     state, acts = decide(state, m.Straggler(1, 50.0, (10.0, 11.0)), 1.0, p)
     assert m.Kill(warm) in acts and "n3" not in state.local_standbys and state.workers[warm].dead
     state = dataclasses.replace(state, recovery=None)
     state, acts = local.refill(state, p, state.table.generation)
-    assert [a.node for a in of(acts, m.Launch)] == ["n5"]  # n3 is excluded
+    assert not of(acts, m.Launch)  # n3 is excluded; n5 brought its extra standby
 
 
 def test_a_frozen_node_is_silent_though_its_standby_is_not_stale_yet():
@@ -214,7 +225,7 @@ def test_a_standby_alone_seen_on_a_lost_node_does_not_isolate_its_ranks_node():
     """Only the node's ranks decide a node fault (an isolated node's ranks would be stranded)."""
     p = policy()
     state, _ = started(p)
-    warm = state.local_standbys["n3"]
+    warm = one(state, "n3")
     state, acts = decide(state, m.Suspects((m.Suspect(worker_id=warm, t=1.0, process_exited=True,
                                                       slurmd_reachable=False),)), 1.0, p)
     assert not of(acts, m.Isolate) and "n3" not in state.excluded and state.recovery is None
@@ -242,7 +253,7 @@ def test_the_process_restart_adopts_each_nodes_standby_for_its_first_slot():
     for g in (1, 2):
         p = policy()
         state, _ = started(p, g=g)
-        warm = dict(state.local_standbys)
+        warm = {n: one(state, n) for n in WORKERS}
         state, acts = timed_out(state, p, killed(state, 1))  # rank 1 (n2 or n3) took its node's standby
         node1 = "n2" if g == 2 else "n3"
         assert state.recovery.level == "process-restart" and EventKind.FALLBACK in kinds(acts)
@@ -258,7 +269,7 @@ def test_the_process_restart_adopts_each_nodes_standby_for_its_first_slot():
         idle = {warm[n] for n in WORKERS if n != node1}  # warm[node1] is rank 1 now: a survivor
         assert warm[node1] in {a.worker_id for a in of(acts, m.Kill)}
         assert not {a.worker_id for a in of(acts, m.Kill)} & idle  # idle standbys are not survivors
-        assert state.local_standbys == {}
+        assert list(state.local_standbys) == ["n5"]  # the spare's extra one: n5 is not in the table
         state, _ = decide(state, m.Published(2, 20.1), 20.1, p)
         state, acts = finish(state, p, now=21.0)
         assert sorted((a.node, a.role) for a in of(acts, m.Launch)) == [(n, Role.STANDBY) for n in WORKERS]
@@ -279,11 +290,11 @@ def test_the_process_restart_runs_cold_without_a_usable_standby(why):
 def test_a_lost_nodes_standby_is_never_adopted_by_the_process_restart():
     p = policy()
     state, _ = started(p)
-    warm = dict(state.local_standbys)
+    warm = {n: one(state, n) for n in WORKERS + SPARES}
     wid = state.table.slots[1].worker_id
     lost = m.Suspects((m.Suspect(worker_id=wid, t=1.0, process_exited=True, slurmd_reachable=False),))
     state, acts = timed_out(state, p, lost)
     plan = of(acts, m.Publish)[0].plan
     assert plan.table.nodes == ("n2", "n5", "n4") and warm["n3"] not in {s.worker_id for s in plan.table.slots}
-    assert [(a.node, a.role) for a in of(acts, m.Launch)] == [("n5", Role.RANK)]  # the spare has no local standby
-    assert [plan.table.slots[r].worker_id for r in (0, 2)] == [warm["n2"], warm["n4"]]
+    assert not of(acts, m.Launch)  # every slot warm: the former spare brought its extra standby
+    assert [s.worker_id for s in plan.table.slots] == [warm["n2"], warm["n5"], warm["n4"]]
