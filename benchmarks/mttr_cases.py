@@ -133,8 +133,9 @@ register(Case("freeze-node", inject=lambda st: lab.freeze_node(st["ranks"][1]["n
 
 
 def _standbys_connected(run, status: Status, timeout_s: float = 120.0) -> Status:
-    """The status once every rank's node has a connected warm standby (outside the window)."""
-    nodes = {r["node"] for r in status["ranks"]}
+    """The status once every rank's node and every spare has its own connected warm standby
+    (outside the window)."""
+    nodes = {r["node"] for r in status["ranks"]} | {s["node"] for s in status.get("spares", [])}  # spares: K extra
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         st = run.status or status

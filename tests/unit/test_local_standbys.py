@@ -91,7 +91,7 @@ def test_the_worker_nodes_standbys_start_with_the_jobs_first_step_not_with_its_r
     state, acts = decide(state, m.WorkerMark(WorkerEvent.RECONNECTED, 0, 0, 0.04), 0.04, p)
     assert not of(acts, m.Launch)
     state, acts = decide(state, m.WorkerMark(WorkerEvent.FIRST_STEP, 2, 0, 0.05), 0.05, p)
-    assert sorted(a.node for a in of(acts, m.Launch)) == list(WORKERS)
+    assert sorted(a.node for a in of(acts, m.Launch)) == [*WORKERS, *SPARES]  # and the spare's extra one
     state, acts = decide(state, m.WorkerMark(WorkerEvent.FIRST_STEP, 1, 0, 0.06), 0.06, p)
     assert not of(acts, m.Launch)  # one each
     off = policy(local_standbys=False)
