@@ -2,11 +2,14 @@
 """Checkpoint benchmark: ours vs raw disk, torch.save and torch.distributed.checkpoint, like for like.
 
 Same process, same state (a dict of fp32 tensors of --size-gib in all), and for every
-contender (benchmarks/checkpoint_contenders.py) the same: one untimed warm-up write and
-read, then --repeat timed rounds interleaved (raw, torch.save, DCP, ours, raw, ...), so a
-disk or a neighbour that changes speed mid-run hits all alike. Writes are timed from the
-outside, from the save call to durable (fsync'd); reads start from the same cache state
-for all: cold (page cache dropped before every read) where /proc/sys/vm/drop_caches is
+contender (benchmarks/checkpoint_contenders.py) the same: two untimed warm-up writes and
+one read, then --repeat timed rounds interleaved (raw, torch.save, DCP, ours, raw, ...),
+``os.sync()`` before each contender, so a disk or a neighbour that changes speed mid-run
+hits all alike; the ratios are also given per round. Writes are timed from the outside,
+from the save call to durable (fsync'd; ours: to the engine's report that the step is
+committed, before it prunes older steps); reads go into memory allocated before timing
+(raw, DCP and ours alike; torch.load cannot) and start from the same cache state for
+all: cold (page cache dropped before every read) where /proc/sys/vm/drop_caches is
 writable, else warm (each contender reads its own file right after writing it).
 Medians, min and max are printed with each ratio next to its target; --json (default
 checkpoint.json) gets every run.
@@ -89,16 +92,19 @@ def run(args) -> dict:
     contenders.append(Ours(state, root))
     times: dict[str, list[float]] = {}
     try:
-        for c in contenders:  # the same untimed warm-up for every contender: one write, one read
-            handle = c.write(0)
-            c.read(handle)
-            c.remove(handle)
+        for c in contenders:  # the same untimed warm-up for every contender: two writes, one read
+            for w in (1, 2):  # two: ours alternates between two host buffer sets
+                handle = c.write(w)
+                if w == 2:
+                    c.read(handle)
+                c.remove(handle)
         for i in range(1, args.repeat + 1):
             for c in contenders:
                 os.sync()  # no dirty pages of the previous contender in this one's window
                 t0 = time.perf_counter()
-                handle = c.write(i)
-                times.setdefault(f"{c.name}_write", []).append(time.perf_counter() - t0)
+                handle = c.write(2 + i)
+                end = time.perf_counter() if c.durable_at is None else c.durable_at
+                times.setdefault(f"{c.name}_write", []).append(end - t0)
                 if cold:
                     drop_caches()
                 t0 = time.perf_counter()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import shutil
 import threading
+import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable
@@ -19,10 +20,16 @@ import torch
 
 
 class Contender:
-    """``write(i) -> handle`` (durable when it returns), ``read(handle)``, ``remove(handle)``."""
+    """``write(i) -> handle`` (durable when it returns), ``read(handle)``, ``remove(handle)``.
+
+    ``durable_at``: where a contender does more than persisting before ``write`` returns
+    (ours: retention of older steps), the ``time.perf_counter()`` at which the bytes were
+    durable and committed, seen from outside the writer; None: when ``write`` returned.
+    """
 
     name = "?"
     write_label = read_label = "?"
+    durable_at: float | None = None
 
     def write(self, i: int) -> Any:
         raise NotImplementedError
@@ -144,7 +151,10 @@ class DCP(Contender):
 
 
 class Ours(Contender):
-    """The engine with L0 (memory) and L1 (local HDF5): ``save`` + ``wait`` = durable in L1.
+    """The engine with L0 (memory) and L1 (local HDF5): ``save`` + ``wait`` = durable in L1,
+    its end taken when the engine reports the step durable and committed (``latest``
+    moved: the ``checkpoint_durable`` event), before it prunes the previous step. Reads
+    (``load``) go into tensors allocated once, before any timing, as raw's and DCP's.
     ``stalls`` keeps what ``save`` itself blocked (the training stall)."""
 
     name, write_label, read_label = "ours", "ours: L1 persist (save call -> durable)", "ours: restore (read+verify)"
@@ -156,19 +166,30 @@ class Ours(Contender):
         self.state, self.root = state, root
         specs = (TierSpec(name="L0", storage="memory", interval_steps=1),
                  TierSpec(name="L1", storage="local", interval_steps=1, path=str(root / "ours"), keep=1))
-        self.eng = CheckpointEngine(specs, job_id="bench", job_dir=str(root), node="n0")
+        self.eng = CheckpointEngine(specs, job_id="bench", job_dir=str(root), node="n0", emit=self._event)
+        self.target = {k: torch.empty_like(v) for k, v in state.items()}
         self.stalls: list[float] = []
+
+    def _event(self, kind: str, **fields: Any) -> None:
+        if kind == "checkpoint_durable" and fields.get("tier") == "L1":
+            self.durable_at = time.perf_counter()
 
     def write(self, i: int) -> tuple[int, str, str]:
         from slurm_resilience.checkpoint import layout
 
+        self.durable_at = None
         self.stalls.append(self.eng.save(i, self.state))
-        if not self.eng.wait(timeout=600):
+        if not self.eng.wait(timeout=600) or self.durable_at is None:
             raise RuntimeError("ours: L1 write not durable within 600 s")
         return (i, "L1", layout.shard_path(str(self.root / "ours"), i, 0))
 
     def read(self, cand: tuple[int, str, str]) -> None:
-        self.eng.load(cand)
+        from slurm_resilience.checkpoint.hdf5_format import flatten_state
+
+        state = self.eng.load(cand, into=self.target)
+        got = flatten_state(state)[0]
+        if any(got[k] is not t for k, t in self.target.items()):
+            raise RuntimeError("ours: restore did not read into the preallocated tensors")
 
     def remove(self, cand: tuple[int, str, str]) -> None:
         pass  # keep=1: the engine prunes its older steps itself

@@ -31,13 +31,14 @@ import os
 import queue
 import threading
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
 from ..errors import CheckpointError
 from . import layout
 from . import manifest as mf
+from .hdf5_extents import aligned_empty
 from .hdf5_format import flatten_state, unflatten_state, verify_shard
 from .intervals import IntervalEstimator
 from .lustre import LustreStriping, Striping
@@ -156,7 +157,7 @@ class CheckpointEngine:
         for key, t in tensors.items():
             dst = buf.tensors.get(key)
             if dst is None or dst.shape != t.shape or dst.dtype != t.dtype:
-                dst = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=self._pinned)
+                dst = aligned_empty(tuple(t.shape), t.dtype, pin_memory=self._pinned)  # O_DIRECT-ready
                 buf.tensors[key] = dst
             dst.copy_(t.detach(), non_blocking=self._pinned)
         for key in set(buf.tensors) - set(tensors):
@@ -360,8 +361,15 @@ class CheckpointEngine:
             self._emit("checkpoint_invalid", step=step, source=source, path=path, problems=problems[:3])
         return None
 
-    def load(self, candidate: tuple[int, str, str]) -> Any:
+    def load(self, candidate: tuple[int, str, str], into: Mapping[str, torch.Tensor] | None = None) -> Any:
+        """The state of ``candidate`` (from ``best``). From disk, tensors are read straight into
+        ``into``'s (``flatten_state`` names -> tensors, e.g. the rank's own state) where they
+        fit, saving an allocation per tensor; ``into``'s bytes are undefined after an error.
+
+        Raises:
+            CheckpointError: a file is missing or corrupt, or a checksum fails.
+        """
         step, source, path = candidate
         if source == "L0":
             return unflatten_state({k: v.clone() for k, v in self._l0.tensors.items()}, self._l0.skeleton)
-        return read_rank_state(path)
+        return read_rank_state(path, into=into)
