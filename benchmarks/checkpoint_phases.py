@@ -5,15 +5,15 @@ Companion of benchmarks/checkpoint.py (issue 13). The same state (fp32 tensors o
 --size-mb in all); rounds interleave every variant, ``os.sync()`` before each and the
 page cache dropped before each read (when allowed), so all see the same cache state.
 
-Writes (each from the first byte to durable):
+Writes (each from the first byte to durable), of the engine's host buffers (aligned):
   ours       the shard write of ``hdf5_format`` phase by phase: layout (mkstemp + h5py
-             metadata), data (``shard_io.write_extents``: pwrite + CRC32 in the pool),
-             attrs (h5py reopens to store the CRCs), fsync, rename (+ directory fsync),
-             manifest and latest (each ``files.write_private``: write, fsync, rename,
-             directory fsync), then prune (the previous step's directory; not persist)
-  ours-nokick   the same with no sync_file_range writeback hints
+             metadata), data (``shard_io.write_extents``: CRC32 + O_DIRECT pwrite in the
+             pool), attrs (h5py reopens to store the CRCs), fsync, rename (+ directory
+             fsync), manifest and latest (each ``files.write_private``: write, fsync,
+             rename, directory fsync), then prune (the previous step's directory; not persist)
+  ours-buffered  the same through the page cache (the write path before O_DIRECT)
   raw32      one file per tensor, --threads threads, write + fsync each (checkpoint.py's raw)
-  raw1       one file, the tensors at their offsets by --threads threads, one fsync
+  raw1-direct    one file, 8 MiB O_DIRECT pwrites by --threads threads, one fsync
 Reads (cold):
   raw32      readinto buffers allocated before timing (checkpoint.py's raw read)
   ours       ``read_shard`` (allocates, preadv + CRC32 in the pool)
@@ -42,7 +42,7 @@ from checkpoint import drop_caches, make_state  # noqa: E402
 from checkpoint_contenders import Raw, _parallel  # noqa: E402
 from figures import stats, utc_now, write_run  # noqa: E402
 from slurm_resilience.checkpoint import hdf5_format as h5f, shard_io  # noqa: E402
-from slurm_resilience.checkpoint.hdf5_extents import bytes_of, to_numpy  # noqa: E402
+from slurm_resilience.checkpoint.hdf5_extents import ALIGN_ABOVE, aligned_empty, bytes_of, to_numpy  # noqa: E402
 from slurm_resilience.files import fsync_dir, write_private  # noqa: E402
 
 
@@ -57,7 +57,7 @@ class Clock:
         self.t = now
 
 
-def write_ours(d: Path, state: dict, kick: bool) -> dict[str, float]:
+def write_ours(d: Path, state: dict, direct: bool) -> dict[str, float]:
     """hdf5_format.write_flat + the L1 commit, phase by phase (the same calls)."""
     import h5py
 
@@ -71,20 +71,20 @@ def write_ours(d: Path, state: dict, kick: bool) -> dict[str, float]:
     tensors, skeleton = h5f.flatten_state(state)
     arrays = {k: to_numpy(t) for k, t in tensors.items()}
     extents = {}
-    with h5py.File(tmp, "w", libver="latest", locking=False) as f:
+    with h5py.File(tmp, "w", libver="latest", locking=False, alignment_threshold=ALIGN_ABOVE,
+                   alignment_interval=shard_io.ALIGN) as f:
         f.attrs["format"] = h5f.FORMAT
         lay = DatasetLayout(f)
         for name, (arr, tdt) in arrays.items():
             extents[name] = lay.create(name, arr, tdt)
-        f.create_dataset(h5f.SKELETON, data=np.frombuffer(skeleton, dtype=np.uint8))
+        f.create_dataset(h5f.SKELETON, data=np.frombuffer(skeleton, dtype=np.uint8)).attrs["crc32"] = \
+            np.uint32(shard_io.crc32(skeleton))
     c.lap("layout")
     fd = os.open(tmp, os.O_WRONLY)
-    saved = shard_io.WRITEBACK_EVERY
-    shard_io.WRITEBACK_EVERY = saved if kick else 1 << 62
-    try:
-        crcs = shard_io.write_extents(fd, [(off, bytes_of(arrays[n][0])) for n, off in extents.items()])
-    finally:
-        shard_io.WRITEBACK_EVERY = saved
+    dfd = shard_io.open_direct(tmp, os.O_WRONLY) if direct else None
+    crcs = shard_io.write_extents(fd, [(off, bytes_of(arrays[n][0])) for n, off in extents.items()], direct_fd=dfd)
+    if dfd is not None:
+        os.close(dfd)
     c.lap("data")
     with h5py.File(tmp, "r+", locking=False) as f:
         for name, crc in zip(extents, crcs):
@@ -103,14 +103,15 @@ def write_ours(d: Path, state: dict, kick: bool) -> dict[str, float]:
     return c.phases
 
 
-def write_raw1(d: Path, state: dict, threads: int) -> dict[str, float]:
+def write_raw1_direct(d: Path, state: dict, threads: int) -> dict[str, float]:
+    """Every tensor (aligned memory, sizes multiples of 4 KiB here) at an aligned offset of one file."""
     c = Clock()
     d.mkdir(parents=True)
-    fd = os.open(d / "all.bin", os.O_WRONLY | os.O_CREAT, 0o600)
+    fd = os.open(d / "all.bin", os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o600)
     views, off = [], 0
     for t in state.values():
         views.append((off, memoryview(t.numpy()).cast("B")))
-        off += t.numel() * t.element_size()
+        off += -(-t.numel() * t.element_size() // shard_io.ALIGN) * shard_io.ALIGN
     chunk = shard_io.CHUNK
     jobs = [(o + s, v[s:s + chunk]) for o, v in views for s in range(0, len(v), chunk)]
     _parallel([lambda o=o, v=v: os.pwrite(fd, v, o) for o, v in jobs], threads)
@@ -126,12 +127,13 @@ def read_ours(path: str, into: dict | None) -> None:
 
 
 def run(args) -> dict:
-    state = make_state(args.size_mb / 1024, args.tensors, "cpu")
+    state = {k: aligned_empty(tuple(v.shape), v.dtype).copy_(v)  # as the engine's host buffers
+             for k, v in make_state(args.size_mb / 1024, args.tensors, "cpu").items()}
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
     root = Path(tempfile.mkdtemp(prefix="ckphase-", dir=args.dir))
     cold = drop_caches()
     raw = Raw(state, root, args.threads)
-    into = {k: torch.empty_like(v) for k, v in state.items()}
+    into = {k: torch.empty_like(v) for k, v in h5f.flatten_state(state)[0].items()}
     for t in into.values():
         t.fill_(0)  # fault the pages in before timing, as raw's buffers
     times: dict[str, list[float]] = {}
@@ -143,17 +145,17 @@ def run(args) -> dict:
     try:
         for i in range(args.repeat + 1):  # round 0: the untimed warm-up of everything
             keep = i > 0
-            for variant in ("raw32", "ours", "raw1", "ours-nokick"):
+            for variant in ("raw32", "ours", "raw1-direct", "ours-buffered"):
                 os.sync()
                 t0 = time.perf_counter()
                 d = root / f"{variant}-{i}"
                 if variant == "raw32":
                     d = raw.write(i)
                     phases = {}
-                elif variant == "raw1":
-                    phases = write_raw1(d, state, args.threads)
+                elif variant == "raw1-direct":
+                    phases = write_raw1_direct(d, state, args.threads)
                 else:
-                    phases = write_ours(d, state, kick=variant == "ours")
+                    phases = write_ours(d, state, direct=variant == "ours")
                 total = time.perf_counter() - t0
                 if keep:
                     rec(f"write_{variant}", total)
