@@ -31,7 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from checkpoint_contenders import DCP, Ours, Raw, TorchSave  # noqa: E402
+from checkpoint_contenders import DCP, Ours, Raw, RawDirect, TorchSave  # noqa: E402
 from figures import stats, utc_now, write_run  # noqa: E402
 from slurm_resilience.checkpoint.shard_io import CRC32_IMPL, IO_THREADS  # noqa: E402
 
@@ -39,9 +39,12 @@ DROP = "/proc/sys/vm/drop_caches"
 # (label, numerator, denominator, target, how to read it): ratio = numerator / denominator
 TARGETS = [
     ("L1 persist vs raw parallel write", "raw_write", "ours_write", 0.85, ">= 0.85 of the disk's own speed"),
+    ("L1 persist vs raw O_DIRECT write", "raw_direct_write", "ours_write", 0.85, ">= 0.85 of it, page cache bypassed"),
     ("L1 persist vs DCP save", "dcp_write", "ours_write", 1.0, "> 1: faster than DCP save"),
     ("L1 persist vs torch.save", "torch_save_write", "ours_write", 1.0, "> 1: faster than torch.save"),
     ("restore vs raw parallel read", "raw_read", "ours_read", 0.85, ">= 0.85 of the raw read"),
+    ("restore vs raw O_DIRECT read", "raw_direct_read", "ours_read", 0.85, ">= 0.85 of it, page cache bypassed"),
+    ("restore into new tensors vs raw read", "raw_read", "ours_read_new", 0.85, "(informative: no preallocation)"),
     ("restore vs DCP load", "dcp_read", "ours_read", 1.0, "> 1: faster than DCP load"),
     ("host copy / training stall", "host_copy", "ours_stall", 1 / 1.5, "stall <= 1.5x the host copy"),
 ]
@@ -86,7 +89,7 @@ def run(args) -> dict:
     state = make_state(size_gib, args.tensors, device)
     root = Path(tempfile.mkdtemp(prefix="ckbench-", dir=args.dir))
     cold = drop_caches()
-    contenders = [Raw(state, root, args.threads)]
+    contenders = [Raw(state, root, args.threads), RawDirect(state, root, args.threads)]
     if not args.skip_others:
         contenders += [TorchSave(state, root), DCP(state, root)]
     contenders.append(Ours(state, root))
@@ -110,6 +113,12 @@ def run(args) -> dict:
                 t0 = time.perf_counter()
                 c.read(handle)
                 times.setdefault(f"{c.name}_read", []).append(time.perf_counter() - t0)
+                if isinstance(c, Ours):  # also into new tensors, as a fresh process without ``into``
+                    if cold:
+                        drop_caches()
+                    t0 = time.perf_counter()
+                    c.read_new(handle)
+                    times.setdefault("ours_read_new", []).append(time.perf_counter() - t0)
                 c.remove(handle)
         ours = contenders[-1]
         times["ours_stall"] = ours.stalls[-args.repeat:]
@@ -132,15 +141,17 @@ def run(args) -> dict:
             "raw_threads": args.threads, "figures": figures, "ratios": ratios}
 
 
-LABELS = {"raw_write": Raw.write_label, "raw_read": Raw.read_label, "torch_save_write": TorchSave.write_label,
+LABELS = {"raw_write": Raw.write_label, "raw_read": Raw.read_label, "raw_direct_write": RawDirect.write_label,
+          "raw_direct_read": RawDirect.read_label, "torch_save_write": TorchSave.write_label,
           "torch_save_read": TorchSave.read_label, "dcp_write": DCP.write_label, "dcp_read": DCP.read_label,
-          "ours_write": Ours.write_label, "ours_read": Ours.read_label,
+          "ours_write": Ours.write_label, "ours_read": Ours.read_label, "ours_read_new": Ours.read_new_label,
           "ours_stall": "ours: training stall (save() returns)", "host_copy": "host copy (floor for the stall)"}
 
 
 def report(r: dict) -> str:
     gb = r["bytes"] / 1e9
-    lines = [f"state: {gb:.2f} GB on {r['device']}; {r['repeat']} interleaved rounds after one warm-up each; "
+    lines = [f"state: {gb:.2f} GB on {r['device']}; {r['repeat']} interleaved rounds after the same warm-up "
+             "(two writes, one read); "
              f"reads {r['reads']}; ours: CRC32 from {r['crc32']}, {r['io_threads']} I/O threads",
              f"{'what':<44}{'median s':>10}{'min':>8}{'max':>8}{'GB/s':>8}"]
     for key, label in LABELS.items():

@@ -22,10 +22,10 @@ import torch
 from ..errors import CheckpointError
 from .shard_io import ALIGN, crc_extents, read_extents
 
-__all__ = ["ALIGN_ABOVE", "DatasetLayout", "raw_extent", "bytes_of", "to_numpy", "to_tensor", "read_target", "Bulk", "plan_bulk",
-           "empty", "aligned_empty", "bulk_read", "first_line"]
+__all__ = ["ALIGN_ABOVE", "DatasetLayout", "raw_extent", "bytes_of", "to_numpy", "to_tensor", "read_target", "Bulk",
+           "plan_bulk", "empty", "aligned_empty", "bulk_read", "first_line"]
 
-ALIGN_ABOVE = 64 << 10  # datasets of at least this many bytes start at a shard_io.ALIGN multiple in the file
+ALIGN_ABOVE = 64 << 10  # datasets of at least this many bytes start at an ALIGN multiple of the file
 
 # Integer dtypes of each width, to store tensors whose dtype numpy lacks (bfloat16,
 # float8 ...) as a same-width view.
