@@ -220,6 +220,7 @@ class Ours(Contender):
 
         self.target = {k: torch.empty_like(v) for k, v in flatten_state(state)[0].items()}  # as the shard names them
         self.stalls: list[float] = []
+        self.loaded: Any = None
 
     def _event(self, kind: str, **fields: Any) -> None:
         if kind == "checkpoint_durable" and fields.get("tier") == "L1":
@@ -235,18 +236,21 @@ class Ours(Contender):
         return (i, "L1", layout.shard_path(str(self.root / "ours"), i, 0))
 
     def read(self, cand: tuple[int, str, str]) -> None:
-        from slurm_resilience.checkpoint.hdf5_format import flatten_state
-
-        state = self.eng.load(cand, into=self.target)
-        got = flatten_state(state)[0]
-        if any(got[k] is not t for k, t in self.target.items()):
-            raise RuntimeError("ours: restore did not read into the preallocated tensors")
+        self.loaded = self.eng.load(cand, into=self.target)  # checked in remove(), untimed
 
     def read_new(self, cand: tuple[int, str, str]) -> None:
         self.eng.load(cand)
 
     def remove(self, cand: tuple[int, str, str]) -> None:
-        pass  # keep=1: the engine prunes its older steps itself
+        from slurm_resilience.checkpoint.hdf5_format import flatten_state
+
+        loaded, self.loaded = self.loaded, None  # keep=1: the engine prunes its older steps itself
+        if loaded is None:  # written, not read (the first warm-up write)
+            return
+        got = flatten_state(loaded)[0]
+        if any(got[k] is not t for k, t in self.target.items()) or \
+                any(not torch.equal(got[k], t) for k, t in flatten_state(self.state)[0].items()):
+            raise RuntimeError("ours: restore did not read the state into the preallocated tensors")
 
     def close(self) -> None:
         self.eng.close()

@@ -27,6 +27,7 @@ Reads (cold):
 from __future__ import annotations
 
 import argparse
+import mmap
 import os
 import shutil
 import sys
@@ -181,9 +182,11 @@ def run(args) -> dict:
                 t0 = time.perf_counter()
                 if variant == "raw32":
                     raw.read(raw_dir)
-                elif variant == "fault":
+                elif variant == "fault":  # fresh anonymous memory (malloc would hand back freed pages)
                     for v in state.values():
-                        torch.empty(v.numel() * v.element_size(), dtype=torch.uint8).numpy()[::4096] = 1
+                        m = mmap.mmap(-1, v.numel() * v.element_size())
+                        np.frombuffer(m, dtype=np.uint8)[::4096] = 1
+                        m.close()
                 elif variant == "ours-into-8m":  # each chunk in one preadv, then its CRC
                     step, shard_io._STEP = shard_io._STEP, shard_io.CHUNK
                     try:
