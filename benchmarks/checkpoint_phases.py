@@ -7,11 +7,11 @@ page cache dropped before each read (when allowed), so all see the same cache st
 
 Writes (each from the first byte to durable), of the engine's host buffers (aligned):
   ours       the shard write of ``hdf5_format`` phase by phase: layout (mkstemp + h5py
-             metadata), data (``shard_io.write_extents``: CRC32 + O_DIRECT pwrite in the
-             pool), attrs (h5py reopens to store the CRCs), fsync, rename (+ directory
-             fsync), manifest and latest (each ``files.write_private``: write, fsync,
-             rename, directory fsync), then prune (the previous step's directory; not persist)
-  ours-buffered  the same through the page cache (the write path before O_DIRECT)
+             metadata), data (``shard_io.write_extents``: CRC32 + pwrite through the page
+             cache in the pool), attrs (h5py reopens to store the CRCs), fsync, rename
+             (+ directory fsync), manifest and latest (each ``files.write_private``: write,
+             fsync, rename, directory fsync), then prune (the previous step's directory; not persist)
+  ours-direct    the same with the bulk bytes O_DIRECT (``write_shard(direct=True)``)
   raw32      one file per tensor, --threads threads, write + fsync each (checkpoint.py's raw)
   raw1-direct    one file, 8 MiB O_DIRECT pwrites by --threads threads, one fsync
 Reads (cold):
@@ -147,7 +147,7 @@ def run(args) -> dict:
     try:
         for i in range(args.repeat + 1):  # round 0: the untimed warm-up of everything
             keep = i > 0
-            for variant in ("raw32", "ours", "raw1-direct", "ours-buffered"):
+            for variant in ("raw32", "ours", "raw1-direct", "ours-direct"):
                 os.sync()
                 t0 = time.perf_counter()
                 d = root / f"{variant}-{i}"
@@ -157,7 +157,7 @@ def run(args) -> dict:
                 elif variant == "raw1-direct":
                     phases = write_raw1_direct(d, state, args.threads)
                 else:
-                    phases = write_ours(d, state, direct=variant == "ours")
+                    phases = write_ours(d, state, direct=variant == "ours-direct")
                 total = time.perf_counter() - t0
                 if keep:
                     rec(f"write_{variant}", total)

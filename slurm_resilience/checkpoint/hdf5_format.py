@@ -108,9 +108,8 @@ def _check_attrs(attrs: Mapping[str, int | float | str]) -> None:
             raise CheckpointError(f"shard attribute {key!r} must be int, float or str, not {type(value).__name__}")
 
 
-def _write_hdf5(
-    path: str, tensors: Mapping[str, torch.Tensor], skeleton: bytes, attrs: Mapping[str, int | float | str]
-) -> dict[str, int]:
+def _write_hdf5(path: str, tensors: Mapping[str, torch.Tensor], skeleton: bytes,
+                attrs: Mapping[str, int | float | str], direct: bool) -> dict[str, int]:
     arrays = {name: to_numpy(t) for name, t in tensors.items()}
     extents: dict[str, int] = {}
     checksums: dict[str, int] = {}
@@ -135,7 +134,7 @@ def _write_hdf5(
         f.create_dataset(SKELETON, data=np.frombuffer(skeleton, dtype=np.uint8)).attrs["crc32"] = \
             np.uint32(checksums[SKELETON])
     fd = os.open(path, os.O_WRONLY)
-    dfd = open_direct(path, os.O_WRONLY) if extents else None
+    dfd = open_direct(path, os.O_WRONLY) if direct and extents else None
     try:
         crcs = write_extents(fd, [(off, bytes_of(arrays[name][0])) for name, off in extents.items()],
                              direct_fd=dfd)
@@ -152,22 +151,26 @@ def _write_hdf5(
     return checksums
 
 
-def write_shard(path: str, state: Any, *, attrs: Mapping[str, int | float | str] = _NO_ATTRS) -> ShardInfo:
+def write_shard(path: str, state: Any, *, attrs: Mapping[str, int | float | str] = _NO_ATTRS,
+                direct: bool = False) -> ShardInfo:
     """Write ``state`` to the HDF5 shard ``path`` atomically (mode 0600).
 
     CUDA tensors are copied to host; CPU contiguous tensors are written from a
     zero-copy view. ``attrs`` become file attributes (``format`` is reserved).
+    ``direct``: the bulk bytes of 4 KiB-aligned tensors go O_DIRECT (``shard_io``);
+    off by default: not faster on the development box (docs/performance.md), and the
+    PARTNER/XOR tiers read the shard back right away, from the page cache.
 
     Raises:
         CheckpointError: the state cannot be pickled, a dtype cannot be stored, an
             attribute is invalid, or the file cannot be written (disk full ...).
     """
     tensors, skeleton = flatten_state(state)
-    return write_flat(path, tensors, skeleton, attrs=attrs)
+    return write_flat(path, tensors, skeleton, attrs=attrs, direct=direct)
 
 
 def write_flat(path: str, tensors: Mapping[str, torch.Tensor], skeleton: bytes, *,
-               attrs: Mapping[str, int | float | str] = _NO_ATTRS) -> ShardInfo:
+               attrs: Mapping[str, int | float | str] = _NO_ATTRS, direct: bool = False) -> ShardInfo:
     """``write_shard`` of an already flattened state; ``tensors`` may be a subset of the
     skeleton's references (a deduplicated shared-tier shard, ``dedup``: pass
     ``attrs["dedup"]=1`` so ``verify_shard`` accepts the references it lacks).
@@ -184,7 +187,7 @@ def write_flat(path: str, tensors: Mapping[str, torch.Tensor], skeleton: bytes, 
         raise CheckpointError(f"cannot write shard {path}: {e}") from e
     os.close(fd)  # mkstemp made it 0600; h5py reopens it by name and truncates it
     try:
-        checksums = _write_hdf5(tmp, tensors, skeleton, attrs)  # fsynced
+        checksums = _write_hdf5(tmp, tensors, skeleton, attrs, direct)  # fsynced
         os.replace(tmp, path)
         fsync_dir(directory)
     except BaseException as e:

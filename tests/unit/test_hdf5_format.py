@@ -567,8 +567,11 @@ def test_engine_buffers_and_shard_datasets_are_aligned_for_direct_io(tmp_path):
         assert t.shape == shape and t.dtype == dtype and t.data_ptr() % ALIGN == 0 and t.is_contiguous()
     path = str(tmp_path / "s.h5")
     state = {"a": torch.randn(ALIGN_ABOVE // 4 + 3), "b": torch.randn(3), "c": torch.randn(ALIGN_ABOVE)}
-    write_shard(path, state)
-    with h5py.File(path, "r") as f:
-        for name in ("objects/a", "objects/c"):
-            assert f[name].id.get_offset() % ALIGN == 0
-    assert_same(state, read_shard(path)[0])
+    for direct in (False, True):  # direct: the aligned tensors' bytes go O_DIRECT; the same file either way
+        aligned = {k: aligned_empty(tuple(v.shape), v.dtype).copy_(v) for k, v in state.items()}
+        write_shard(path, aligned, direct=direct)
+        with h5py.File(path, "r") as f:
+            for name in ("objects/a", "objects/c"):
+                assert f[name].id.get_offset() % ALIGN == 0
+        assert_same(state, read_shard(path)[0])
+        assert verify_shard(path) == []
