@@ -5,7 +5,7 @@ Companion of benchmarks/checkpoint.py (issue 13). The same state (fp32 tensors o
 --size-mb in all); rounds interleave every variant, ``os.sync()`` before each and the
 page cache dropped before each read (when allowed), so all see the same cache state.
 
-Writes (each from the first byte to durable), of the engine's host buffers (aligned):
+Writes (each from the first byte to durable), of 4 KiB-aligned copies of the state:
   ours       the shard write of ``hdf5_format`` phase by phase: layout (mkstemp + h5py
              metadata), data (``shard_io.write_extents``: CRC32 + pwrite through the page
              cache in the pool), attrs (h5py reopens to store the CRCs), fsync, rename
@@ -129,7 +129,7 @@ def read_ours(path: str, into: dict | None) -> None:
 
 
 def run(args) -> dict:
-    state = {k: aligned_empty(tuple(v.shape), v.dtype).copy_(v)  # as the engine's host buffers
+    state = {k: aligned_empty(tuple(v.shape), v.dtype).copy_(v)  # so that ours-direct can go direct
              for k, v in make_state(args.size_mb / 1024, args.tensors, "cpu").items()}
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
     root = Path(tempfile.mkdtemp(prefix="ckphase-", dir=args.dir))

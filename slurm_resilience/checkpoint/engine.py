@@ -38,7 +38,6 @@ import torch
 from ..errors import CheckpointError
 from . import layout
 from . import manifest as mf
-from .hdf5_extents import aligned_empty
 from .hdf5_format import flatten_state, unflatten_state, verify_shard
 from .intervals import IntervalEstimator
 from .lustre import LustreStriping, Striping
@@ -157,7 +156,7 @@ class CheckpointEngine:
         for key, t in tensors.items():
             dst = buf.tensors.get(key)
             if dst is None or dst.shape != t.shape or dst.dtype != t.dtype:
-                dst = aligned_empty(tuple(t.shape), t.dtype, pin_memory=self._pinned)  # O_DIRECT-ready
+                dst = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=self._pinned)
                 buf.tensors[key] = dst
             dst.copy_(t.detach(), non_blocking=self._pinned)
         for key in set(buf.tensors) - set(tensors):

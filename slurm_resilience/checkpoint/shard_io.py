@@ -4,10 +4,9 @@
 tensor, allocated up front) and then moves the tensors' bytes itself, straight
 between the tensors' memory and the datasets' file offsets::
 
-    write: chunk ──crc32──▶ ──pwrite, O_DIRECT──▶ disk (DMA from the tensor's memory)
-           or, where O_DIRECT does not apply (unaligned, refused by the filesystem):
-           chunk ──pwrite──▶ page cache ──sync_file_range──▶ disk (started early)
+    write: chunk ──pwrite──▶ page cache ──sync_file_range──▶ disk (started early)
              └──crc32 (same piece, still in the CPU cache)
+           direct: chunk ──crc32──▶ ──pwrite, O_DIRECT──▶ disk (DMA from the tensor's memory)
     read:  file ──preadv──▶ the final tensor buffer ──crc32
 
 Every chunk is a task for a small thread pool; os.pwrite/os.preadv and
@@ -16,13 +15,13 @@ overlap across cores, and the final fsync finds little left to do. Per-chunk
 checksums are joined with :func:`crc32_combine`, so the result is the CRC32 of
 the whole buffer, as if computed in one call.
 
-Direct writes skip the page cache: no copy into it and no fresh page-cache memory
-to allocate, whose cost (large and erratic on a VM whose host reclaims guest
-memory) made buffered writes of the same bytes vary from run to run. A chunk goes
-direct when its file offset and memory address are multiples of :data:`ALIGN`
-(``hdf5_format`` aligns large datasets in the file, ``hdf5_extents.aligned_empty``
-the engine's host buffers); its unaligned tail, and everything on a filesystem
-that refuses O_DIRECT (EINVAL), is written buffered. The caller still fsyncs.
+Direct writes (``write_extents(direct_fd=...)``, ``write_shard(direct=True)``; the
+engine does not use them, see ``hdf5_format.write_shard``) skip the page cache: no
+copy into it and no page-cache memory to allocate. A chunk goes direct when its
+file offset and memory address are multiples of :data:`ALIGN` (``hdf5_format``
+aligns large datasets in the file, ``hdf5_extents.aligned_empty`` allocates such
+memory); its unaligned tail, and everything on a filesystem that refuses O_DIRECT
+(EINVAL), is written buffered. The caller still fsyncs.
 
 :func:`crc32` is ISA-L's (package ``isal``) when it is installed: the same values
 as ``zlib.crc32`` (the format does not change), about five times faster with
