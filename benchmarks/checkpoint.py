@@ -2,11 +2,14 @@
 """Checkpoint benchmark: ours vs raw disk, torch.save and torch.distributed.checkpoint, like for like.
 
 Same process, same state (a dict of fp32 tensors of --size-gib in all), and for every
-contender (benchmarks/checkpoint_contenders.py) the same: one untimed warm-up write and
-read, then --repeat timed rounds interleaved (raw, torch.save, DCP, ours, raw, ...), so a
-disk or a neighbour that changes speed mid-run hits all alike. Writes are timed from the
-outside, from the save call to durable (fsync'd); reads start from the same cache state
-for all: cold (page cache dropped before every read) where /proc/sys/vm/drop_caches is
+contender (benchmarks/checkpoint_contenders.py) the same: two untimed warm-up writes and
+one read, then --repeat timed rounds interleaved (raw, torch.save, DCP, ours, raw, ...),
+``os.sync()`` before each contender, so a disk or a neighbour that changes speed mid-run
+hits all alike; the ratios are also given per round. Writes are timed from the outside,
+from the save call to durable (fsync'd; ours: to the engine's report that the step is
+committed, before it prunes older steps); reads go into memory allocated before timing
+(raw, DCP and ours alike; torch.load cannot) and start from the same cache state for
+all: cold (page cache dropped before every read) where /proc/sys/vm/drop_caches is
 writable, else warm (each contender reads its own file right after writing it).
 Medians, min and max are printed with each ratio next to its target; --json (default
 checkpoint.json) gets every run.
@@ -28,7 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from checkpoint_contenders import DCP, Ours, Raw, TorchSave  # noqa: E402
+from checkpoint_contenders import DCP, Ours, Raw, RawDirect, TorchSave  # noqa: E402
 from figures import stats, utc_now, write_run  # noqa: E402
 from slurm_resilience.checkpoint.shard_io import CRC32_IMPL, IO_THREADS  # noqa: E402
 
@@ -36,9 +39,12 @@ DROP = "/proc/sys/vm/drop_caches"
 # (label, numerator, denominator, target, how to read it): ratio = numerator / denominator
 TARGETS = [
     ("L1 persist vs raw parallel write", "raw_write", "ours_write", 0.85, ">= 0.85 of the disk's own speed"),
+    ("L1 persist vs raw O_DIRECT write", "raw_direct_write", "ours_write", 0.85, ">= 0.85 of it, page cache bypassed"),
     ("L1 persist vs DCP save", "dcp_write", "ours_write", 1.0, "> 1: faster than DCP save"),
     ("L1 persist vs torch.save", "torch_save_write", "ours_write", 1.0, "> 1: faster than torch.save"),
     ("restore vs raw parallel read", "raw_read", "ours_read", 0.85, ">= 0.85 of the raw read"),
+    ("restore vs raw O_DIRECT read", "raw_direct_read", "ours_read", 0.85, ">= 0.85 of it, page cache bypassed"),
+    ("restore into new tensors vs raw read", "raw_read", "ours_read_new", 0.85, "(informative: no preallocation)"),
     ("restore vs DCP load", "dcp_read", "ours_read", 1.0, "> 1: faster than DCP load"),
     ("host copy / training stall", "host_copy", "ours_stall", 1 / 1.5, "stall <= 1.5x the host copy"),
 ]
@@ -83,27 +89,36 @@ def run(args) -> dict:
     state = make_state(size_gib, args.tensors, device)
     root = Path(tempfile.mkdtemp(prefix="ckbench-", dir=args.dir))
     cold = drop_caches()
-    contenders = [Raw(state, root, args.threads)]
+    contenders = [Raw(state, root, args.threads), RawDirect(state, root, args.threads)]
     if not args.skip_others:
         contenders += [TorchSave(state, root), DCP(state, root)]
     contenders.append(Ours(state, root))
     times: dict[str, list[float]] = {}
     try:
-        for c in contenders:  # the same untimed warm-up for every contender: one write, one read
-            handle = c.write(0)
-            c.read(handle)
-            c.remove(handle)
+        for c in contenders:  # the same untimed warm-up for every contender: two writes, one read
+            for w in (1, 2):  # two: ours alternates between two host buffer sets
+                handle = c.write(w)
+                if w == 2:
+                    c.read(handle)
+                c.remove(handle)
         for i in range(1, args.repeat + 1):
             for c in contenders:
                 os.sync()  # no dirty pages of the previous contender in this one's window
                 t0 = time.perf_counter()
-                handle = c.write(i)
-                times.setdefault(f"{c.name}_write", []).append(time.perf_counter() - t0)
+                handle = c.write(2 + i)
+                end = time.perf_counter() if c.durable_at is None else c.durable_at
+                times.setdefault(f"{c.name}_write", []).append(end - t0)
                 if cold:
                     drop_caches()
                 t0 = time.perf_counter()
                 c.read(handle)
                 times.setdefault(f"{c.name}_read", []).append(time.perf_counter() - t0)
+                if isinstance(c, Ours):  # also into new tensors, as a fresh process without ``into``
+                    if cold:
+                        drop_caches()
+                    t0 = time.perf_counter()
+                    c.read_new(handle)
+                    times.setdefault("ours_read_new", []).append(time.perf_counter() - t0)
                 c.remove(handle)
         ours = contenders[-1]
         times["ours_stall"] = ours.stalls[-args.repeat:]
@@ -126,15 +141,17 @@ def run(args) -> dict:
             "raw_threads": args.threads, "figures": figures, "ratios": ratios}
 
 
-LABELS = {"raw_write": Raw.write_label, "raw_read": Raw.read_label, "torch_save_write": TorchSave.write_label,
+LABELS = {"raw_write": Raw.write_label, "raw_read": Raw.read_label, "raw_direct_write": RawDirect.write_label,
+          "raw_direct_read": RawDirect.read_label, "torch_save_write": TorchSave.write_label,
           "torch_save_read": TorchSave.read_label, "dcp_write": DCP.write_label, "dcp_read": DCP.read_label,
-          "ours_write": Ours.write_label, "ours_read": Ours.read_label,
+          "ours_write": Ours.write_label, "ours_read": Ours.read_label, "ours_read_new": Ours.read_new_label,
           "ours_stall": "ours: training stall (save() returns)", "host_copy": "host copy (floor for the stall)"}
 
 
 def report(r: dict) -> str:
     gb = r["bytes"] / 1e9
-    lines = [f"state: {gb:.2f} GB on {r['device']}; {r['repeat']} interleaved rounds after one warm-up each; "
+    lines = [f"state: {gb:.2f} GB on {r['device']}; {r['repeat']} interleaved rounds after the same warm-up "
+             "(two writes, one read); "
              f"reads {r['reads']}; ours: CRC32 from {r['crc32']}, {r['io_threads']} I/O threads",
              f"{'what':<44}{'median s':>10}{'min':>8}{'max':>8}{'GB/s':>8}"]
     for key, label in LABELS.items():

@@ -31,7 +31,7 @@ import os
 import queue
 import threading
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
@@ -360,8 +360,15 @@ class CheckpointEngine:
             self._emit("checkpoint_invalid", step=step, source=source, path=path, problems=problems[:3])
         return None
 
-    def load(self, candidate: tuple[int, str, str]) -> Any:
+    def load(self, candidate: tuple[int, str, str], into: Mapping[str, torch.Tensor] | None = None) -> Any:
+        """The state of ``candidate`` (from ``best``). From disk, tensors are read straight into
+        ``into``'s (``flatten_state`` names -> tensors, e.g. the rank's own state) where they
+        fit, saving an allocation per tensor; ``into``'s bytes are undefined after an error.
+
+        Raises:
+            CheckpointError: a file is missing or corrupt, or a checksum fails.
+        """
         step, source, path = candidate
         if source == "L0":
             return unflatten_state({k: v.clone() for k, v in self._l0.tensors.items()}, self._l0.skeleton)
-        return read_rank_state(path)
+        return read_rank_state(path, into=into)

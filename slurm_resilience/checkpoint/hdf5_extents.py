@@ -20,9 +20,16 @@ import numpy as np
 import torch
 
 from ..errors import CheckpointError
-from .shard_io import crc_extents, read_extents
+from .shard_io import ALIGN, crc_extents, read_extents
 
-__all__ = ["DatasetLayout", "raw_extent", "bytes_of", "Bulk", "plan_bulk", "empty", "bulk_read", "first_line"]
+__all__ = ["ALIGN_ABOVE", "DatasetLayout", "raw_extent", "bytes_of", "to_numpy", "to_tensor", "read_target", "Bulk",
+           "plan_bulk", "empty", "aligned_empty", "bulk_read", "first_line"]
+
+ALIGN_ABOVE = 64 << 10  # datasets of at least this many bytes start at an ALIGN multiple of the file
+
+# Integer dtypes of each width, to store tensors whose dtype numpy lacks (bfloat16,
+# float8 ...) as a same-width view.
+_INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 class DatasetLayout:
@@ -69,6 +76,55 @@ def bytes_of(arr: np.ndarray) -> memoryview:
     return memoryview(arr.reshape(-1).view(np.uint8))
 
 
+def to_numpy(t: torch.Tensor) -> tuple[np.ndarray, str | None]:
+    """A zero-copy numpy view of a CPU contiguous tensor (copies only if it must), and the
+    torch dtype to record when numpy lacks it (stored as a same-width integer view).
+
+    Raises: CheckpointError for a dtype of no integer width.
+    """
+    t = t.detach().cpu().resolve_conj().resolve_neg().contiguous()
+    try:
+        return t.numpy(), None
+    except TypeError:  # numpy has no such dtype (bfloat16, float8 ...)
+        width = t.element_size()
+        if width not in _INT_OF_WIDTH:
+            raise CheckpointError(f"cannot store tensor of dtype {t.dtype}") from None
+        return t.view(_INT_OF_WIDTH[width]).numpy(), str(t.dtype).removeprefix("torch.")
+
+
+def to_tensor(ds: h5py.Dataset, path: str, name: str, arr: np.ndarray) -> torch.Tensor:
+    """The tensor of a dataset's array: its recorded torch dtype where numpy lacks it.
+
+    Raises: CheckpointError for an unknown recorded dtype.
+    """
+    t = torch.from_numpy(arr)
+    torch_dtype = ds.attrs.get("torch_dtype")
+    if torch_dtype is None:
+        return t
+    dtype = getattr(torch, str(torch_dtype), None)
+    if not isinstance(dtype, torch.dtype):
+        raise CheckpointError(f"corrupt shard {path}: dataset {name} has unknown torch_dtype {torch_dtype!r}")
+    return t.view(dtype)
+
+
+def read_target(ds: h5py.Dataset, t: torch.Tensor | None, taken: set[int]) -> torch.Tensor | None:
+    """``t`` when the dataset's bytes can be read straight into it: a contiguous CPU
+    tensor of the dataset's shape and stored dtype whose storage is not ``taken``
+    (data pointers of storages read into already: tied weights come back as two
+    tensors, as without ``into``); else None (read into new memory)."""
+    if t is None or t.device.type != "cpu" or not t.is_contiguous() or tuple(t.shape) != ds.shape \
+            or t.is_conj() or t.is_neg() or t.requires_grad or t.numel() == 0 \
+            or t.untyped_storage().data_ptr() in taken:
+        return None
+    try:
+        arr, torch_dtype = to_numpy(t)
+    except CheckpointError:
+        return None
+    stored = ds.attrs.get("torch_dtype")
+    stored = stored.decode() if isinstance(stored, bytes) else stored
+    return t if arr.dtype == ds.dtype and torch_dtype == stored else None
+
+
 @dataclass
 class Bulk:
     """A dataset whose bytes are read past h5py, straight from its file offset."""
@@ -102,6 +158,16 @@ def empty(shape: tuple[int, ...], dtype: np.dtype, nbytes: int) -> np.ndarray:
     np.empty: numpy asks for transparent huge pages, and the kernel's synchronous
     compaction for them made some restores several times slower."""
     return torch.empty(nbytes, dtype=torch.uint8).numpy().view(dtype).reshape(shape)
+
+
+def aligned_empty(shape: tuple[int, ...], dtype: torch.dtype, *, pin_memory: bool = False) -> torch.Tensor:
+    """An uninitialized tensor whose memory starts at an ALIGN multiple, so that its
+    bytes can be written direct (O_DIRECT, ``shard_io``): a view into ALIGN more
+    bytes than it needs."""
+    nbytes = int(np.prod(shape, dtype=np.int64)) * torch.empty((), dtype=dtype).element_size()
+    raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8, pin_memory=pin_memory)
+    skip = -raw.data_ptr() % ALIGN
+    return raw[skip:skip + nbytes].view(dtype).view(shape)
 
 
 def bulk_read(path: str, bulk: list[Bulk], *, keep: bool) -> list[int]:

@@ -41,8 +41,9 @@ import torch
 from ..errors import CheckpointError
 from ..files import fsync_dir, makedirs_private
 from .layout import TEMP_SUFFIX, shard_temp_prefix
-from .hdf5_extents import Bulk, DatasetLayout, bulk_read, bytes_of, first_line, plan_bulk
-from .shard_io import crc32, write_extents
+from .hdf5_extents import (ALIGN_ABOVE, Bulk, DatasetLayout, bulk_read, bytes_of, first_line, plan_bulk, read_target,
+                           to_numpy, to_tensor)
+from .shard_io import ALIGN, crc32, open_direct, write_extents
 from .state_tree import TensorRef, flatten_state, refs, unflatten_state
 
 __all__ = [
@@ -66,9 +67,6 @@ FORMAT = "slurm_resilience/1"
 SKELETON = "__skeleton__"
 _NO_ATTRS: Mapping[str, int | float | str] = MappingProxyType({})
 _RESERVED_ATTRS = frozenset({"format"})
-# Integer dtypes of each width, to store tensors whose dtype numpy lacks (bfloat16,
-# float8 ...) as a same-width view.
-_INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 @dataclass(frozen=True)
@@ -100,16 +98,6 @@ def combine_checksums(checksums: Mapping[str, int]) -> int:
 # --------------------------------------------------------------------------- write
 
 
-def _to_numpy(t: torch.Tensor) -> tuple[np.ndarray, str | None]:
-    """A zero-copy numpy view of a CPU contiguous tensor; copies only if it must."""
-    t = t.detach().cpu().resolve_conj().resolve_neg().contiguous()
-    try:
-        return t.numpy(), None
-    except TypeError:  # numpy has no such dtype (bfloat16, float8 ...)
-        width = t.element_size()
-        if width not in _INT_OF_WIDTH:
-            raise CheckpointError(f"cannot store tensor of dtype {t.dtype}") from None
-        return t.view(_INT_OF_WIDTH[width]).numpy(), str(t.dtype).removeprefix("torch.")
 
 
 def _check_attrs(attrs: Mapping[str, int | float | str]) -> None:
@@ -120,17 +108,18 @@ def _check_attrs(attrs: Mapping[str, int | float | str]) -> None:
             raise CheckpointError(f"shard attribute {key!r} must be int, float or str, not {type(value).__name__}")
 
 
-def _write_hdf5(
-    path: str, tensors: Mapping[str, torch.Tensor], skeleton: bytes, attrs: Mapping[str, int | float | str]
-) -> dict[str, int]:
-    arrays = {name: _to_numpy(t) for name, t in tensors.items()}
+def _write_hdf5(path: str, tensors: Mapping[str, torch.Tensor], skeleton: bytes,
+                attrs: Mapping[str, int | float | str], direct: bool) -> dict[str, int]:
+    arrays = {name: to_numpy(t) for name, t in tensors.items()}
     extents: dict[str, int] = {}
     checksums: dict[str, int] = {}
     # h5py lays the file out (metadata only, crc32 attributes still 0) and is closed;
     # the bulk bytes then go straight to their offsets from a thread pool (shard_io),
     # the checksums computed on the way, and h5py fills in the attributes. The file
-    # keeps its temporary name throughout.
-    with h5py.File(path, "w", libver="latest", locking=False) as f:
+    # keeps its temporary name throughout. Large datasets start at ALIGN multiples, so
+    # their bytes can go direct (O_DIRECT) from aligned memory (the engine's buffers).
+    with h5py.File(path, "w", libver="latest", locking=False, alignment_threshold=ALIGN_ABOVE,
+                   alignment_interval=ALIGN) as f:
         f.attrs["format"] = FORMAT
         for key, value in attrs.items():
             f.attrs[key] = value
@@ -145,8 +134,10 @@ def _write_hdf5(
         f.create_dataset(SKELETON, data=np.frombuffer(skeleton, dtype=np.uint8)).attrs["crc32"] = \
             np.uint32(checksums[SKELETON])
     fd = os.open(path, os.O_WRONLY)
+    dfd = open_direct(path, os.O_WRONLY) if direct and extents else None
     try:
-        crcs = write_extents(fd, [(off, bytes_of(arrays[name][0])) for name, off in extents.items()])
+        crcs = write_extents(fd, [(off, bytes_of(arrays[name][0])) for name, off in extents.items()],
+                             direct_fd=dfd)
         checksums.update(zip(extents, crcs))
         with h5py.File(path, "r+", locking=False) as f:
             for name in arrays:
@@ -155,25 +146,31 @@ def _write_hdf5(
         os.fsync(fd)
     finally:
         os.close(fd)
+        if dfd is not None:
+            os.close(dfd)
     return checksums
 
 
-def write_shard(path: str, state: Any, *, attrs: Mapping[str, int | float | str] = _NO_ATTRS) -> ShardInfo:
+def write_shard(path: str, state: Any, *, attrs: Mapping[str, int | float | str] = _NO_ATTRS,
+                direct: bool = False) -> ShardInfo:
     """Write ``state`` to the HDF5 shard ``path`` atomically (mode 0600).
 
     CUDA tensors are copied to host; CPU contiguous tensors are written from a
     zero-copy view. ``attrs`` become file attributes (``format`` is reserved).
+    ``direct``: the bulk bytes of 4 KiB-aligned tensors go O_DIRECT (``shard_io``);
+    off by default: not faster on the development box (docs/performance.md), and the
+    PARTNER/XOR tiers read the shard back right away, from the page cache.
 
     Raises:
         CheckpointError: the state cannot be pickled, a dtype cannot be stored, an
             attribute is invalid, or the file cannot be written (disk full ...).
     """
     tensors, skeleton = flatten_state(state)
-    return write_flat(path, tensors, skeleton, attrs=attrs)
+    return write_flat(path, tensors, skeleton, attrs=attrs, direct=direct)
 
 
 def write_flat(path: str, tensors: Mapping[str, torch.Tensor], skeleton: bytes, *,
-               attrs: Mapping[str, int | float | str] = _NO_ATTRS) -> ShardInfo:
+               attrs: Mapping[str, int | float | str] = _NO_ATTRS, direct: bool = False) -> ShardInfo:
     """``write_shard`` of an already flattened state; ``tensors`` may be a subset of the
     skeleton's references (a deduplicated shared-tier shard, ``dedup``: pass
     ``attrs["dedup"]=1`` so ``verify_shard`` accepts the references it lacks).
@@ -190,7 +187,7 @@ def write_flat(path: str, tensors: Mapping[str, torch.Tensor], skeleton: bytes, 
         raise CheckpointError(f"cannot write shard {path}: {e}") from e
     os.close(fd)  # mkstemp made it 0600; h5py reopens it by name and truncates it
     try:
-        checksums = _write_hdf5(tmp, tensors, skeleton, attrs)  # fsynced
+        checksums = _write_hdf5(tmp, tensors, skeleton, attrs, direct)  # fsynced
         os.replace(tmp, path)
         fsync_dir(directory)
     except BaseException as e:
@@ -250,36 +247,30 @@ def _check_crc(path: str, name: str, stored: Any, crc: int) -> None:
         raise CheckpointError(f"corrupt shard {path}: dataset {name} checksum mismatch")
 
 
-def _to_tensor(ds: h5py.Dataset, path: str, name: str, arr: np.ndarray) -> torch.Tensor:
-    t = torch.from_numpy(arr)
-    torch_dtype = ds.attrs.get("torch_dtype")
-    if torch_dtype is None:
-        return t
-    dtype = getattr(torch, str(torch_dtype), None)
-    if not isinstance(dtype, torch.dtype):
-        raise CheckpointError(f"corrupt shard {path}: dataset {name} has unknown torch_dtype {torch_dtype!r}")
-    return t.view(dtype)
-
-
 def _attr_value(value: Any) -> int | float | str:
     if isinstance(value, bytes):
         return value.decode(errors="replace")
     return value.item() if isinstance(value, np.generic) else value
 
 
-def read_shard(path: str, *, verify: bool = True) -> tuple[Any, dict[str, int | float | str]]:
+def read_shard(path: str, *, verify: bool = True, into: Mapping[str, torch.Tensor] | None = None
+               ) -> tuple[Any, dict[str, int | float | str]]:
     """Read a shard written by ``write_shard``: ``(state, file attributes)``.
 
     Tensors come back on the CPU with their original dtype and shape, bit-exact.
     With ``verify`` every dataset's CRC32 is checked. Large contiguous datasets
-    are read in parallel straight into their final buffers (``shard_io``).
+    are read in parallel straight into their final buffers (``shard_io``): the
+    tensors of ``into`` (dataset name -> tensor, as ``flatten_state`` names them)
+    where one is a contiguous CPU tensor of the dataset's shape and dtype — the
+    state then holds those very tensors, and no memory is allocated for them —
+    else new ones. After an error, ``into``'s tensors hold undefined bytes.
 
     Raises:
         CheckpointError: the file is missing, not HDF5, truncated, lacks the format
             attribute, a dataset is unreadable or fails its checksum, or the
             skeleton is corrupt.
     """
-    tensors, skeleton, attrs = read_datasets(path, verify=verify)
+    tensors, skeleton, attrs = read_datasets(path, verify=verify, into=into)
     try:
         state = unflatten_state(tensors, skeleton)
     except CheckpointError as e:
@@ -287,9 +278,11 @@ def read_shard(path: str, *, verify: bool = True) -> tuple[Any, dict[str, int | 
     return state, attrs
 
 
-def read_datasets(path: str, names: Collection[str] | None = None, *, verify: bool = True
+def read_datasets(path: str, names: Collection[str] | None = None, *, verify: bool = True,
+                  into: Mapping[str, torch.Tensor] | None = None
                   ) -> tuple[dict[str, torch.Tensor], bytes, dict[str, int | float | str]]:
-    """The shard's tensors (only ``names`` when given), its skeleton and attributes.
+    """The shard's tensors (only ``names`` when given), its skeleton and attributes;
+    ``into`` as in ``read_shard``.
 
     Raises:
         CheckpointError: as ``read_shard``, or a name in ``names`` is not in the file.
@@ -303,23 +296,31 @@ def read_datasets(path: str, names: Collection[str] | None = None, *, verify: bo
             raise CheckpointError(f"corrupt shard {path}: no dataset {lacking[0]}")
         skeleton = _read_dataset(found[SKELETON], path, SKELETON, verify).tobytes()
         arrays: dict[str, np.ndarray] = {}
+        given: dict[str, torch.Tensor] = {}  # read into the caller's tensor
+        taken: set[int] = set()  # their storages
         bulk: list[Bulk] = []
         wanted = set(found) if names is None else set(names)
         for name, ds in found.items():
             if name == SKELETON or name not in wanted:
                 continue
-            plan = plan_bulk(ds, path, name, allocate=True)
+            target = read_target(ds, (into or {}).get(name), taken)
+            plan = plan_bulk(ds, path, name, allocate=target is None)
             if plan is None:
                 arrays[name] = _read_dataset(ds, path, name, verify)
             else:
+                if target is not None:
+                    plan.array, given[name] = to_numpy(target)[0], target
+                    taken.add(target.untyped_storage().data_ptr())
                 bulk.append(plan)
                 arrays[name] = plan.array
         attrs = {k: _attr_value(v) for k, v in f.attrs.items() if k not in _RESERVED_ATTRS}
         for b, crc in zip(bulk, bulk_read(path, bulk, keep=True)):
             if verify:
                 _check_crc(path, b.name, b.stored, crc)
-        tensors = {name: _to_tensor(found[name], path, name, arr) for name, arr in arrays.items()}
+        tensors = {name: given[name] if name in given else to_tensor(found[name], path, name, arr)
+                   for name, arr in arrays.items()}
     return tensors, skeleton, attrs
+
 
 
 def verify_shard(path: str) -> list[str]:

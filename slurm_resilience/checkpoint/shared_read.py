@@ -16,7 +16,9 @@ step (``dedup``) reads the same as a step of full shards::
 from __future__ import annotations
 
 import os
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
+
+import torch
 
 from ..errors import CheckpointError
 from . import layout
@@ -51,8 +53,9 @@ def step_owners(path: str) -> tuple[dict[str, int], dict[int, str]]:
     return owners, ({r: os.path.join(sdir, rec.file) for r, rec in man.shards.items()} if owners else {})
 
 
-def read_rank_state(path: str, *, verify: bool = True) -> Any:
-    """The state saved in the shard ``path``, assembled from its step's files when deduplicated.
+def read_rank_state(path: str, *, verify: bool = True, into: Mapping[str, torch.Tensor] | None = None) -> Any:
+    """The state saved in the shard ``path``, assembled from its step's files when deduplicated;
+    tensors read straight into ``into``'s where they fit (``hdf5_format.read_shard``).
 
     Raises:
         CheckpointError: a file is missing or corrupt, a checksum fails, or an owner's
@@ -60,8 +63,8 @@ def read_rank_state(path: str, *, verify: bool = True) -> Any:
     """
     owners, files = step_owners(path)
     if not owners:
-        return read_shard(path, verify=verify)[0]
-    tensors, skeleton, _ = read_datasets(path, verify=verify)
+        return read_shard(path, verify=verify, into=into)[0]
+    tensors, skeleton, _ = read_datasets(path, verify=verify, into=into)
     by_owner: dict[int, list[str]] = {}
     for key in refs(skeleton):
         if key not in tensors:
@@ -70,7 +73,7 @@ def read_rank_state(path: str, *, verify: bool = True) -> Any:
                 raise CheckpointError(f"dedup step: {path} names dataset {key}, held by no file")
             by_owner.setdefault(owner, []).append(key)
     for owner, keys in sorted(by_owner.items()):
-        tensors.update(read_datasets(files[owner], keys, verify=verify)[0])
+        tensors.update(read_datasets(files[owner], keys, verify=verify, into=into)[0])
     try:
         return unflatten_state(tensors, skeleton)
     except CheckpointError as e:

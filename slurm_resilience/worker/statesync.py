@@ -179,8 +179,11 @@ class StateSync:
         from_live = st.live and st.step == choice.step
         state, into, extra = None, None, {}
         if offers[group.rank] == choice.step:
-            state = st.state_dict() if from_live else self._checkpoints.load(stored)
-            if not from_live:
+            if from_live:
+                state = st.state_dict()
+            else:  # read into this rank's own (CPU) tensors: its old state is gone from here on
+                st.live = False
+                state = self._checkpoints.load(stored, into=flatten_state(st.state_dict())[0])
                 extra["tier"] = stored[1]
         else:  # receive into this rank's own tensors: its old state is gone from here on
             st.live = False

@@ -22,7 +22,7 @@ import torch
 
 from slurm_resilience.checkpoint import manifest as mf
 from slurm_resilience.checkpoint.engine import CheckpointEngine
-from slurm_resilience.checkpoint.hdf5_format import verify_shard
+from slurm_resilience.checkpoint.hdf5_format import flatten_state, verify_shard
 from slurm_resilience.checkpoint.tiers import TierSpec
 
 pytestmark = pytest.mark.timeout(120)
@@ -133,6 +133,11 @@ def test_save_restore_across_tiers_and_modes(tmp_path):
         assert best == (4, "L1", mf.shard_path(l1, 4, 0))
         assert_state_equal(eng2.load(best), saved[4])
         assert not events2.of("checkpoint_invalid")
+        # into: the rank's own tensors (as the session passes them) are read over in place
+        own = flatten_state(train_state(99))[0]
+        got = eng2.load(best, into=own)
+        assert_state_equal(got, saved[4])
+        assert all(any(t is g for g in flatten_state(got)[0].values()) for t in own.values())
     finally:
         eng2.close()
 

@@ -447,3 +447,131 @@ def test_extents_write_read_and_short_file(tmp_path):
             crc_extents(fd, [(30_000, 8_000)])
     finally:
         os.close(fd)
+
+
+def test_read_into_given_tensors_where_they_fit(tmp_path):
+    """``into``: datasets land in the caller's tensors (the very objects, no new memory) where
+    shape and dtype fit; elsewhere (wrong shape or dtype, non-contiguous, a storage already
+    used: tied weights) new tensors, as without it. Bit-exact either way."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(3000, generator=g)
+    state = {"w": w, "tied": w, "bf": torch.randn(500, generator=g).to(torch.bfloat16),
+             "shape": torch.randn(4, 6, generator=g), "dtype": torch.arange(10), "t": torch.randn(5, 7, generator=g)}
+    path = str(tmp_path / "s.h5")
+    write_shard(path, state)
+    keys = flatten_state(state)[0]
+    name = {k: next(n for n, t in keys.items() if t is state[k] and (k != "tied" or n.endswith("tied")))
+            for k in ("w", "bf", "shape", "dtype", "t")}
+    name["tied"] = next(n for n in keys if n.endswith("tied"))
+    shared = torch.zeros(3000)
+    into = {name["w"]: shared, name["tied"]: shared, name["bf"]: torch.zeros(500, dtype=torch.bfloat16),
+            name["shape"]: torch.zeros(6, 4), name["dtype"]: torch.zeros(10, dtype=torch.int32),
+            name["t"]: torch.zeros(7, 5).t()}
+    out, _ = read_shard(path, into=into)
+    assert_same(state, out)
+    assert out["bf"] is into[name["bf"]]
+    assert [out["w"] is shared, out["tied"] is shared].count(True) == 1  # one of the tied pair got it
+    assert out["w"].data_ptr() != out["tied"].data_ptr()
+    for k in ("shape", "dtype", "t"):
+        assert out[k] is not into[name[k]] and not into[name[k]].any()  # did not fit: untouched
+
+
+def test_read_into_a_corrupt_shard_still_raises(tmp_path):
+    path = str(tmp_path / "s.h5")
+    write_shard(path, {"w": torch.randn(40_000)})
+    with h5py.File(path, "r") as f:
+        offset = f["objects/w"].id.get_offset()
+    with open(path, "r+b") as fh:
+        fh.seek(offset + 7)
+        b = fh.read(1)
+        fh.seek(offset + 7)
+        fh.write(bytes([b[0] ^ 1]))
+    key = next(iter(flatten_state({"w": torch.zeros(1)})[0]))
+    with pytest.raises(CheckpointError, match="checksum mismatch"):
+        read_shard(path, into={key: torch.zeros(40_000)})
+
+
+# -- direct (O_DIRECT) writes -------------------------------------------------------------------
+
+
+def test_direct_writes_aligned_chunks_and_the_rest_buffered(tmp_path, monkeypatch):
+    """Chunks aligned in the file and in memory go through the O_DIRECT descriptor (all but
+    an unaligned tail); unaligned buffers go buffered; the bytes and CRCs are the same."""
+    import zlib
+
+    from slurm_resilience.checkpoint import shard_io
+    from slurm_resilience.checkpoint.hdf5_extents import aligned_empty
+
+    path = str(tmp_path / "f.bin")
+    open(path, "wb").close()
+    fd = os.open(path, os.O_WRONLY)
+    dfd = shard_io.open_direct(path, os.O_WRONLY)
+    if dfd is None:
+        pytest.skip("this filesystem has no O_DIRECT")
+    used = []
+    real = shard_io._pwrite_all
+    monkeypatch.setattr(shard_io, "_pwrite_all", lambda f, v, o: (used.append((f, o, len(v))), real(f, v, o)))
+    a = aligned_empty((3 * 4096 + 100,), torch.uint8)
+    a.copy_(torch.randint(0, 255, a.shape, dtype=torch.uint8))
+    b = torch.randint(0, 255, (5000,), dtype=torch.uint8)
+    assert a.data_ptr() % shard_io.ALIGN == 0
+    unaligned = memoryview(b.numpy())[1:]  # memory off by one: buffered
+    try:
+        crcs = shard_io.write_extents(fd, [(8192, memoryview(a.numpy())), (65536, unaligned)],
+                                      chunk=8192, threads=2, direct_fd=dfd)
+    finally:
+        os.close(fd)
+        os.close(dfd)
+    data = open(path, "rb").read()
+    assert data[8192:8192 + a.numel()] == a.numpy().tobytes() and data[65536:65536 + 4999] == bytes(unaligned)
+    assert crcs == [zlib.crc32(a.numpy()), zlib.crc32(unaligned)]
+    direct = sorted((o, n) for f, o, n in used if f == dfd)
+    assert direct == [(8192, 8192), (16384, 4096)]  # two chunks' aligned bodies; the 100-byte tail buffered
+    assert all(f == fd for f, o, n in used if o >= 65536)
+
+
+def test_a_refused_direct_write_falls_back_to_buffered(tmp_path, monkeypatch):
+    import errno
+
+    from slurm_resilience.checkpoint import shard_io
+    from slurm_resilience.checkpoint.hdf5_extents import aligned_empty
+
+    path = str(tmp_path / "f.bin")
+    open(path, "wb").close()
+    fd = os.open(path, os.O_WRONLY)
+    dfd = os.open(path, os.O_WRONLY)  # stands in for the O_DIRECT descriptor; its writes are refused
+    real = shard_io._pwrite_all
+
+    def pwrite_all(f, v, o):
+        if f == dfd:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        real(f, v, o)
+
+    monkeypatch.setattr(shard_io, "_pwrite_all", pwrite_all)
+    a = aligned_empty((4, 4096), torch.uint8)
+    a.copy_(torch.randint(0, 255, a.shape, dtype=torch.uint8))
+    try:
+        shard_io.write_extents(fd, [(4096, memoryview(a.numpy()).cast("B"))], chunk=4096, threads=3, direct_fd=dfd)
+    finally:
+        os.close(fd)
+        os.close(dfd)
+    assert open(path, "rb").read()[4096:] == a.numpy().tobytes()
+
+
+def test_engine_buffers_and_shard_datasets_are_aligned_for_direct_io(tmp_path):
+    from slurm_resilience.checkpoint.hdf5_extents import ALIGN_ABOVE, aligned_empty
+    from slurm_resilience.checkpoint.shard_io import ALIGN
+
+    for shape, dtype in (((1000, 3), torch.float32), ((7,), torch.bfloat16), ((0,), torch.int64)):
+        t = aligned_empty(shape, dtype)
+        assert t.shape == shape and t.dtype == dtype and t.data_ptr() % ALIGN == 0 and t.is_contiguous()
+    path = str(tmp_path / "s.h5")
+    state = {"a": torch.randn(ALIGN_ABOVE // 4 + 3), "b": torch.randn(3), "c": torch.randn(ALIGN_ABOVE)}
+    for direct in (False, True):  # direct: the aligned tensors' bytes go O_DIRECT; the same file either way
+        aligned = {k: aligned_empty(tuple(v.shape), v.dtype).copy_(v) for k, v in state.items()}
+        write_shard(path, aligned, direct=direct)
+        with h5py.File(path, "r") as f:
+            for name in ("objects/a", "objects/c"):
+                assert f[name].id.get_offset() % ALIGN == 0
+        assert_same(state, read_shard(path)[0])
+        assert verify_shard(path) == []

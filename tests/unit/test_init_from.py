@@ -41,7 +41,7 @@ class Engine:
     def best(self):
         return self.stored
 
-    def load(self, candidate):
+    def load(self, candidate, into=None):
         return self.stored_state
 
     def candidates(self):
