@@ -96,8 +96,9 @@ def _start(state: SupervisorState, obs: Start, policy: Policy) -> Decision:
         for node in state.spare_nodes:
             state, more = launch_standbys(state, node, 0)
             acts += more
-        state, more = local.refill(state, policy, 0)
-        acts += more
+        if not state.requeue_count:  # a requeued start is a recovery: its standbys follow its first step (_mark)
+            state, more = local.refill(state, policy, 0)
+            acts += more
     # The plan goes out after every launch and the job_start event (its time: all steps
     # launched): a worker's start (srun, import torch) is the long part of a (re)start and
     # it polls for plan/0 by itself, so the supervisor launches before its store client
@@ -142,6 +143,11 @@ _MARKS = {WorkerEvent.RECONNECTED: "reconnected", WorkerEvent.RESTORED: "restore
 
 def _mark(state: SupervisorState, obs: WorkerMark, policy: Policy) -> Decision:
     rec = state.recovery
+    if rec is None and obs.kind is WorkerEvent.FIRST_STEP and obs.generation == state.table.generation:
+        # A requeued job's restart is a recovery like any other: the worker nodes' standbys
+        # start once its ranks have stepped, off the critical path, as after an in-job
+        # recovery (below); on a small node their import competes with the ranks' for CPU.
+        return local.refill(state, policy, obs.generation)
     if rec is None or obs.generation != rec.generation or obs.kind not in _MARKS:
         return state, []
     key = _MARKS[obs.kind]

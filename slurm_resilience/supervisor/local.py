@@ -15,7 +15,8 @@ compete with the recovering ranks for CPU).
 the restart in place launches a process as before; the process restart
 (``recover._relaunch_all``) takes it too, for the node's first slot (it is an idle
 process, not one of the possibly hung survivors that the process restart ends); ``refill`` starts the missing
-ones (at the job's start and after each recovery); ``drop`` forgets a node's standby
+ones (at the job's first start, after each recovery, and after a requeued job's
+restart once its ranks have stepped: ``decide._mark``); ``drop`` forgets a node's standby
 (its node was lost, isolated or left the table).
 """
 
