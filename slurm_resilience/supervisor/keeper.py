@@ -39,9 +39,13 @@ def bind_store(host: str, job_dir: str, started: float | None = None) -> socket.
     without waiting for the store (``host_store`` takes the socket over when torch is
     imported; a client that connects before queues in the backlog). Listens on every
     interface, as TCPStore's own server does; ``host`` is where clients reach it."""
+    sock = None
     if socket.has_dualstack_ipv6():
-        sock = socket.create_server(("", 0), family=socket.AF_INET6, backlog=STORE_BACKLOG, dualstack_ipv6=True)
-    else:
+        try:
+            sock = socket.create_server(("", 0), family=socket.AF_INET6, backlog=STORE_BACKLOG, dualstack_ipv6=True)
+        except OSError:  # IPv6 off on this host: IPv4 only, as TCPStore falls back to
+            sock = None
+    if sock is None:
         sock = socket.create_server(("", 0), backlog=STORE_BACKLOG)
     write_private(os.path.join(job_dir, STORE_FILE),
                   json.dumps({"host": host, "port": sock.getsockname()[1], "pid": os.getpid(), "started": started}))
