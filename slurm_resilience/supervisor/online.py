@@ -54,7 +54,8 @@ log = logging.getLogger(__name__)
 
 
 class StoreLink:
-    """The job's store client, connected at its first use (``get`` or any store method).
+    """The job's store client, connected at its first use (``connect`` or any store
+    method, which it forwards: ``link.get(key)`` is the store's ``get``).
 
     A fresh start's first actions launch every worker step and only then publish plan 0
     (``decide._start``); with the store hosted by the keeper (its port known at once),
@@ -64,14 +65,15 @@ class StoreLink:
     def __init__(self, connect: Callable[[], Any]) -> None:
         self._connect, self._store, self._lock = connect, None, threading.Lock()
 
-    def get(self) -> Any:
+    def connect(self) -> Any:
+        """The connected client (connects it the first time)."""
         with self._lock:
             if self._store is None:
                 self._store = self._connect()
             return self._store
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self.get(), name)
+        return getattr(self.connect(), name)
 
 
 class Supervisor:
@@ -118,7 +120,7 @@ class Supervisor:
         self.liveness = LivenessServer(self.store_host, self.token, self.seen).start()
         self.store = StoreLink(self._connect_store)
         if self.store_port is None:  # hosted here: its port is known once it listens
-            self.store.get()
+            self.store.connect()
         # a warning only, and `scontrol show config` is a subprocess: not before the first launch
         threading.Thread(target=self._check_slurm_timeouts, name="sr-slurm-timeouts", daemon=True).start()
         self.isolator = Isolator(self.launcher, self.events.emit, self.cfg.recovery, job_id=self.job_id, say=self._say)

@@ -46,9 +46,13 @@ def test_store_link_connects_once_at_first_use():
         def check(self, keys):
             return keys == ["k"]
 
+        def get(self, key):  # the store's own get: forwarded, not shadowed by the link
+            return b"v:" + key.encode()
+
     link = StoreLink(lambda: calls.append(1) or Fake())
     assert calls == []
-    assert link.check(["k"]) and link.get() is link.get()
+    assert link.check(["k"]) and link.connect() is link.connect()
+    assert link.get("x") == b"v:x"
     assert calls == [1]
 
 
@@ -72,7 +76,8 @@ def test_with_the_keepers_store_the_supervisor_connects_only_at_its_first_store_
         assert sup.store_port == store.port and sup.liveness.port
         sup.store.set("x", "1")  # the first use (plan 0's Publish) connects
         prefixed = dist.PrefixStore(sup.token + "/", store)
-        assert prefixed.get("x") == b"1"
+        assert prefixed.get("x") == b"1" and sup.store.get("x") == b"1"
+        assert sup.store.add("n", 2) == 2 and sup.store.check(["x"])
         assert prefixed.get(StoreKey.LIVENESS_PORT.value) == str(sup.liveness.port).encode()
     finally:
         sup.liveness.close()
