@@ -209,8 +209,10 @@ def requeue_parts(events: list[dict], t_fault: float, job_dir: Path) -> dict[str
         slurm        → the restarted batch step's CLI up (scontrol requeue or sbatch, Slurm
                      ending the job, its requeue hold or the successor's scheduling, batch shell)
         store        batch step up → its store up (in parallel with the supervisor)
-        supervisor   batch step up → the restarted supervisor's plan (workers launched)
-        workers      → every rank reconnected (srun steps, import torch, rendezvous)
+        supervisor   batch step up → every worker step launched (the ``job_start`` event)
+        plan         batch step up → plan 0 out (the supervisor's store client: import
+                     torch, after the launches, in parallel with the workers' start)
+        workers      launched → every rank reconnected (srun steps, import torch, rendezvous)
         restore      → every rank restored
         first_step   → every rank's first step
     """
@@ -225,11 +227,12 @@ def requeue_parts(events: list[dict], t_fault: float, job_dir: Path) -> dict[str
     except (OSError, ValueError):
         store = {}
     started, store_up = store.get("started"), store.get("t")
+    launched = t_of(EventKind.JOB_START, started or t_fault)
     plan = t_of(EventKind.PLAN, started or t_fault)
-    joined = t_of(WorkerEvent.RECONNECTED.logged, plan or t_fault, last=True)
-    restored = t_of(WorkerEvent.RESTORED.logged, plan or t_fault, last=True)
+    joined = t_of(WorkerEvent.RECONNECTED.logged, launched or t_fault, last=True)
+    restored = t_of(WorkerEvent.RESTORED.logged, launched or t_fault, last=True)
     stepped = first_step_after(events, t_fault)
     marks = [("detect", t_fault, detected), ("stop", detected, requeued), ("slurm", requeued, started),
-             ("store", started, store_up), ("supervisor", started, plan), ("workers", plan, joined),
-             ("restore", joined, restored), ("first_step", restored, stepped)]
+             ("store", started, store_up), ("supervisor", started, launched), ("plan", started, plan),
+             ("workers", launched, joined), ("restore", joined, restored), ("first_step", restored, stepped)]
     return {name: round(b - a, 3) if a is not None and b is not None else None for name, a, b in marks}

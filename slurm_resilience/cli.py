@@ -127,7 +127,8 @@ def cmd_supervise(args) -> int:
     if not args.child:
         _no_reattach(args)
         exit_now(keep_allocation(cfg, command, args.job_dir, started=getattr(args, "started", None)))
-    import torch.distributed  # noqa: F401  # while the keeper starts the store, not after
+    # the keeper wrote its store's port before starting this process (keeper.bind_store);
+    # torch is imported only after the workers' launches (online.StoreLink)
     _, port = read_store_address(args.job_dir, keeper_pid=os.getppid())
     exit_now(supervise_allocation(cfg, command, args.job_dir, store_port=port, reattach=args.reattach))
 

@@ -83,9 +83,11 @@ def _start(state: SupervisorState, obs: Start, policy: Policy) -> Decision:
             ids.append(wid)
     table = initial_table(list(state.worker_nodes), ids, state.addresses, device=state.device,
                           tasks_per_node=state.tasks_per_node)
-    state, acts = publish(state, Plan(generation=0, action=PlanAction.RUN, table=table,
-                                      joining=tuple(range(table.world_size)), reason="start"))
+    state, published = publish(state, Plan(generation=0, action=PlanAction.RUN, table=table,
+                                           joining=tuple(range(table.world_size)), reason="start"))
+    acts: list[Action] = []
     if policy.mode is Mode.RELAUNCH:
+        published = []
         acts = [Relaunch(table, attempt=0)]  # no store: the program rendezvous by itself
     else:
         for slot in table.slots:
@@ -96,10 +98,14 @@ def _start(state: SupervisorState, obs: Start, policy: Policy) -> Decision:
             acts += more
         # the worker nodes' own standbys wait for the job's first step (``_mark``): started
         # now, their imports would double the CPU and file-system load of the ranks' start
+    # The plan goes out after every launch and the job_start event (its time: all steps
+    # launched): a worker's start (srun, import torch) is the long part of a (re)start and
+    # it polls for plan/0 by itself, so the supervisor launches before its store client
+    # (import torch) is up (online.py, StoreLink) and the two starts overlap.
     acts += [Say(f"job started: {table.world_size} ranks on {','.join(state.worker_nodes)} "
                  f"({state.tasks_per_node} per node); spares {','.join(state.spare_nodes) or 'none'}"),
              emit(EventKind.JOB_START, ranks=list(state.worker_nodes), spares=list(state.spare_nodes),
-                  tasks_per_node=state.tasks_per_node, **dict(obs.info))]
+                  tasks_per_node=state.tasks_per_node, **dict(obs.info)), *published]
     state, more = move(state, JobPhase.RUNNING, "all ranks launched")
     return state, acts + more
 

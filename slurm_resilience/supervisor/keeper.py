@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -28,15 +29,39 @@ from typing import Sequence
 from ..files import write_private
 
 STORE_FILE = "store.json"
+STORE_BACKLOG = 1024  # every rank and standby may connect before the store serves
 EXIT_SUPERVISOR_LOST = 5  # the supervisor was killed more often than job.supervisor_respawns
 
 
-def host_store(host: str, job_dir: str, started: float | None = None):
-    """Start the job's store server in this process; record where it listens, and when
-    the batch step (``started``) and the store (``t``) were up (a requeue's breakdown)."""
+def bind_store(host: str, job_dir: str, started: float | None = None) -> socket.socket:
+    """The store's listening socket, bound at once (no torch needed): its port goes into
+    ``store.json`` before the supervisor starts, so the supervisor launches the workers
+    without waiting for the store (``host_store`` takes the socket over when torch is
+    imported; a client that connects before queues in the backlog). Listens on every
+    interface, as TCPStore's own server does; ``host`` is where clients reach it."""
+    sock = None
+    if socket.has_dualstack_ipv6():
+        try:
+            sock = socket.create_server(("", 0), family=socket.AF_INET6, backlog=STORE_BACKLOG, dualstack_ipv6=True)
+        except OSError:  # IPv6 off on this host: IPv4 only, as TCPStore falls back to
+            sock = None
+    if sock is None:
+        sock = socket.create_server(("", 0), backlog=STORE_BACKLOG)
+    write_private(os.path.join(job_dir, STORE_FILE),
+                  json.dumps({"host": host, "port": sock.getsockname()[1], "pid": os.getpid(), "started": started}))
+    return sock
+
+
+def host_store(host: str, job_dir: str, started: float | None = None, sock: socket.socket | None = None):
+    """Start the job's store server in this process (on ``sock``, from ``bind_store``, or a
+    port of its own); record where it listens, and when the batch step (``started``) and
+    the store (``t``) were up (a requeue's breakdown)."""
     import torch.distributed as dist
 
-    store = dist.TCPStore(host, 0, None, True, timedelta(seconds=30), wait_for_workers=False)
+    port = sock.getsockname()[1] if sock is not None else 0
+    fd = sock.detach() if sock is not None else None  # the store owns the descriptor from now on
+    store = dist.TCPStore(host, port, None, True, timedelta(seconds=30), wait_for_workers=False,
+                          master_listen_fd=fd)
     write_private(os.path.join(job_dir, STORE_FILE),
                   json.dumps({"host": host, "port": store.port, "pid": os.getpid(), "started": started,
                               "t": time.time()}))
@@ -45,8 +70,8 @@ def host_store(host: str, job_dir: str, started: float | None = None):
 
 def read_store_address(job_dir: str, keeper_pid: int | None = None, timeout_s: float = 120.0) -> tuple[str, int]:
     """Where the keeper's store listens. With ``keeper_pid``, wait until that keeper has
-    written it (the keeper starts its store and the supervisor at the same time, and a
-    requeued job's directory still holds the previous run's file)."""
+    written it (``bind_store``, before it starts the supervisor; a requeued job's
+    directory still holds the previous run's file)."""
     path = os.path.join(job_dir, STORE_FILE)
     deadline = time.monotonic() + timeout_s
     while True:
@@ -114,8 +139,10 @@ def keep_supervisor(cfg, command: Sequence[str], job_dir: str, host: str, *, mod
     makedirs_private(job_dir)
     cfg_path = write_private(os.path.join(job_dir, "supervisor-config.yaml"), yaml.safe_dump(config_to_dict(cfg)))
     stores: list = []  # the store serves the workers for as long as this process lives;
-    # it starts in a thread so that the supervisor's own start-up (import torch) overlaps
-    threading.Thread(target=lambda: stores.append(host_store(host, job_dir, started)), daemon=True).start()
+    # its port is known at once (bind_store); it serves once torch is imported, in a thread,
+    # while the supervisor starts and launches the workers
+    sock = bind_store(host, job_dir, started)
+    threading.Thread(target=lambda: stores.append(host_store(host, job_dir, started, sock)), daemon=True).start()
     forward = [cfg.job.preempt_signum] if cfg.job.preempt_signum is not None else []
     child = [sys.executable, "-m", "slurm_resilience.cli", mode, "--child", "--config", cfg_path,
              "--job-dir", job_dir, "--", *command]

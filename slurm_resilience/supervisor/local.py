@@ -19,8 +19,8 @@ of the table warm, the former spare included.
 
 ``take`` (used by ``recover.carry_out`` and the process restart ``recover._relaunch_all``)
 adopts one that is connected and alive, else the caller launches a process as before;
-``refill`` tops every node of the table and every spare node up to K (at the job's
-start and after each recovery); ``forget`` drops one standby that died; ``drop`` forgets
+``refill`` tops every node of the table and every spare node up to K (once the job's
+first step is done, a requeued start's too: ``decide._mark``, and after each recovery); ``forget`` drops one standby that died; ``drop`` forgets
 all of a node's (its node was lost, isolated or left the job).
 """
 

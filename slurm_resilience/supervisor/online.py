@@ -20,7 +20,7 @@ import sys
 import threading
 import time
 from datetime import timedelta
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 import yaml
 
@@ -53,6 +53,29 @@ from .watch import Watch
 log = logging.getLogger(__name__)
 
 
+class StoreLink:
+    """The job's store client, connected at its first use (``connect`` or any store
+    method, which it forwards: ``link.get(key)`` is the store's ``get``).
+
+    A fresh start's first actions launch every worker step and only then publish plan 0
+    (``decide._start``); with the store hosted by the keeper (its port known at once),
+    the supervisor issues those launches before it imports torch for its client, so its
+    own start-up overlaps the workers' (srun, ``import torch``) instead of preceding it."""
+
+    def __init__(self, connect: Callable[[], Any]) -> None:
+        self._connect, self._store, self._lock = connect, None, threading.Lock()
+
+    def connect(self) -> Any:
+        """The connected client (connects it the first time)."""
+        with self._lock:
+            if self._store is None:
+                self._store = self._connect()
+            return self._store
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.connect(), name)
+
+
 class Supervisor:
     """The job's supervisor for ``Session`` programs; ``run()`` returns the exit code."""
 
@@ -83,8 +106,6 @@ class Supervisor:
 
     # -- set-up ----------------------------------------------------------------------
     def _setup(self) -> None:
-        import torch.distributed as dist  # the store; imported here so the CLI stays light
-
         makedirs_private(os.path.join(self.job_dir, "logs"))
         self.config_path = os.path.join(self.job_dir, "config.yaml")
         if self.reattaching:
@@ -95,13 +116,11 @@ class Supervisor:
             write_private(self.config_path, yaml.safe_dump(config_to_dict(self.cfg)))
         self.metrics = Metrics()
         self.events = EventLog(os.path.join(self.job_dir, "events.jsonl"), on_event=self.metrics.observe)
-        hosted_here = self.store_port is None
-        self._raw_store = dist.TCPStore(self.store_host, self.store_port or 0, None, hosted_here,
-                                        timedelta(seconds=30), wait_for_workers=False)
-        self.store = dist.PrefixStore(self.token + "/", self._raw_store)
         self.seen: queue.Queue = queue.Queue()
         self.liveness = LivenessServer(self.store_host, self.token, self.seen).start()
-        self.store.set(StoreKey.LIVENESS_PORT.value, str(self.liveness.port))
+        self.store = StoreLink(self._connect_store)
+        if self.store_port is None:  # hosted here: its port is known once it listens
+            self.store.connect()
         # a warning only, and `scontrol show config` is a subprocess: not before the first launch
         threading.Thread(target=self._check_slurm_timeouts, name="sr-slurm-timeouts", daemon=True).start()
         self.isolator = Isolator(self.launcher, self.events.emit, self.cfg.recovery, job_id=self.job_id, say=self._say)
@@ -109,6 +128,19 @@ class Supervisor:
             self.launcher.run_check,
             lambda node: health_argv(self.cfg, job_id=self.job_id, job_dir=self.job_dir, node=node),
             self.cfg.recovery.health_check_timeout_s)
+
+    def _connect_store(self):
+        """The job's store (a client of the keeper's, or hosted here), prefixed with the
+        job's token; publishes where the liveness socket listens."""
+        import torch.distributed as dist  # ~1 s: after generation 0's launches (StoreLink)
+
+        hosted_here = self.store_port is None
+        self._raw_store = dist.TCPStore(self.store_host, self.store_port or 0, None, hosted_here,
+                                        timedelta(seconds=30), wait_for_workers=False)
+        self.store_port = self._raw_store.port
+        store = dist.PrefixStore(self.token + "/", self._raw_store)
+        store.set(StoreKey.LIVENESS_PORT.value, str(self.liveness.port))
+        return store
 
     def _check_slurm_timeouts(self) -> None:
         """SlurmdTimeout and KillWait are the site's: a warning line each, never fatal."""
@@ -232,7 +264,7 @@ class Supervisor:
     # -- adapters ------------------------------------------------------------------------
     def _launch(self, state: SupervisorState, a: Launch) -> None:
         env = WorkerEnv(
-            store_addr=self.store_host, store_port=self._raw_store.port, liveness_port=self.liveness.port,
+            store_addr=self.store_host, store_port=self.store_port, liveness_port=self.liveness.port,
             token=self.token, job_dir=self.job_dir, worker_id=a.worker_id, node=a.node, role=a.role,
             generation=a.generation, config_path=self.config_path, job_id=self.job_id).to_environ()
         env = {**self._nccl_env, **env, FAST_EXIT_ENV: "1"}  # a stopped rank skips torch's tear-down
@@ -282,7 +314,7 @@ class Supervisor:
         workers = {wid: dataclasses.replace(w, step=self.watch.steps.get(wid, w.step)) for wid, w in state.workers.items()}
         status = status_dict(dataclasses.replace(state, workers=workers), mode=Mode.ONLINE.value,
                              retry_budget=self.cfg.recovery.fault_retry_times,
-                             endpoints={"host": self.store_host, "store_port": self._raw_store.port,
+                             endpoints={"host": self.store_host, "store_port": self.store_port,
                                         "liveness_port": self.liveness.port,
                                         "rejected_connections": self.liveness.rejected})
         for r in status["ranks"]:  # the watchdog's verdict: ok, suspect, slow, waiting, hung, silent

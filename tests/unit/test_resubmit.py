@@ -80,13 +80,13 @@ def test_only_a_submitted_ordinary_job_resubmits(tmp_path):
 
 def test_the_requeue_breakdown_splits_the_window_at_each_event(tmp_path):
     (tmp_path / "store.json").write_text(json.dumps({"started": 110.0, "t": 111.0}))
-    ev = [{"kind": "plan", "t": 1.0}, {"kind": "fault_detected", "t": 100.5}, {"kind": "requeue", "t": 102.0},
-          {"kind": "plan", "t": 112.0, "generation": 0}]
+    ev = [{"kind": "job_start", "t": 0.9}, {"kind": "plan", "t": 1.0}, {"kind": "fault_detected", "t": 100.5},
+          {"kind": "requeue", "t": 102.0}, {"kind": "job_start", "t": 111.5}, {"kind": "plan", "t": 112.0, "generation": 0}]
     ev += [{"kind": "rank_reconnected", "t": 115.0 + r / 10} for r in range(2)]
     ev += [{"kind": "rank_restored", "t": 115.5 + r / 10} for r in range(2)]
     ev += [{"kind": "rank_first_step", "t": 116.0 + r / 10, "generation": 0} for r in range(2)]
     parts = mttr_cases.requeue_parts(ev, 100.0, tmp_path)
-    assert parts == {"detect": 0.5, "stop": 1.5, "slurm": 8.0, "store": 1.0, "supervisor": 2.0, "workers": 3.1,
-                     "restore": 0.5, "first_step": 0.5}
+    assert parts == {"detect": 0.5, "stop": 1.5, "slurm": 8.0, "store": 1.0, "supervisor": 1.5, "plan": 2.0,
+                     "workers": 3.6, "restore": 0.5, "first_step": 0.5}
     (tmp_path / "store.json").unlink()  # no restarted batch step: the parts after it are unknown
     assert mttr_cases.requeue_parts(ev, 100.0, tmp_path)["slurm"] is None
