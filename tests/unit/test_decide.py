@@ -92,13 +92,13 @@ def test_start_launches_ranks_and_standbys_and_publishes_generation_0():
 
 def test_start_launches_every_step_before_the_plan_goes_out():
     """The workers' start (srun, import torch) overlaps the supervisor's store client:
-    every Launch, local standbys included, and job_start (its time: all launched) come
-    before plan 0's Publish; the relaunch executor gets no Publish at all."""
+    every Launch and job_start (its time: all launched) come before plan 0's Publish (the
+    nodes' own standbys wait for the first step); the relaunch executor gets no Publish."""
     for p in (policy(), policy(local_standbys=True)):
         _, acts = decide(fresh(), m.Start(), 0.0, p)
         order = [type(a) for a in acts if isinstance(a, (m.Launch, m.Publish))]
         assert order == [m.Launch] * (len(order) - 1) + [m.Publish]
-        assert len(order) - 1 == len(WORKERS) + len(SPARES) + (len(WORKERS) if p.local_standbys else 0)
+        assert len(order) - 1 == len(WORKERS) + len(SPARES)
         ks = kinds(acts)
         assert ks.index(EventKind.JOB_START) < ks.index(EventKind.PLAN)
         assert acts.index(of(acts, m.Publish)[0]) > max(acts.index(a) for a in of(acts, m.Launch))

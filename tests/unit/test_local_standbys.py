@@ -114,9 +114,9 @@ def test_start_launches_one_standby_per_worker_node_whatever_g():
 
 
 def test_a_requeued_start_launches_the_node_standbys_after_its_first_step_once():
-    """A requeued (or resubmitted) job's restart is a recovery: its ranks' start is the
-    critical path, so the worker nodes' standbys start after the first rank's first step
-    (the spare's standbys still start with the ranks); the first start launches them at once."""
+    """A requeued (or resubmitted) job's restart follows the first start's rule: its ranks'
+    start is the critical path, so the nodes' own standbys start after the first rank's
+    first step (the spare's G standbys still start with the ranks)."""
     p = policy()
     fresh = SupervisorState(job_id="7", phase=JobPhase.STARTING, table=RankTable(generation=0, slots=()),
                             target_world=len(WORKERS), worker_nodes=WORKERS, spare_nodes=SPARES,
@@ -127,16 +127,13 @@ def test_a_requeued_start_launches_the_node_standbys_after_its_first_step_once()
     state, acts = decide(state, m.WorkerMark(WorkerEvent.RECONNECTED, 0, 0, 1.0), 1.0, p)
     assert of(acts, m.Launch) == []  # joined is not enough: the first step ends the critical path
     state, acts = decide(state, m.WorkerMark(WorkerEvent.FIRST_STEP, 1, 0, 2.0), 2.0, p)
-    assert [(a.node, a.role, a.generation) for a in of(acts, m.Launch)] == [(n, Role.STANDBY, 0) for n in WORKERS]
-    assert sorted(state.local_standbys) == list(WORKERS)
-    assert kinds(acts).count(EventKind.LOCAL_STANDBY_STARTED) == 3
+    assert [(a.node, a.role, a.generation) for a in of(acts, m.Launch)] == \
+        [(n, Role.STANDBY, 0) for n in (*WORKERS, *SPARES)]  # the spare's extra one too
+    assert sorted(state.local_standbys) == [*WORKERS, *SPARES]
+    assert kinds(acts).count(EventKind.LOCAL_STANDBY_STARTED) == 4
     for rank in (0, 2):  # the other ranks' first steps launch nothing more
         state, acts = decide(state, m.WorkerMark(WorkerEvent.FIRST_STEP, rank, 0, 2.1), 2.1, p)
         assert of(acts, m.Launch) == []
-    state, acts = decide(dataclasses.replace(fresh, requeue_count=0), m.Start(), 0.0, p)
-    assert sorted(state.local_standbys) == list(WORKERS)  # the first start: with the ranks
-    state, acts = decide(state, m.WorkerMark(WorkerEvent.FIRST_STEP, 0, 0, 2.0), 2.0, p)
-    assert of(acts, m.Launch) == []
 
 
 def test_a_rank_killed_on_a_healthy_node_goes_to_its_node_standby_without_a_process_start():
