@@ -220,14 +220,17 @@ def cmd_timeline(args) -> int:
     path = os.path.join(args.job_dir, "events.jsonl")
     if not os.path.exists(path):
         raise ResilienceError(f"no event log at {path}: is {args.job_dir} a job directory?")
-    events = read_events(path)
-    print(format_timeline(events))
-    if args.png:
+    if args.png:  # checked before anything is printed or drawn
         folder = os.path.dirname(os.path.abspath(args.png))
         if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
             raise ResilienceError(f"--png {args.png}: {folder} is not a writable directory")
         if importlib.util.find_spec("matplotlib") is None:
             raise ResilienceError("--png needs matplotlib: pip install 'slurm-resilience[plot]'")
+    events = read_events(path)
+    if args.png and not events:
+        raise ResilienceError(f"--png: {path} holds no events to draw")
+    print(format_timeline(events))
+    if args.png:
         from .inject import read_injections
         from .timeline_lanes import injected_fault_times
         from .timeline_plot import plot_timeline

@@ -55,6 +55,14 @@ def test_timeline_png_measures_from_the_recorded_injection(tmp_path, monkeypatch
 def test_timeline_png_into_a_missing_folder_is_a_one_line_error(tmp_path, capsys):
     job = _job(tmp_path)
     code = cli.main(["timeline", str(job), "--png", str(tmp_path / "no" / "such" / "t.png")])
-    err = capsys.readouterr().err
-    assert code != 0 and err.startswith("slurm-resilience: error: --png ") and err.count("\n") == 1
+    out, err = capsys.readouterr()
+    assert code != 0 and err.startswith("slurm-resilience: error: --png ") and err.count("\n") == 1 and out == ""
     assert "is not a writable directory" in err and not (tmp_path / "no").exists()
+
+
+def test_timeline_png_of_an_empty_event_log_is_a_one_line_error(tmp_path, capsys):
+    (tmp_path / "events.jsonl").write_text("")
+    code = cli.main(["timeline", str(tmp_path), "--png", str(tmp_path / "t.png")])
+    out, err = capsys.readouterr()
+    assert code != 0 and err.count("\n") == 1 and "holds no events to draw" in err and out == ""
+    assert not (tmp_path / "t.png").exists()
