@@ -4,9 +4,13 @@
 Runs a fault-free reference and a faulty run of examples/train_mlp.py on the local
 cluster (4 worker nodes + 1 spare + the supervisor's node; --tasks-per-node G puts
 G ranks on each worker node and G standbys on the spare), kills a worker node
-(hard: slurmd, slurmstepd and tasks by PID) in the middle, prints the recovery
-timeline, compares the final weights and writes OUT/demo-summary.json.
-Exit 0 only if the weights are bit-identical.
+(hard: slurmd, slurmstepd and tasks by PID) in the middle — or, with
+``--fault freeze-node``, stops it silently (slurmd and its job cgroups frozen, nothing
+closed; thawed and revived after the job) —, prints the recovery timeline, compares
+the final weights, draws OUT/timeline.png and writes OUT/demo-summary.json.
+The fault goes in through ``slurm-resilience inject``'s code, which records it in the
+job's ``injected.jsonl``: ``slurm-resilience timeline JOBDIR --png FILE`` redraws the
+same picture later. Exit 0 only if the weights are bit-identical.
 """
 
 import argparse
@@ -17,6 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from slurm_resilience import lab  # noqa: E402
+from slurm_resilience.inject import inject  # noqa: E402
 
 
 def main() -> int:
@@ -26,6 +31,8 @@ def main() -> int:
     ap.add_argument("--kill-at-step", type=int, default=25)
     ap.add_argument("--tasks-per-node", type=int, default=1, metavar="G",
                     help="ranks per worker node (standbys per spare); the local cluster fits G <= its CPUs per node")
+    ap.add_argument("--fault", choices=("kill-node", "freeze-node"), default="kill-node",
+                    help="kill-node: hard loss (connections reset); freeze-node: silent loss (nothing closes)")
     args = ap.parse_args()
     if args.tasks_per_node < 1:
         ap.error(f"--tasks-per-node={args.tasks_per_node} must be >= 1")
@@ -43,17 +50,23 @@ def main() -> int:
         print("demo: the reference run failed", file=sys.stderr)
         return 1
 
-    print(f"== faulty run: kill a worker node once every rank has done {args.kill_at_step} steps", flush=True)
+    verb = "kill" if args.fault == "kill-node" else "freeze"
+    print(f"== faulty run: {verb} a worker node once every rank has done {args.kill_at_step} steps", flush=True)
     run = lab.submit(out / f"faulty-{stamp}", steps=args.steps, tasks_per_node=g)
     status = run.wait_for_step(args.kill_at_step)
-    victim = status["ranks"][1]["node"]
-    lost = [r["rank"] for r in status["ranks"] if r["node"] == victim]
-    fault_at = lab.kill_node(victim)
-    print(f"   killed node {victim} (rank{'s' if len(lost) > 1 else ''} {', '.join(map(str, lost))}) "
-          f"at step ~{status['ranks'][1]['step']}", flush=True)
-    code = run.wait()
-    print(run.output(), flush=True)
-    lab.cluster("revive-node", victim)
+    injected = inject(args.fault, str(run.job_dir), rank=1)  # recorded in the job's injected.jsonl
+    victim, fault_at = injected["node"], injected["at"]
+    try:
+        lost = [r["rank"] for r in status["ranks"] if r["node"] == victim]
+        print(f"   {'killed' if verb == 'kill' else 'froze'} node {victim} (rank{'s' if len(lost) > 1 else ''} {', '.join(map(str, lost))}) "
+              f"at step ~{status['ranks'][1]['step']}", flush=True)
+        code = run.wait()
+        print(run.output(), flush=True)
+    finally:
+        if args.fault == "freeze-node":
+            lab.thaw_and_revive(victim)
+        else:
+            lab.cluster("revive-node", victim)
     if code != 0:
         print(f"demo: the faulty run failed with exit code {code}", file=sys.stderr)
         return 1
@@ -64,7 +77,7 @@ def main() -> int:
     if len(run_ranks) != 4 * g:
         differing_ranks.append(f"{len(run_ranks)} of {4 * g} ranks reported a final state")
     summary = lab.summarize(run.job_dir, fault_at)
-    summary.update(weights_identical=not diffs, killed_node=victim, lost_ranks=lost, fault_at=fault_at,
+    summary.update(weights_identical=not diffs, fault=args.fault, killed_node=victim, lost_ranks=lost, fault_at=fault_at,
                    tasks_per_node=g, world_size=4 * g, ranks_identical=not differing_ranks,
                    differing_ranks=differing_ranks,
                    reference_dir=str(ref.job_dir), job_dir=str(run.job_dir),
@@ -81,10 +94,13 @@ def main() -> int:
           f"{'identical' if not differing_ranks else 'DIFFER: ' + ', '.join(map(str, differing_ranks[:8]))}")
     try:  # the picture needs matplotlib (the test/plot extras): optional
         from slurm_resilience.events import read_events
+        from slurm_resilience.inject import read_injections
+        from slurm_resilience.timeline_lanes import injected_fault_times
         from slurm_resilience.timeline_plot import plot_timeline
 
-        png = plot_timeline(read_events(str(run.job_dir / "events.jsonl")), str(out / "timeline.png"),
-                            fault_times={1: fault_at})
+        events = read_events(str(run.job_dir / "events.jsonl"))  # as `slurm-resilience timeline --png` draws it
+        png = plot_timeline(events, str(out / "timeline.png"),
+                            fault_times=injected_fault_times(events, read_injections(str(run.job_dir))))
         summary["timeline_png"] = png
         print(f"== timeline picture: {png}")
     except ImportError as exc:

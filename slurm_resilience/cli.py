@@ -6,6 +6,7 @@ User mistakes end with one line on stderr and exit code 2, never a traceback.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import sys
@@ -220,12 +221,23 @@ def cmd_timeline(args) -> int:
     path = os.path.join(args.job_dir, "events.jsonl")
     if not os.path.exists(path):
         raise ResilienceError(f"no event log at {path}: is {args.job_dir} a job directory?")
+    if args.png:  # checked before anything is printed or drawn
+        folder = os.path.dirname(os.path.abspath(args.png))
+        if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+            raise ResilienceError(f"--png {args.png}: {folder} is not a writable directory")
+        if importlib.util.find_spec("matplotlib") is None:
+            raise ResilienceError("--png needs matplotlib: pip install 'slurm-resilience[plot]'")
     events = read_events(path)
+    if args.png and not events:
+        raise ResilienceError(f"--png: {path} holds no events to draw")
     print(format_timeline(events))
     if args.png:
+        from .inject import read_injections
+        from .timeline_lanes import injected_fault_times
         from .timeline_plot import plot_timeline
 
-        print(f"plot: {plot_timeline(events, args.png)}")
+        given = injected_fault_times(events, read_injections(args.job_dir))  # else: each fault's first sign
+        print(f"plot: {plot_timeline(events, args.png, fault_times=given)}")
     return 0
 
 
@@ -276,7 +288,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_ckpt(sub)
     p = sub.add_parser("timeline", help="events and recovery phases of a job")
     p.add_argument("job_dir")
-    p.add_argument("--png", help="also draw a Gantt chart of recoveries and checkpoint stalls")
+    p.add_argument("--png", help="also draw the picture: rank lanes, steps over time, each recovery zoomed in "
+                   "(measured from the injected fault when JOBDIR/injected.jsonl has it)")
     p.set_defaults(func=cmd_timeline)
     p = sub.add_parser("status", help="nodes, ranks, generation, steps, checkpoints, spares")
     p.add_argument("job_dir")

@@ -15,6 +15,11 @@ by name. Node-level faults need the one-machine cluster (``scripts/local-cluster
     corrupt-checkpoint  flip a byte inside the newest L2 shard's data
     fill-disk     fill a directory's filesystem (leave ``keep_mb`` free)
     preempt       the preemption signal to the batch step (scancel --signal --batch)
+
+Each injection is appended to ``JOBDIR/injected.jsonl`` (0600, one JSON line: what
+:func:`inject` returns), so ``slurm-resilience timeline`` can measure a recovery from
+the fault itself rather than from its first sign: for a silent node the first sign
+*is* the detection, two seconds later.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from typing import Any
 
 from .errors import ResilienceError
 
+INJECTED = "injected.jsonl"
 FAULTS = ("kill-rank", "kill-node", "freeze-node", "hang-rank", "slow-rank", "kill-spare", "kill-supervisor",
           "corrupt-checkpoint", "fill-disk", "preempt")
 
@@ -52,7 +58,40 @@ def _rank(st: dict[str, Any], rank: int) -> dict[str, Any]:
 
 def inject(fault: str, job_dir: str, *, rank: int = 1, seconds: float = 5.0,
            duty: float = 0.5, path: str | None = None, keep_mb: int = 1) -> dict[str, Any]:
-    """Inject ``fault``; returns what was done (with ``at``, the wall time)."""
+    """Inject ``fault``; returns what was done (with ``at``, the wall time), also
+    appended to ``JOBDIR/injected.jsonl`` (``record_error`` instead when that fails:
+    the fault is in, the record is not)."""
+    done = _inject(fault, job_dir, rank=rank, seconds=seconds, duty=duty, path=path, keep_mb=keep_mb)
+    try:
+        fd = os.open(os.path.join(job_dir, INJECTED), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        with os.fdopen(fd, "a") as f:
+            f.write(json.dumps(done) + "\n")  # one write: a line is whole or absent
+    except OSError as exc:
+        done["record_error"] = f"{INJECTED} not written: {exc}"
+    return done
+
+
+def read_injections(job_dir: str) -> list[dict[str, Any]]:
+    """The faults injected into the job (``injected.jsonl``), oldest first; [] when none.
+    A line that is not a JSON object with a numeric ``at`` (a torn last line) is skipped."""
+    try:
+        with open(os.path.join(job_dir, INJECTED)) as f:
+            lines = f.read().splitlines()
+    except FileNotFoundError:
+        return []
+    out = []
+    for line in lines:
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(rec, dict) and isinstance(rec.get("at"), (int, float)):
+            out.append(rec)
+    return sorted(out, key=lambda r: r["at"])
+
+
+def _inject(fault: str, job_dir: str, *, rank: int, seconds: float, duty: float, path: str | None,
+            keep_mb: int) -> dict[str, Any]:
     if fault not in FAULTS:
         raise ResilienceError(f"unknown fault {fault!r}; one of: {', '.join(FAULTS)}")
     st = _status(job_dir)

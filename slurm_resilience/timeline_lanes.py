@@ -8,6 +8,9 @@
   carries a step (restored, first step, checkpoints, done): the pause and the
   catch-up after a fault are visible, not each step.
 * :func:`recoveries`: each recovery's fault, detection, phases and first step.
+* :func:`injected_fault_times`: which recovery answered which injected fault
+  (``slurm-resilience inject`` records them), so the picture starts each recovery
+  at its fault, not at its first sign (a silent node's first sign is its detection).
 """
 
 from __future__ import annotations
@@ -15,8 +18,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from .model import FaultKind
 from .protocol import EventKind, WorkerEvent
 
+_NODE_FAULTS = (FaultKind.NODE_LOST.value, FaultKind.NODE_UNHEALTHY.value)
 STATES = ("starting", "training", "checkpoint", "recovering", "lost", "standby")
 _STEP_KINDS = {WorkerEvent.RESTORED.logged, WorkerEvent.FIRST_STEP.logged, WorkerEvent.CHECKPOINT_SAVED.logged,
                WorkerEvent.DONE.logged}
@@ -39,11 +44,12 @@ class Recovery:
     phases: tuple[tuple[str, float, float], ...]  # (phase, start, end)
     rank: int | None
     node: str | None
+    node_fault: bool = False  # the whole node was lost (all its ranks), not one process
 
 
 def recoveries(events: list[dict[str, Any]], fault_times: dict[int, float] | None = None) -> list[Recovery]:
     """``fault_times``: {recovery number: when the fault was injected}, known only to the
-    injector (lab.kill_node returns it); otherwise the first sign the supervisor saw."""
+    injector (lab.kill_node returns it, ``inject`` records it: :func:`injected_fault_times`); otherwise the first sign the supervisor saw."""
     faults = [e for e in events if e["kind"] == EventKind.FAULT_DETECTED]
     out = []
     for d in (e for e in events if e["kind"] == EventKind.RECOVERY_DONE):
@@ -57,8 +63,34 @@ def recoveries(events: list[dict[str, Any]], fault_times: dict[int, float] | Non
         seen = (f or {}).get("observed_at", d["detected"])
         out.append(Recovery(number=n, level=d["level"], fault_at=given if given is not None else min(seen, d["detected"]),
                             injected=given is not None, detected=d["detected"],
-                            first_step=d["first_step"], phases=phases, rank=fault.get("rank"), node=fault.get("node")))
+                            first_step=d["first_step"], phases=phases, rank=fault.get("rank"), node=fault.get("node"),
+                            node_fault=fault.get("kind") in _NODE_FAULTS))
     return out
+
+
+# the injected faults a recovery answers (the others: no recovery, or not one of the ranks)
+RECOVERED_FAULTS = ("kill-rank", "kill-node", "freeze-node", "hang-rank")
+
+
+def injected_fault_times(events: list[dict[str, Any]], injections: list[dict[str, Any]]) -> dict[int, float]:
+    """{recovery number: when its fault was injected}: each injected fault goes to the
+    first recovery detected at or after it; a recovery that answers several takes the
+    earliest. Recoveries with no injection before them are left out."""
+    done = sorted((e["detected"], e["recovery"]) for e in events if e["kind"] == EventKind.RECOVERY_DONE)
+    out: dict[int, float] = {}
+    for inj in injections:
+        if inj.get("fault") not in RECOVERED_FAULTS:
+            continue
+        n = next((n for detected, n in done if detected >= inj["at"]), None)
+        if n is not None:
+            out[n] = min(out.get(n, inj["at"]), inj["at"])
+    return out
+
+
+def _node_at(events: list[dict[str, Any]], rank: int, t: float) -> str | None:
+    """The node ``rank`` ran on at time ``t`` (the last plan published by then)."""
+    plans = [p for p in events if p["kind"] == EventKind.PLAN and p["t"] <= t and rank < len(p.get("nodes", []))]
+    return plans[-1]["nodes"][rank] if plans else None
 
 
 def _nodes_by_rank(events: list[dict[str, Any]]) -> dict[int, list[str]]:
@@ -105,13 +137,14 @@ def lanes(events: list[dict[str, Any]], fault_times: dict[int, float] | None = N
                 spans = _paint(spans, e["t"] - e["stall_ms"] / 1000, e["t"], "checkpoint")
         for rec in recs:
             spans = _paint(spans, rec.fault_at, rec.first_step, "recovering")
-            if rec.rank == r:
+            if rec.rank == r or (rec.node_fault and _node_at(events, r, rec.fault_at) == rec.node):
                 spans = _paint(spans, rec.fault_at, rec.detected, "lost")
         out.append(Lane(f"rank {r}: {' → '.join(nodes[r])}", tuple(s for s in spans if s[1] > s[0])))
     start = next((e for e in events if e["kind"] == EventKind.JOB_START), None)
     for node in (start or {}).get("spares", []):
-        joined = next((p["t"] for p in events if p["kind"] == EventKind.PLAN and node in p.get("nodes", [])), t_end)
-        out.append(Lane(f"spare: {node}", ((start["t"], joined, "standby"),)))
+        plan = next((p for p in events if p["kind"] == EventKind.PLAN and node in p.get("nodes", [])), None)
+        took = f" → rank {', '.join(str(r) for r, n in enumerate(plan['nodes']) if n == node)}" if plan else ""
+        out.append(Lane(f"spare: {node}{took}", ((start["t"], plan["t"] if plan else t_end, "standby"),)))
     return out
 
 

@@ -62,7 +62,7 @@ def test_ranks_and_spares_in_podman_lose_a_node_finish_bit_identical_and_clean_u
         assert any(n.startswith(node_prefix(job_id, node)) for n in running), (node, running)
     lab.kill_node(victim)
     assert run.wait() == 0, run.output()
-    assert lab.compare_states(reference, run.job_dir / "final.pt") == []
+    assert lab.compare_runs(reference, run.job_dir / "final.pt") == []  # rank 0's final.pt + every rank's digest
     # rank 1 is now the standby that ran in the spare's container from the start: no new
     # step (no new container) was started for the adoption
     standby = status["spares"][0]["worker_id"]

@@ -217,6 +217,18 @@ def test_state_round_trips_reattach_drops_a_taken_standby_and_status_lists_them(
     assert local.is_local(state, one(state, "n2")) and not local.is_local(state, plan.table.slots[0].worker_id)
 
 
+def test_status_tolerates_a_slot_whose_launch_failed():
+    """Regression (a8c7c72): a rank slot with no worker record (its launch failed) is
+    reported with pid None and step 0, not a KeyError that stops the status writer."""
+    state, _ = started(policy())
+    lost = state.table.slots[1].worker_id
+    state = dataclasses.replace(state, workers={k: v for k, v in state.workers.items() if k != lost})
+    ranks = status_dict(state, mode="online", retry_budget=3)["ranks"]
+    assert (ranks[1]["worker_id"], ranks[1]["pid"], ranks[1]["step"]) == (lost, None, 0)
+    state, _ = decide(state, m.Connected(state.table.slots[0].worker_id, 4242, 0.3), 0.3, policy())
+    assert status_dict(state, mode="online", retry_budget=3)["ranks"][0]["pid"] == 4242  # the others as before
+
+
 def test_a_migrated_straggler_node_ends_its_standby():
     p = policy(migrate_stragglers=True)
     state, _ = started(p)
