@@ -175,7 +175,7 @@ def _finish(state: SupervisorState, policy: Policy) -> Decision:
         return state, []  # the last ranks' marks close it first
     state, acts = move(state, JobPhase.FINISHING, "every rank finished")
     if policy.mode is Mode.ONLINE:
-        acts += [ShutDownStandbys(), Reap(30.0), DrainEvents()]
+        acts += [ShutDownStandbys(), Reap(30.0, end_unready=True), DrainEvents()]
     state, more = move(state, JobPhase.SUCCEEDED, "every rank finished")
     n = state.recoveries
     done = (emit(EventKind.JOB_DONE, recoveries=n, generation=state.table.generation) if policy.mode is Mode.ONLINE

@@ -236,9 +236,13 @@ class ShutDownStandbys:
 
 @dataclasses.dataclass(frozen=True)
 class Reap:
-    """Wait up to ``grace_s`` for the workers to exit; kill what is left."""
+    """Wait up to ``grace_s`` for the workers to exit; kill what is left. Never waited on:
+    a dead worker or one on an excluded node (it may answer nothing), and with
+    ``end_unready`` a standby not connected yet (still importing: it would see the shut-down
+    only once connected, and it holds nothing), which is ended at once."""
 
     grace_s: float
+    end_unready: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

@@ -32,7 +32,7 @@ from ..exits import FAST_EXIT_ENV
 from ..files import makedirs_private, write_private
 from ..lifecycle import JobPhase
 from ..model import RankTable
-from ..protocol import EventKind, Plan, StoreKey, WorkerEnv, plan_key, read_token, write_token
+from ..protocol import EventKind, Plan, Role, StoreKey, WorkerEnv, plan_key, read_token, write_token
 from . import loop, reattach
 from .classify import node_unhealthy
 from .detect import LivenessServer, NodeWatcher
@@ -246,7 +246,7 @@ class Supervisor:
         elif isinstance(action, ShutDownStandbys):
             shut_down_standbys(self.store)
         elif isinstance(action, Reap):
-            self._reap(state, action.grace_s)
+            self._reap(state, action.grace_s, action.end_unready)
         elif isinstance(action, DrainEvents):
             self.watch.poll_events(state)
         elif isinstance(action, Requeue):
@@ -288,11 +288,15 @@ class Supervisor:
 
         threading.Thread(target=work, name=f"sr-kill-{worker_id}", daemon=True).start()
 
-    def _reap(self, state: SupervisorState, grace_s: float) -> None:
+    def _reap(self, state: SupervisorState, grace_s: float, end_unready: bool = False) -> None:
         deadline = time.time() + grace_s
         for wid, h in self.handles.items():
-            if state.workers[wid].dead:
+            w = state.workers[wid]
+            if w.dead or w.node in state.excluded:
                 continue  # its node may answer nothing: never waited on (Slurm ends its step)
+            if end_unready and w.role is Role.STANDBY and not w.connected:
+                self.launcher.kill(h)
+                continue
             while h.exit_code() is None and time.time() < deadline:
                 time.sleep(0.05)
             if h.exit_code() is None:

@@ -215,6 +215,8 @@ def test_a_finished_rank_exiting_is_not_a_fault_and_all_done_finishes():
     assert acts == [] and state.recovery is None
     state, acts = decide(state, m.AllDone(), 2.0, p)
     assert m.ShutDownStandbys() in acts and acts[-1] == m.Exit(EXIT_OK) and state.phase is JobPhase.SUCCEEDED
+    # the job is over: a standby still importing is ended, not waited for until it connects
+    assert of(acts, m.Reap) == [m.Reap(30.0, end_unready=True)]
 
 
 def test_all_done_waits_for_a_recovery_in_flight():
