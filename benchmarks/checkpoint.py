@@ -32,7 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from checkpoint_contenders import DCP, Ours, Raw, RawDirect, TorchSave  # noqa: E402
-from figures import stats, utc_now, write_run  # noqa: E402
+from figures import run_and_write, stats  # noqa: E402
 from slurm_resilience.checkpoint.shard_io import CRC32_IMPL, IO_THREADS  # noqa: E402
 
 DROP = "/proc/sys/vm/drop_caches"
@@ -183,10 +183,7 @@ def main() -> int:
     args = ap.parse_args()
     if args.repeat < 1:
         ap.error(f"--repeat={args.repeat} must be >= 1")
-    started = utc_now()
-    r = run(args)
-    write_run(r, args, started, report(r))
-    return 0
+    return run_and_write(run, report, args)
 
 
 if __name__ == "__main__":

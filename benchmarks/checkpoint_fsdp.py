@@ -50,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from checkpoint import drop_caches  # noqa: E402
-from figures import stats, utc_now, write_run  # noqa: E402
+from figures import run_and_write, stats  # noqa: E402
 
 WRITERS = ("ours", "dcp_save", "dcp_async")
 # (label, numerator, denominator): ratio = numerator / denominator, > 1: ours is faster
@@ -346,10 +346,7 @@ def main() -> int:
         ap.error("--repeat and --world must be >= 1")
     if args.dim % args.heads:
         ap.error(f"--dim {args.dim} must be a multiple of --heads {args.heads}")
-    started = utc_now()
-    r = run(args)
-    write_run(r, args, started, report(r))
-    return 0
+    return run_and_write(run, report, args)
 
 
 if __name__ == "__main__":

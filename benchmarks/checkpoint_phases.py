@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from checkpoint import drop_caches, make_state  # noqa: E402
 from checkpoint_contenders import Raw, _parallel  # noqa: E402
-from figures import stats, utc_now, write_run  # noqa: E402
+from figures import run_and_write, stats  # noqa: E402
 from slurm_resilience.checkpoint import hdf5_format as h5f, shard_io  # noqa: E402
 from slurm_resilience.checkpoint.hdf5_extents import ALIGN_ABOVE, aligned_empty, bytes_of, to_numpy  # noqa: E402
 from slurm_resilience.files import fsync_dir, write_private  # noqa: E402
@@ -225,10 +225,7 @@ def main() -> int:
     args = ap.parse_args()
     if args.repeat < 1:
         ap.error(f"--repeat={args.repeat} must be >= 1")
-    started = utc_now()
-    r = run(args)
-    write_run(r, args, started, report(r))
-    return 0
+    return run_and_write(run, report, args)
 
 
 if __name__ == "__main__":

@@ -37,3 +37,11 @@ def write_run(figures: dict, args, started: str, report: str) -> None:
     print(report)
     Path(args.json).write_text(json.dumps(figures, indent=2))
     print(f"wrote {args.json}")
+
+
+def run_and_write(run, report, args) -> int:
+    """A benchmark's main after its argument checks: run it, stamp it, print and write it."""
+    started = utc_now()
+    figures = run(args)
+    write_run(figures, args, started, report(figures))
+    return 0
