@@ -116,8 +116,10 @@ def test_g2_no_spare_scales_in_by_a_node_and_reshards_8_to_6(cluster, jobs_root,
     They must end bit-identical (the docs' definition at a changed world size)."""
     cfg = _cfg(tmp_path, "zero", lab.LOCAL_CONFIG.read_text().replace("shared_every_kth: 2", "shared_every_kth: 1")
                .replace("local_every: 10", "local_every: 5") + "  shared_keep: 20\n")  # B starts from A's step
+    # 0.5 s steps: 2.5 s between two checkpoints, so the kill below lands between them even
+    # when the events that tell the test where the job is arrive late on a loaded box
     a = lab.submit(jobs_root / "g2-scale-in-a", spares=0, tasks_per_node=G, steps=STEPS, config=cfg,
-                   script=lab.ZERO_EXAMPLE, step_time=FAULT_STEP_TIME)
+                   script=lab.ZERO_EXAMPLE, step_time=0.5)
     st = a.wait_for_step(11)
     # Kill once step 10 is in L2 on every rank and well before step 15's checkpoint (4
     # slow steps away): a kill during a checkpoint's L2 flush leaves that step in L1 only,
