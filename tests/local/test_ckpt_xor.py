@@ -89,6 +89,10 @@ _RANK = textwrap.dedent(
     eng.close()
     out["events"] = events
     print("RESULT " + json.dumps(out, default=str), flush=True)
+    # end as the toolkit's ranks do (exits.py): torch's C++ tear-down of the gloo group at
+    # interpreter exit can abort ("terminate called without an active exception")
+    from slurm_resilience.exits import exit_now
+    exit_now(0)
     """
 )
 
