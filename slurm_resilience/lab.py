@@ -3,19 +3,30 @@
 Shared by ``scripts/demo.py``, the end-to-end tests and the benchmarks, so each of
 them proves the same path. Faults are injected only into processes this job
 started (by PID) or through ``scripts/local-cluster kill-node`` / ``freeze-node``.
+
+Which ``local-cluster`` script runs (:func:`local_cluster_script`), first found:
+``$SR_LOCAL_CLUSTER``; the checkout's ``scripts/local-cluster`` (an editable install);
+the script recorded in the lab directory by ``local-cluster start``
+(``LAB/local-cluster.path``; the lab from ``$SR_LAB``, from ``$SLURM_CONF`` =
+``LAB/etc/slurm.conf``, or ``/tmp/sr-cluster``); ``local-cluster`` on ``PATH``. An
+installed wheel has no checkout: it finds the lab's record.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
+import shutil
+import stat
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
+from .errors import ResilienceError
 from .events import read_events
 from .protocol import EventKind, RecoveryPhase, WorkerEvent
 
@@ -24,14 +35,72 @@ LOCAL_CLUSTER = REPO / "scripts" / "local-cluster"
 EXAMPLE = REPO / "examples" / "train_mlp.py"
 ZERO_EXAMPLE = REPO / "examples" / "train_zero.py"  # ZeRO-style sharded optimizer state
 LOCAL_CONFIG = REPO / "examples" / "local-cluster.yaml"
+LAB_RECORD = "local-cluster.path"  # in the lab directory: the script that started it
+DEFAULT_LAB = "/tmp/sr-cluster"
+
+
+class LabError(ResilienceError, RuntimeError):
+    """The local cluster's script is missing or failed (one line, no traceback)."""
+
+
+def _lab_dirs(env: Mapping[str, str]) -> list[str]:
+    """Where a lab may be: ``$SR_LAB``, the lab of ``$SLURM_CONF``, the default."""
+    dirs = [env["SR_LAB"]] if env.get("SR_LAB") else []
+    conf = Path(env.get("SLURM_CONF", ""))
+    if conf.name == "slurm.conf" and conf.parent.name == "etc":
+        dirs.append(str(conf.parent.parent))
+    return [*dirs, DEFAULT_LAB]
+
+
+def _recorded_script(lab_dir: str) -> Path | None:
+    """The script named by ``LAB/local-cluster.path``; None when there is no record this
+    user may trust (it must belong to root or to us and be writable by no one else:
+    /tmp is everyone's, and the script it names is run)."""
+    record = os.path.join(lab_dir, LAB_RECORD)
+    try:
+        st = os.stat(record)
+        with open(record) as f:
+            script = Path(f.read().strip())
+    except OSError:
+        return None
+    if st.st_uid not in (0, os.getuid()) or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return None
+    return script if script.is_absolute() and script.is_file() else None
+
+
+def local_cluster_script(env: Mapping[str, str] | None = None) -> tuple[Path, str | None]:
+    """``(script, lab directory to pass with --lab, or None for the script's default)``;
+    the order is in the module docstring. Raises :class:`LabError` when none is found."""
+    env = os.environ if env is None else env
+    given = env.get("SR_LOCAL_CLUSTER")
+    if given:
+        if not Path(given).is_file():
+            raise LabError(f"SR_LOCAL_CLUSTER={given} is not a file: name the lab's scripts/local-cluster")
+        return Path(given), None
+    if LOCAL_CLUSTER.is_file():
+        return LOCAL_CLUSTER, None
+    dirs = _lab_dirs(env)
+    for lab_dir in dirs:
+        script = _recorded_script(lab_dir)
+        if script is not None:
+            return script, lab_dir
+    on_path = shutil.which("local-cluster", path=env.get("PATH", os.defpath))
+    if on_path:
+        return Path(on_path), None
+    raise LabError(f"node faults need the local cluster's scripts/local-cluster: none in an installed package, "
+                   f"no {LAB_RECORD} in {' or '.join(dict.fromkeys(dirs))} (written by `local-cluster start`), "
+                   f"none on PATH; set SR_LOCAL_CLUSTER=/path/to/scripts/local-cluster")
 
 
 def cluster(*args: str, timeout: float = 120) -> str:
-    """Run ``scripts/local-cluster ARGS``; returns stdout, raises on failure."""
-    proc = subprocess.run([sys.executable, str(LOCAL_CLUSTER), *args], capture_output=True,
+    """Run ``scripts/local-cluster ARGS``; returns stdout, raises :class:`LabError` on failure."""
+    script, lab_dir = local_cluster_script()
+    lab_args = ["--lab", lab_dir] if lab_dir else []
+    proc = subprocess.run([sys.executable, str(script), *lab_args, *args], capture_output=True,
                           text=True, timeout=timeout)
     if proc.returncode != 0:
-        raise RuntimeError(f"local-cluster {' '.join(args)} failed: {proc.stderr.strip()}")
+        last = proc.stderr.strip().splitlines()[-1:] or [f"exit {proc.returncode}"]
+        raise LabError(f"{script} {' '.join(args)} failed: {last[0]}")
     return proc.stdout
 
 
