@@ -4,7 +4,9 @@ A linear model trained by SGD; each rank computes the gradient of its slice of t
 global batch, one Allreduce(SUM) adds them, every rank applies the same update.
 Rank 0 saves a snapshot every 10 steps (tmp + os.replace) and every rank resumes
 from it at start, so a relaunched run ends with the same bits as a fault-free one
-(same world size, same data by global sample index, same reduction).
+(same world size, same data by global sample index, same reduction). After each
+step rank 0 appends ``STEP UNIX_TIME`` to ``SR_PROGRESS_FILE`` when that is set
+(``slurm-resilience run`` times a recovery to the first one: docs/restart.md).
 
 Run with ``srun --mpi=pmix`` (what ``slurm-resilience run --mpi`` does) or mpirun.
 """
@@ -70,6 +72,9 @@ def main() -> None:
         w -= args.lr * grad[:w.size].reshape(w.shape)
         b -= args.lr * grad[w.size:]
         time.sleep(args.step_time)
+        if rank == 0 and os.environ.get("SR_PROGRESS_FILE"):
+            with open(os.environ["SR_PROGRESS_FILE"], "a") as f:
+                f.write(f"{step + 1} {time.time():.6f}\n")
         if rank == 0 and (step + 1) % SNAPSHOT_EVERY == 0:
             os.makedirs(args.ckpt, exist_ok=True)
             save_atomic(snapshot, w=w, b=b, step=np.int64(step + 1))

@@ -9,7 +9,9 @@ state; ``--out final-{rank}.pt`` has every rank write its own, with the torchrun
 variables it ran under, so each rank's end state can be checked.
 Deterministic by construction: data chosen by global sample index, one flat SUM
 all-reduce of the gradients, one thread; so a relaunched run ends with the same
-bits as one that never failed.
+bits as one that never failed. After each step rank 0 appends ``STEP UNIX_TIME`` to
+``SR_PROGRESS_FILE`` when that is set: the supervisor times a recovery to the first
+step that way (docs/restart.md, "Recovery lines and phases").
 """
 
 import argparse
@@ -49,7 +51,9 @@ def main() -> None:
     ap.add_argument("--stamps", help="rank 0 appends `SR_RESTART step unix-time` after every step (benchmarks)")
     ap.add_argument("--out", required=True,
                     help="final state, written by rank 0; with {rank} in it, by every rank")
-    ap.add_argument("--progress", help="benchmarks: rank 0 appends 'STEP UNIX_TIME' here after each step")
+    ap.add_argument("--progress", default=os.environ.get("SR_PROGRESS_FILE"),
+                    help="rank 0 appends 'STEP UNIX_TIME' here after each step (default: SR_PROGRESS_FILE, "
+                         "which `slurm-resilience run` sets: its recovery ends at the first line)")
     args = ap.parse_args()
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])

@@ -91,6 +91,7 @@ class ForkRequest:
     cwd: str
     umask: int
     log_path: str
+    progress_file: str = ""  # the step's SR_PROGRESS_FILE, as a cold task of the step has it
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -180,6 +181,8 @@ def warm_env(zygote_env: Mapping[str, str], req: ForkRequest, *, job_nodelist: s
     env = {k: v for k, v in zygote_env.items() if k not in STEP_VARS}
     env.update(task_slurm_vars(req, job_nodelist=job_nodelist))
     env["SR_RESTART"] = str(req.restart)
+    if req.progress_file:  # the supervisor's srun sets it per relaunch for a cold task
+        env["SR_PROGRESS_FILE"] = req.progress_file
     env.update(rank_env(env, master_addr=req.master_addr, master_port=req.master_port, restart=req.restart))
     env[AGENT_STORE_VAR] = str(True)  # the one variable a cold task lacks: the store is up already
     return env

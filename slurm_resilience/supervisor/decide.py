@@ -6,6 +6,7 @@
                       ├─ Suspects/...     classify → ladder → plan (recover.py)
                       ├─ Published        a recovery's plan is out: its deadline starts
                       ├─ WorkerMark       recovery phases; the last rank's first step ends it
+                      ├─ StepTrained      relaunch mode: the relaunched step's first step ends it
                       ├─ Tick             a recovery past its deadline falls back (ladder, failed set)
                       ├─ AllDone          finish
                       ├─ Preempted        persist at one step, requeue
@@ -27,10 +28,11 @@ import dataclasses
 from ..lifecycle import JobPhase
 from ..model import Fault, FaultKind
 from ..protocol import EventKind, Plan, PlanAction, Role, WorkerEvent
-from . import local, recover, spares
+from . import local, recover, relaunch_recovery, spares
 from .messages import (
     Action, AllDone, Connected, DrainEvents, Exit, Isolate, Kill, NodeBack, Observation, Preempted, Published, Reap,
-    LivenessChange, Relaunch, Say, ShutDownStandbys, SpareChecked, Start, StepFaults, Straggler, Suspects, Tick, WorkerMark, emit,
+    LivenessChange, Relaunch, Say, ShutDownStandbys, SpareChecked, Start, StepFaults, StepTrained, Straggler, Suspects,
+    Tick, WorkerMark, emit,
 )
 from .plans import EXIT_FAILED, EXIT_OK, EXIT_REQUEUED, Decision, launch, launch_standbys, move, publish, requeue
 from .ranktable import initial_table
@@ -51,7 +53,11 @@ def decide(state: SupervisorState, obs: Observation, now: float, policy: Policy)
     if isinstance(obs, StepFaults):
         return recover.on_step_faults(state, obs, now, policy)
     if isinstance(obs, Published):
+        if policy.mode is Mode.RELAUNCH:  # the relaunched step started (relaunch_recovery.py)
+            return relaunch_recovery.on_relaunched(state, obs)
         return _published(state, obs, policy)
+    if isinstance(obs, StepTrained):
+        return relaunch_recovery.on_step_trained(state, obs)
     if isinstance(obs, WorkerMark):
         return _mark(state, obs, policy)
     if isinstance(obs, Tick):
@@ -61,6 +67,10 @@ def decide(state: SupervisorState, obs: Observation, now: float, policy: Policy)
     if isinstance(obs, SpareChecked):
         return _spare_checked(state, obs, now, policy)
     if isinstance(obs, AllDone):
+        if policy.mode is Mode.RELAUNCH:  # a relaunch that never reported a step ends with the job
+            state, acts = relaunch_recovery.unfinished(state, "the relaunched step ended")
+            state, more = _finish(state, policy)
+            return state, acts + more
         return _finish(state, policy)
     if isinstance(obs, Preempted):
         return requeue(state, f"preempted ({obs.signal or 'the preemption signal'} before the time limit "

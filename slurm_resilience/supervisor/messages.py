@@ -14,6 +14,7 @@ from typing import Any, Mapping
 from ..lifecycle import JobPhase
 from ..protocol import EventKind, Plan, Role, WorkerEvent
 from ..model import Fault, RankTable
+from ..program_error import ProgramError
 
 
 # ---------------------------------------------------------------- observations
@@ -56,6 +57,7 @@ class Suspect:
     evidence: str = ""  # the watchdog's reason when it confirmed a hang (progress.py)
     slurmd_answers: bool | None = None
     probe_s: float | None = None
+    error: ProgramError | None = None  # the program's own error, as the rank reported it before it exited
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,8 +155,19 @@ class LivenessChange:
     t: float
 
 
+@dataclasses.dataclass(frozen=True)
+class StepTrained:
+    """Relaunch mode: the all-ranks step of ``generation`` trained a step at ``t`` (the
+    first line its program appended to ``SR_PROGRESS_FILE`` after the relaunch; ``step``
+    the line's step number, if it gave one)."""
+
+    generation: int
+    t: float
+    step: int | None = None
+
+
 Observation = (Start | Connected | Suspects | StepFaults | WorkerMark | Published | Tick | AllDone
-               | Preempted | NodeBack | Straggler | SpareChecked | LivenessChange)
+               | Preempted | NodeBack | Straggler | SpareChecked | LivenessChange | StepTrained)
 
 
 # ---------------------------------------------------------------- actions

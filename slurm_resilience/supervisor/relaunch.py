@@ -15,11 +15,19 @@ here as :class:`~.messages.Relaunch`. The program resumes from its own snapshot;
     watch (step exit, slurmd probe, Slurm node state) → StepFaults / AllDone
       → decide (the ladder, without ONLINE and SCALE_IN) → Relaunch | Isolate | Exit
 
+The recovery ends at the relaunched program's first step: each step's tasks get
+``SR_PROGRESS_FILE`` (``JOBDIR/progress-NNN.log``, one per relaunch), and the first line
+the program appends there (``STEP UNIX_TIME`` per completed step) is a
+:class:`~.messages.StepTrained` (``relaunch_recovery.py`` logs the phases and
+``recovery_done``). The lines the supervisor writes go to its output,
+``JOBDIR/supervisor.log``, in the online supervisor's format.
+
 Open MPI 4.1 as shipped by Debian has no ULFM, so MPI recovery is relaunch-based too.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import subprocess
@@ -42,13 +50,40 @@ from . import loop
 from .classify import find_faults, node_unhealthy
 from .isolate import Isolator
 from .messages import (
-    Action, AllDone, Emit, Exit, Isolate, Observation, Phase, Reap, Relaunch, Say, Start, StepFaults,
+    Action, AllDone, Emit, Exit, Isolate, Observation, Phase, Published, Reap, Relaunch, Say, Start, StepFaults,
+    StepTrained,
 )
 from .report import status_dict, write_status
 from .state import Mode, Policy, SupervisorState
 from .warm import WarmStep, ZygotePool
 
 PORT_BASE = 20000  # below Linux's ephemeral range (32768-60999), above the usual services
+PROGRESS_VAR = "SR_PROGRESS_FILE"
+
+
+def progress_path(job_dir: str, attempt: int) -> str:
+    """The relaunch's own progress file: a line there is this step's, never an older one's."""
+    return os.path.join(job_dir, f"progress-{attempt:03d}.log")
+
+
+def first_progress(data: bytes) -> tuple[int | None, float | None] | None:
+    """Pure: the first complete line of a progress file as (step, unix time), each None
+    where the line does not give it (any line is a step trained); None: no line yet.
+
+    ``STEP UNIX_TIME`` is what ``examples/train_torchrun.py`` writes; a line without a
+    time is timed when it is seen.
+    """
+    end = data.find(b"\n")
+    if end < 0:
+        return None
+    fields = data[:end].split()
+    if not fields or not fields[0].isdigit():
+        return None, None  # not STEP UNIX_TIME: its other fields say nothing
+    try:
+        t = float(fields[1]) if len(fields) > 1 else None
+    except ValueError:
+        t = None
+    return int(fields[0]), t
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,7 +141,7 @@ def step_argv(*, job_id: str, name: str, nodes: Sequence[str], command: Sequence
                  "--master-addr", master_addr, "--master-port", str(port), "--restart", str(attempt), "--",
                  *command]
     cname = container.container_name(job_id, "{node}", f"restart{attempt}-{{task}}")
-    return [*argv, "--", *container.wrap(step_container, inner, name=cname, env_names=["SR_RESTART"])]
+    return [*argv, "--", *container.wrap(step_container, inner, name=cname, env_names=["SR_RESTART", PROGRESS_VAR])]
 
 
 @dataclasses.dataclass
@@ -126,17 +161,18 @@ class RelaunchExecutor:
     def __init__(self, *, config: ResilienceConfig, command: Sequence[str], job_dir: str, job_id: str,
                  layout: Layout, allocation: Sequence[str], launcher, mpi: bool = False,
                  poll_s: float = 0.1, probe_every_s: float = 0.5,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, out=None) -> None:
         if not command:
             raise ResilienceError("no command given: add `-- python train.py ...`")
         self.cfg, self.command, self.job_id, self.mpi = config, list(command), job_id, mpi
         self.allocation, self.launcher = list(allocation), launcher
         self.poll_s, self.probe_every_s, self.clock = poll_s, probe_every_s, clock
         self.job_dir = job_dir
+        self.out, self._t0 = out or sys.stdout, clock()  # out: the supervisor's lines (supervisor.log)
         self._nccl_env = nccl_environ(config.reconnect, os.environ)  # NCCL's watchdog, unless the user set it
         makedirs_private(job_dir)
         self.events = EventLog(os.path.join(job_dir, "events.jsonl"), clock=clock)
-        self.isolator = Isolator(launcher, self.events.emit, config.recovery, job_id=job_id)
+        self.isolator = Isolator(launcher, self.events.emit, config.recovery, job_id=job_id, say=self._say)
         self.policy = Policy.from_config(config, mode=Mode.RELAUNCH, can_requeue=False)
         nodes = [*layout.workers, *layout.spares]
         self.state = SupervisorState(
@@ -144,6 +180,8 @@ class RelaunchExecutor:
             target_world=len(layout.workers), worker_nodes=layout.workers, spare_nodes=layout.spares,
             addresses={n: launcher.address(n) for n in nodes}, tasks_per_node=config.job.tasks_per_node)
         self.step: _Step | WarmStep | None = None
+        self.attempt = self.generation = 0  # the running step's relaunch number and table generation
+        self.trained = False  # its first progress line was reported
         self.lost: set[str] = set()  # unreachable at the last probe: a warm kill does not wait on them
         self.zygotes: ZygotePool | None = None
         # The zygotes run on the host: ranks in a container (container.runtime) start cold.
@@ -178,6 +216,9 @@ class RelaunchExecutor:
         nodes = list(state.table.node_list)
         while True:
             code = self.step.process.poll()
+            trained = self._progress()  # before the exit or the fault that may follow it
+            if trained:
+                return trained
             now = time.monotonic()
             if code is not None or now >= next_probe:
                 reachable = self._probe(nodes)
@@ -198,6 +239,8 @@ class RelaunchExecutor:
             if self.step is not None:
                 self._cancel(self.step)
             self.step = self._launch(action.table, action.attempt)
+            self.attempt, self.generation, self.trained = action.attempt, action.table.generation, False
+            return [Published(action.table.generation, self.clock())]  # the relaunched step runs
         elif isinstance(action, Reap):
             if self.step is not None and self.step.process.poll() is None:
                 self._cancel(self.step)
@@ -211,8 +254,26 @@ class RelaunchExecutor:
         elif isinstance(action, Exit) and action.error:
             print(f"slurm-resilience: error: {action.error}", file=sys.stderr, flush=True)
         elif isinstance(action, Say):
-            pass  # the events carry it; the batch step's output stays the program's
+            self._say(action.text)  # the program's output is in step-NNN.log, not here
         return []
+
+    def _say(self, text: str) -> None:
+        print(f"[sr +{self.clock() - self._t0:8.3f}s] {text}", file=self.out, flush=True)
+
+    def _progress(self) -> list[Observation]:
+        """The running step's first progress line, once (``first_progress``)."""
+        if self.trained or self.step is None:
+            return []
+        try:
+            with open(progress_path(self.job_dir, self.attempt), "rb") as f:
+                got = first_progress(f.read(4096))
+        except FileNotFoundError:
+            return []
+        if got is None:
+            return []
+        self.trained = True
+        step, t = got
+        return [StepTrained(self.generation, t if t is not None else self.clock(), step)]
 
     # -- adapters ------------------------------------------------------------------------
     def _launch(self, table: RankTable, attempt: int) -> _Step | WarmStep:
@@ -220,6 +281,9 @@ class RelaunchExecutor:
         nodes = list(table.node_list)
         master = master_node(nodes, self.allocation)
         log_path = os.path.join(self.job_dir, f"step-{attempt:03d}.log")
+        progress = progress_path(self.job_dir, attempt)
+        with contextlib.suppress(FileNotFoundError):  # a reused job dir's: never this step's first step
+            os.unlink(progress)
         if self.zygotes is not None:
             if attempt == 0:  # the zygotes started with the job; later ones are long up
                 self.zygotes.wait_ready(nodes, self.cfg.run.zygote_start_s)
@@ -227,7 +291,7 @@ class RelaunchExecutor:
             warm = self.zygotes.fork_step(name=name, nodes=order, tasks_per_node=table.tasks_per_node,
                                           command=self.command, master_addr=self.launcher.address(master),
                                           port=master_port(self.job_id, attempt), attempt=attempt,
-                                          log_path=log_path)
+                                          log_path=log_path, progress_file=progress)
             if warm is not None:
                 return warm
         argv = step_argv(job_id=self.job_id, name=name, nodes=nodes, command=self.command, mpi=self.mpi,
@@ -237,7 +301,8 @@ class RelaunchExecutor:
                          step_container=getattr(self.launcher, "container", None))
         fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         with os.fdopen(fd, "ab") as log:
-            proc = subprocess.Popen(argv, env={**os.environ, **self._nccl_env, "SR_RESTART": str(attempt)},
+            proc = subprocess.Popen(argv, env={**os.environ, **self._nccl_env, "SR_RESTART": str(attempt),
+                                               PROGRESS_VAR: progress},
                                     stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     start_new_session=True)
         return _Step(name=name, node=master, process=proc)

@@ -99,7 +99,8 @@ class ZygotePool:
         return False
 
     def fork_step(self, *, name: str, nodes: Sequence[str], tasks_per_node: int, command: Sequence[str],
-                  master_addr: str, port: int, attempt: int, log_path: str) -> "WarmStep | None":
+                  master_addr: str, port: int, attempt: int, log_path: str,
+                  progress_file: str = "") -> "WarmStep | None":
         """Fork every rank of the step through the zygotes; None (nothing started) when a
         node has no live zygote (a new one is started for it), a zygote refused, or the
         command is not ``python script.py ...`` (``warm_entry``)."""
@@ -121,7 +122,8 @@ class ZygotePool:
                 req = ForkRequest(rank=index * tasks_per_node + local, local_rank=local, node_index=index,
                                   step_nodes=tuple(nodes), tasks_per_node=tasks_per_node, step_name=name,
                                   master_addr=master_addr, master_port=port, restart=attempt,
-                                  command=tuple(command), cwd=os.getcwd(), umask=umask, log_path=log_path)
+                                  command=tuple(command), cwd=os.getcwd(), umask=umask, log_path=log_path,
+                                  progress_file=progress_file)
                 try:
                     conns[node].send_bytes(encode(req))
                 except OSError:

@@ -73,7 +73,9 @@ def _kinds(root: Path) -> list[str]:
 def _check_recovered(root: Path, victim: str) -> None:
     events = read_events(str(root / "job" / "events.jsonl"))
     assert [e["kind"] for e in events if e["kind"] != "isolated"] == [
-        "job_start", "fault_detected", "ladder", "relaunch", "job_done"]
+        "job_start", "fault_detected", "ladder", "recovery_start", "relaunch", "phase", "phase", "phase", "phase",
+        "recovery_done", "job_done"]
+    _check_recovery_told(root, victim, events)
     assert [e["level"] for e in events if e["kind"] == "ladder"] == ["node-replacement"]
     fault = next(e for e in events if e["kind"] == "fault_detected")
     assert [f["node"] for f in fault["faults"]] == [victim] and fault["faults"][0]["kind"] == "node_lost"
@@ -82,6 +84,24 @@ def _check_recovered(root: Path, victim: str) -> None:
     assert "from step 0" not in (root / "job" / "step-001.log").read_text()  # resumed from its snapshot
     node = commands.show_nodes([victim])[victim]
     assert "DOWN" in node["State"] and "slurm_resilience" in node.get("Reason", "")
+
+
+def _check_recovery_told(root: Path, victim: str, events: list[dict]) -> None:
+    """supervisor.log and ``timeline`` tell the recovery as for a Session job: the fault,
+    the relaunch, its end at the relaunched program's first step (SR_PROGRESS_FILE)."""
+    said = [ln.split("] ", 1)[-1] for ln in (root / "job" / "supervisor.log").read_text().splitlines()]
+    want = (rf"fault: ranks? [\d,]+ on {victim}: NODE_LOST",
+            r"recovery 1: node-replacement, relaunching the step \(relaunch 1\) on .*n5",
+            r"recovery 1: relaunch 1 started on ", r"recovery 1 done: relaunch 1 trained a step")
+    at = [next((i for i, ln in enumerate(said) if re.match(w, ln)), None) for w in want]
+    assert None not in at and at == sorted(at), said
+    done = next(e for e in events if e["kind"] == "recovery_done")
+    assert done["step"] > 10 and done["detected"] < done["first_step"]  # resumed from a snapshot, then trained
+    shown = subprocess.run([sys.executable, "-m", "slurm_resilience.cli", "timeline", str(root / "job")],
+                           capture_output=True, text=True, timeout=60, check=True).stdout
+    summary = shown.split("\nrecovery 1: ", 1)[1].splitlines()
+    assert summary[0] == f"{(done['t'] - done['detected']) * 1000:.1f} ms", shown
+    assert [ln.split()[0] for ln in summary[2:6]] == ["classify", "replace", "ranktable", "first_step"], shown
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,7 @@
 """Job-level recovery: the pure parts (layout, spare choice, faults, plan, argv, env), then
 the loop itself against a fake srun and a fake launcher."""
 
+import io
 import json
 import os
 import stat
@@ -124,8 +125,14 @@ codes = os.environ["FAKE_SRUN_CODES"].split(",")
 code = codes[min(n, len(codes) - 1)]
 if code == "hang":
     time.sleep(60)
+if code == "train":  # the program's rank 0 trains step 11 (docs/restart.md: SR_PROGRESS_FILE) and ends
+    open(os.environ["SR_PROGRESS_FILE"], "a").write(f"11 {{time.time():.6f}}\\n")
+    code = 0
 sys.exit(int(code))
 """
+# a node lost, the step relaunched on the spare, the relaunched program's first step ends the recovery
+RECOVERED = ["job_start", "fault_detected", "ladder", "recovery_start", "relaunch", "phase", "phase", "phase",
+             "phase", "recovery_done", "job_done"]
 
 
 class FakeLauncher:
@@ -168,13 +175,13 @@ def fake_srun(tmp_path, monkeypatch):
     return launches
 
 
-def _supervisor(tmp_path, launcher, spares=("n5",), retries=3):
+def _supervisor(tmp_path, launcher, spares=("n5",), retries=3, out=None):
     cfg = load_config({"recovery": {"fault_retry_times": retries}, "detect": {"node_poll_s": 0.1},
                        "run": {"warm": False}})  # the cold srun path; warm: tests/e2e/test_warm_restart_slurm.py
     lay = layout(["n1", "n2", "n3", "n4", *spares], "n1", 3)
     return RelaunchExecutor(config=cfg, command=["python", "t.py"], job_dir=str(tmp_path / "job"), job_id="77",
                              layout=lay, allocation=["n1", "n2", "n3", "n4", *spares], launcher=launcher,
-                             poll_s=0.02, probe_every_s=0.05)
+                             poll_s=0.02, probe_every_s=0.05, out=out)
 
 
 def _kinds(tmp_path):
@@ -183,10 +190,10 @@ def _kinds(tmp_path):
 
 @pytest.mark.timeout(30)
 def test_loop_node_lost_relaunches_on_spare(tmp_path, fake_srun, monkeypatch):
-    monkeypatch.setenv("FAKE_SRUN_CODES", "hang,0")
-    launcher = FakeLauncher()
+    monkeypatch.setenv("FAKE_SRUN_CODES", "hang,train")
+    launcher, out = FakeLauncher(), io.StringIO()
     threading.Timer(0.3, launcher.down.add, ["n3"]).start()
-    assert _supervisor(tmp_path, launcher).run() == 0
+    assert _supervisor(tmp_path, launcher, out=out).run() == 0
     first, second = fake_srun()
     assert first["argv"][first["argv"].index("-w") + 1] == "n2,n3,n4" and first["restart"] == "0"
     assert second["argv"][second["argv"].index("-w") + 1] == "n2,n4,n5" and second["restart"] == "1"
@@ -194,9 +201,21 @@ def test_loop_node_lost_relaunches_on_spare(tmp_path, fake_srun, monkeypatch):
     assert launcher.killed == ["sr-restart-0"]
     assert [i[:2] for i in launcher.isolated] == [("n3", "DOWN")]
     # isolation runs in the background: its event comes whenever scontrol returns
-    assert [k for k in _kinds(tmp_path) if k != "isolated"] == ["job_start", "fault_detected", "ladder",
-                                                                 "relaunch", "job_done"]
+    assert [k for k in _kinds(tmp_path) if k != "isolated"] == RECOVERED
     assert _kinds(tmp_path).count("isolated") == 1
+    # supervisor.log: the lines a Session job's supervisor writes, in its order
+    said = [line.split("] ", 1)[1] for line in out.getvalue().splitlines()]
+    lines = [next(i for i, t in enumerate(said) if t.startswith(p)) for p in (
+        "job started: 3 ranks on n2,n3,n4", "fault: rank 1 on n3: NODE_LOST",
+        "recovery 1: node-replacement, relaunching the step (relaunch 1) on n2,n4,n5",
+        "recovery 1: relaunch 1 started on n2,n4,n5", "recovery 1 done: relaunch 1 trained a step",
+        "job finished after 1 recovery")]
+    assert lines == sorted(lines) and any(t.startswith("isolated node n3") for t in said), said
+    events = read_events(str(tmp_path / "job" / "events.jsonl"))
+    phases = [e["phase"] for e in events if e["kind"] == "phase"]
+    assert phases == ["classify", "replace", "ranktable", "first_step"]
+    done = next(e for e in events if e["kind"] == "recovery_done")
+    assert done["step"] == 11 and done["first_step"] >= done["detected"] and done["level"] == "node-replacement"
     status = json.loads((tmp_path / "job" / "status.json").read_text())
     assert status["phase"] == "SUCCEEDED" and status["nodes"] == ["n2", "n4", "n5"]  # allocation order
 

@@ -5,11 +5,13 @@ and tests/e2e/test_warm_restart_slurm.py."""
 
 import sys
 import threading
+import time
 
 import pytest
-from test_relaunch import FakeLauncher, _kinds, fake_srun  # noqa: F401  (fake_srun: a fixture)
+from test_relaunch import RECOVERED, FakeLauncher, _kinds, fake_srun  # noqa: F401  (fake_srun: a fixture)
 
 from slurm_resilience.config import load_config
+from slurm_resilience.events import read_events
 from slurm_resilience.supervisor import relaunch
 from slurm_resilience.supervisor.relaunch import RelaunchExecutor, layout
 from slurm_resilience.supervisor.warm import WarmStep
@@ -43,8 +45,13 @@ class FakePool:
         self.waited.append(list(nodes))
         return True
 
-    def fork_step(self, *, name, nodes, tasks_per_node, command, master_addr, port, attempt, log_path):
+    def fork_step(self, *, name, nodes, tasks_per_node, command, master_addr, port, attempt, log_path,
+                  progress_file=""):
         code = self.codes.pop(0)
+        if code == "train":  # the program's rank 0 trains step 11 and ends
+            with open(progress_file, "a") as f:
+                f.write(f"11 {time.time():.6f}\n")
+            code = 0
         step = None if code is None else FakeWarmStep(name, list(nodes), code)
         self.forked.append((name, list(nodes), attempt, step))
         return step
@@ -67,7 +74,7 @@ def _executor(tmp_path, launcher, codes, *, warm=True, command=(sys.executable, 
 def test_node_loss_relaunch_is_forked_and_the_lost_node_not_waited_on(tmp_path, monkeypatch, fake_srun):
     launcher = FakeLauncher()
     threading.Timer(0.3, launcher.down.add, ["n3"]).start()
-    sup = _executor(tmp_path, launcher, ["hang", 0], monkeypatch=monkeypatch)
+    sup = _executor(tmp_path, launcher, ["hang", "train"], monkeypatch=monkeypatch)
     assert sup.run() == 0
     pool = FakePool.instances[0]
     assert pool.nodes == ["n2", "n3", "n4", "n5"] and pool.preload == ("numpy",)  # workers and spares
@@ -78,8 +85,9 @@ def test_node_loss_relaunch_is_forked_and_the_lost_node_not_waited_on(tmp_path, 
     assert step0.skipped == ("n3",)  # killed through the zygotes, the lost node left to Slurm
     assert fake_srun() == [] and launcher.killed == []  # no srun step at all
     assert pool.closed
-    assert [k for k in _kinds(tmp_path) if k != "isolated"] == ["job_start", "fault_detected", "ladder",
-                                                                 "relaunch", "job_done"]
+    assert [k for k in _kinds(tmp_path) if k != "isolated"] == RECOVERED
+    done = [e for e in read_events(str(tmp_path / "job" / "events.jsonl")) if e["kind"] == "recovery_done"]
+    assert done[0]["step"] == 11  # the line the forked program wrote to its SR_PROGRESS_FILE
 
 
 @pytest.mark.timeout(30)
