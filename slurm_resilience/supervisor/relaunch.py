@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import re
 import subprocess
 import sys
 import time
@@ -84,6 +85,18 @@ def first_progress(data: bytes) -> tuple[int | None, float | None] | None:
     except ValueError:
         t = None
     return int(fields[0]), t
+
+
+def step_in_output(data: bytes, pattern: re.Pattern[str]) -> tuple[int | None, None] | None:
+    """Pure: the first complete line of a step's output that ``pattern`` (``run.step_pattern``)
+    matches, as (step, None) like :func:`first_progress` (step: its group ``step``, else
+    its first group, when that is a number); None: no line matches."""
+    for line in data[:data.rfind(b"\n") + 1].decode(errors="replace").splitlines():  # complete lines
+        m = pattern.search(line)
+        if m:
+            group = m.groupdict().get("step") or (m.group(1) if pattern.groups else None)
+            return (int(group) if group and group.isdigit() else None), None
+    return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,6 +195,8 @@ class RelaunchExecutor:
         self.step: _Step | WarmStep | None = None
         self.attempt = self.generation = 0  # the running step's relaunch number and table generation
         self.trained = False  # its first progress line was reported
+        self.out_pos = 0  # how far its output (step-NNN.log) was searched for run.step_pattern
+        self.step_pattern = re.compile(config.run.step_pattern) if config.run.step_pattern else None
         self.lost: set[str] = set()  # unreachable at the last probe: a warm kill does not wait on them
         self.zygotes: ZygotePool | None = None
         # The zygotes run on the host: ranks in a container (container.runtime) start cold.
@@ -261,14 +276,17 @@ class RelaunchExecutor:
         print(f"[sr +{self.clock() - self._t0:8.3f}s] {text}", file=self.out, flush=True)
 
     def _progress(self) -> list[Observation]:
-        """The running step's first progress line, once (``first_progress``)."""
+        """The running step's first progress line (``first_progress``) or, with
+        ``run.step_pattern``, the first line of its output that matches, once."""
         if self.trained or self.step is None:
             return []
-        try:
-            with open(progress_path(self.job_dir, self.attempt), "rb") as f:
-                got = first_progress(f.read(4096))
-        except FileNotFoundError:
-            return []
+        data = self._read(progress_path(self.job_dir, self.attempt), 0)
+        got = None if data is None else first_progress(data)
+        if got is None and self.step_pattern is not None:
+            data = self._read(self._step_log(self.attempt), self.out_pos) or b""
+            whole = data[:data.rfind(b"\n") + 1]  # complete lines only: the rest is read again
+            self.out_pos += len(whole)
+            got = step_in_output(whole, self.step_pattern)
         if got is None:
             return []
         self.trained = True
@@ -276,11 +294,26 @@ class RelaunchExecutor:
         return [StepTrained(self.generation, t if t is not None else self.clock(), step)]
 
     # -- adapters ------------------------------------------------------------------------
+    @staticmethod
+    def _read(path: str, offset: int) -> bytes | None:
+        """The file's bytes from ``offset`` (at most 1 MiB); None: no file yet."""
+        try:
+            with open(path, "rb") as f:
+                f.seek(offset)
+                return f.read(1 << 20)
+        except FileNotFoundError:
+            return None
+
+    def _step_log(self, attempt: int) -> str:
+        return os.path.join(self.job_dir, f"step-{attempt:03d}.log")
+
     def _launch(self, table: RankTable, attempt: int) -> _Step | WarmStep:
         name = f"sr-restart-{attempt}"
         nodes = list(table.node_list)
         master = master_node(nodes, self.allocation)
-        log_path = os.path.join(self.job_dir, f"step-{attempt:03d}.log")
+        log_path = self._step_log(attempt)
+        # run.step_pattern: its output is searched from here (a reused job dir's log has older lines)
+        self.out_pos = os.path.getsize(log_path) if os.path.exists(log_path) else 0
         progress = progress_path(self.job_dir, attempt)
         with contextlib.suppress(FileNotFoundError):  # a reused job dir's: never this step's first step
             os.unlink(progress)

@@ -128,6 +128,10 @@ if code == "hang":
 if code == "train":  # the program's rank 0 trains step 11 (docs/restart.md: SR_PROGRESS_FILE) and ends
     open(os.environ["SR_PROGRESS_FILE"], "a").write(f"11 {{time.time():.6f}}\\n")
     code = 0
+if code == "print":  # a program that only prints its steps (run.step_pattern)
+    print("restart 1: world 3, from step 10")
+    print("step 11 loss 0.25", flush=True)
+    code = 0
 sys.exit(int(code))
 """
 # a node lost, the step relaunched on the spare, the relaunched program's first step ends the recovery
@@ -175,9 +179,9 @@ def fake_srun(tmp_path, monkeypatch):
     return launches
 
 
-def _supervisor(tmp_path, launcher, spares=("n5",), retries=3, out=None):
+def _supervisor(tmp_path, launcher, spares=("n5",), retries=3, out=None, step_pattern=""):
     cfg = load_config({"recovery": {"fault_retry_times": retries}, "detect": {"node_poll_s": 0.1},
-                       "run": {"warm": False}})  # the cold srun path; warm: tests/e2e/test_warm_restart_slurm.py
+                       "run": {"warm": False, "step_pattern": step_pattern}})  # the cold srun path; warm: tests/e2e/test_warm_restart_slurm.py
     lay = layout(["n1", "n2", "n3", "n4", *spares], "n1", 3)
     return RelaunchExecutor(config=cfg, command=["python", "t.py"], job_dir=str(tmp_path / "job"), job_id="77",
                              layout=lay, allocation=["n1", "n2", "n3", "n4", *spares], launcher=launcher,
@@ -218,6 +222,23 @@ def test_loop_node_lost_relaunches_on_spare(tmp_path, fake_srun, monkeypatch):
     assert done["step"] == 11 and done["first_step"] >= done["detected"] and done["level"] == "node-replacement"
     status = json.loads((tmp_path / "job" / "status.json").read_text())
     assert status["phase"] == "SUCCEEDED" and status["nodes"] == ["n2", "n4", "n5"]  # allocation order
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("pattern, step", [(r"^step (?P<step>\d+) loss", 11), (r"loss", None), ("", None)])
+def test_loop_first_step_from_the_programs_output_with_run_step_pattern(tmp_path, fake_srun, monkeypatch,
+                                                                         pattern, step):
+    monkeypatch.setenv("FAKE_SRUN_CODES", "hang,print")
+    (tmp_path / "job").mkdir()
+    (tmp_path / "job" / "step-001.log").write_text("step 99 loss 1.0\n")  # a reused job dir's: not this step's
+    launcher = FakeLauncher()
+    threading.Timer(0.3, launcher.down.add, ["n3"]).start()
+    assert _supervisor(tmp_path, launcher, step_pattern=pattern).run() == 0
+    done = [e for e in read_events(str(tmp_path / "job" / "events.jsonl")) if e["kind"] == "recovery_done"]
+    if not pattern:  # SR_PROGRESS_FILE only: no first step, the recovery closes unfinished at the end
+        assert done == [] and _kinds(tmp_path).count("phase") == 3
+    else:
+        assert len(done) == 1 and done[0].get("step") == step
 
 
 @pytest.mark.timeout(30)

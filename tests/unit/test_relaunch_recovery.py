@@ -4,6 +4,7 @@ The executor against a fake srun: tests/unit/test_relaunch.py; on the lab:
 tests/e2e/test_restart_slurm.py."""
 
 import dataclasses
+import re
 
 import pytest
 
@@ -14,7 +15,7 @@ from slurm_resilience.model import Fault, FaultKind, RankTable
 from slurm_resilience.supervisor import messages as m
 from slurm_resilience.supervisor import relaunch_recovery
 from slurm_resilience.supervisor.decide import EXIT_OK, decide
-from slurm_resilience.supervisor.relaunch import first_progress
+from slurm_resilience.supervisor.relaunch import first_progress, step_in_output
 from slurm_resilience.supervisor.state import Mode, Policy, SupervisorState
 
 WORKERS = ("n2", "n3", "n4")
@@ -153,3 +154,21 @@ def test_fault_lines_name_every_rank_of_a_lost_node_and_the_whole_step():
 ])
 def test_first_progress_reads_the_first_complete_line(data, want):
     assert first_progress(data) == want
+
+
+@pytest.mark.parametrize("pattern, data, want", [
+    (r"^step (\d+)", b"restart 1\nstep 11 loss 0.2\nstep 12\n", (11, None)),
+    (r"it=(?P<step>\d+)", b"x it=7 y\n", (7, None)),
+    (r"epoch done", b"epoch done\n", (None, None)),  # no group: a step, number unknown
+    (r"^step (\d+)", b"step 11 lo", None),  # an incomplete line is read again later
+    (r"^step (\d+)", b"nothing here\n", None),
+])
+def test_step_in_output_finds_the_first_matching_complete_line(pattern, data, want):
+    assert step_in_output(data, re.compile(pattern)) == want
+
+
+def test_a_step_pattern_that_is_no_regular_expression_is_a_config_error():
+    from slurm_resilience.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"run.step_pattern '\(' is not a regular expression"):
+        load_config({"run": {"step_pattern": "("}})
