@@ -95,6 +95,9 @@ class StoreKey(_Named):
     """how many worker events were counted (worker, ``add``)."""
     DONE = "done/{}"
     """rank r finished training (worker)."""
+    ERROR = "err/{}"
+    """a worker's uncaught program error (``program_error.ProgramError`` JSON), written
+    before its process ends; read by the supervisor with the worker's death."""
     PERSIST_REQUEST = "persist/request"
     """a rank got the preemption signal; the supervisor answers with a PERSIST plan."""
     LIVENESS_PORT = "liveness/port"

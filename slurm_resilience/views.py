@@ -61,6 +61,10 @@ def render_status(st: dict[str, Any], *, rate: float | None, tiers: dict[str, in
     lines.append(f"spares left: {len(spare_nodes)}" + ("  (" + ", ".join(spare_nodes) + ")" if spare_nodes else ""))
     if st.get("excluded"):
         lines.append("isolated nodes: " + ", ".join(st["excluded"]))
+    failure = st.get("failure")
+    if failure:  # the job failed: why, and the program's own error where it was one
+        lines.append(f"failed: {failure.get('reason', '')}")
+        lines += [f"  | {line}" for line in failure.get("traceback", ())]
     return "\n".join(lines)
 
 

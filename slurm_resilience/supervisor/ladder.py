@@ -14,8 +14,11 @@
     FAIL              nothing left: clean error, state kept
 
 A process fault on a healthy node is retried in place within the job's budget
-(``fault_retry_times``, counted per job); past it the node is treated as bad, like a
-node fault. A level that failed or timed out for this incident is never chosen again
+(``fault_retry_times``, counted per job). Past it the node is treated as bad, like a
+node fault, only with node-level evidence (``node_suspect``: its own processes failed
+again and again while no other node's did, ``blame.node_suspect``); otherwise the job
+is requeued within its requeue budget or fails — a rank's death never costs a healthy
+node. A level that failed or timed out for this incident is never chosen again
 for it, and after a time-out only levels that relaunch every process remain
 (PROCESS_RESTART, then REQUEUE): a recovery that hung may have a hung survivor.
 In relaunch mode (unmodified programs) there is no ONLINE and no SCALE_IN.
@@ -69,6 +72,7 @@ class LadderInput:
     max_requeues: int = 0
     failed: frozenset[Level] = frozenset()
     timed_out: bool = False  # a level of this incident timed out
+    node_suspect: bool = False  # a process fault with node-level evidence against its node
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,8 +97,13 @@ def choose_level(inp: LadderInput) -> Decision:
         order += [Level.PROCESS_RESTART]
     elif process_fault and budget_left:
         order += [Level.ONLINE, Level.PROCESS_RESTART]
-    order += [Level.NODE_REPLACEMENT, Level.SCALE_IN, Level.REQUEUE]
     why_not: list[str] = []
+    if process_fault and not budget_left and not inp.timed_out and not inp.node_suspect:
+        why_not.append(f"restart budget spent ({inp.retries_used}/{inp.retry_budget}) and the node is "
+                       "healthy: a process's death never costs its node")
+    else:
+        order += [Level.NODE_REPLACEMENT, Level.SCALE_IN]
+    order += [Level.REQUEUE]
     for level in order:
         if level in inp.failed:
             why_not.append(f"{level.value} already failed")
@@ -147,6 +156,7 @@ class FaultCase:
     node: str
     kind: FaultKind
     ranks: tuple[int, ...] = ()
+    node_suspect: bool = False  # a process fault, with node-level evidence against the node (blame.py)
 
     @property
     def lost(self) -> int:
@@ -181,7 +191,8 @@ def plan_recovery(cases: list[FaultCase], *, spares: list[str], world_size: int,
     step's) cannot be given a spare.
     """
     free = list(spares)
-    node_faults = [c for c in cases if c.kind not in _PROCESS_FAULTS or retries_used >= policy.retry_budget]
+    node_faults = [c for c in cases if c.kind not in _PROCESS_FAULTS
+                   or (retries_used >= policy.retry_budget and c.node_suspect)]
     decisions: list[tuple[FaultCase, Decision]] = []
     lost_so_far = 0
     for c in cases:
@@ -190,7 +201,7 @@ def plan_recovery(cases: list[FaultCase], *, spares: list[str], world_size: int,
             retry_budget=policy.retry_budget, world_size=world_size - lost_so_far, lost=c.lost,
             min_world_size=policy.min_world_size, scale_in=policy.scale_in and c.rank is not None,
             relaunch=policy.relaunch, online=policy.online, requeues_used=requeues_used,
-            max_requeues=policy.max_requeues, failed=failed, timed_out=timed_out))
+            max_requeues=policy.max_requeues, failed=failed, timed_out=timed_out, node_suspect=c.node_suspect))
         if d.level is Level.NODE_REPLACEMENT:
             free.pop(0)
         if d.level is Level.SCALE_IN:

@@ -6,6 +6,7 @@ move the lifecycle, publish a plan, launch a worker, and the two job-level endin
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from ..errors import RecoveryError
 from ..lifecycle import TRANSITIONS, JobPhase
@@ -76,8 +77,12 @@ def requeue(state: SupervisorState, reason: str, policy: Policy, *, persist: boo
     return state, acts + more + [Requeue(), Exit(EXIT_REQUEUED)]
 
 
-def abort(state: SupervisorState, reason: str, policy: Policy) -> Decision:
-    """Nothing left to try: ranks persist their state and exit; the job fails (exit 3)."""
+def abort(state: SupervisorState, reason: str, policy: Policy, *,
+          traceback: tuple[str, ...] = (), **fields: Any) -> Decision:
+    """Nothing left to try: ranks persist their state and exit; the job fails (exit 3).
+    ``reason`` (and a program's ``traceback``, its first lines) go to the status and the
+    log; ``fields`` to the ``job_failed`` event."""
+    state = dataclasses.replace(state, failure={"reason": reason, "traceback": list(traceback)})
     acts: list[Action] = []
     if policy.mode is Mode.ONLINE:
         gen = state.table.generation + 1
@@ -86,4 +91,5 @@ def abort(state: SupervisorState, reason: str, policy: Policy) -> Decision:
     else:
         acts += [Reap(0.0)]  # the all-ranks step ends now; the program's snapshots are kept
     state, more = move(state, JobPhase.FAILED, reason)
-    return state, acts + more + [emit(EventKind.JOB_FAILED, reason=reason), Exit(EXIT_FAILED, reason)]
+    return state, acts + more + [Say(f"  | {line}") for line in traceback] + [
+        emit(EventKind.JOB_FAILED, reason=reason, **fields), Exit(EXIT_FAILED, reason)]

@@ -21,11 +21,11 @@ from ..model import Fault, FaultKind
 from ..protocol import EventKind, Plan, PlanAction, Role
 from .classify import classify_fault, is_node_fault
 from .ladder import FaultCase, LadderInput, Level, RecoveryPlan, choose_level, plan_recovery
-from . import local, spares
+from . import blame, local, relaunch_recovery, spares
 from .plans import abort, launch, move, publish, requeue
 from .messages import Action, Isolate, Kill, Relaunch, Say, StepFaults, Straggler, Suspects, emit
 from .ranktable import Replacement, grow as grow_table, in_node_order, regenerate, shrink
-from .state import Mode, Policy, Recovery, SupervisorState
+from .state import Mode, Policy, Recovery, SupervisorState, is_process_fault
 
 PROCESS_RESTART = Level.PROCESS_RESTART.value
 Decision = tuple[SupervisorState, list[Action]]
@@ -35,6 +35,7 @@ def on_suspects(state: SupervisorState, obs: Suspects, now: float, policy: Polic
     """Online: classify each watched suspect, end what must be ended, plan the incident."""
     acts: list[Action] = []
     faults: list[Fault] = []
+    errors: list[blame.ErrorSeen] = []
     if obs.bad_spares:
         state = dataclasses.replace(state, excluded=state.excluded | obs.bad_spares)
     items = [s for s in obs.items if state.watched(s.worker_id)]
@@ -53,10 +54,17 @@ def on_suspects(state: SupervisorState, obs: Suspects, now: float, policy: Polic
         if s.evidence and fault.kind is FaultKind.PROCESS_HUNG:  # the watchdog's evidence, not "stale"
             fault = dataclasses.replace(fault, detail=f"{s.evidence}; {fault.detail.split(', ', 1)[-1]}")
         probe = {} if s.probe_s is None else {"slurmd_answers": s.slurmd_answers, "probe_s": round(s.probe_s, 4)}
+        if s.error is not None:
+            probe["program_error"] = s.error.to_dict()
         acts += [emit(EventKind.FAULT_DETECTED, fault=fault.to_dict(), observed_at=s.t, worker_id=s.worker_id,
                       **probe),
                  Say(f"fault: {'rank ' + str(fault.rank) if slot else 'spare'} on {w.node}: "
-                     f"{fault.kind.name} ({fault.detail})")]
+                     f"{fault.kind.name} ({fault.detail})" + (f": {s.error.headline}" if s.error else ""))]
+        if slot is not None and is_process_fault(fault.kind):  # evidence for blame.py
+            state = dataclasses.replace(state, process_failures={
+                **state.process_failures, w.node: state.process_failures.get(w.node, 0) + 1})
+            if s.error is not None:
+                errors.append(blame.ErrorSeen(slot.rank, w.node, state.recoveries, s.error))
         if fault.kind is FaultKind.PROCESS_HUNG or (s.slurmd_reachable and s.still_running):
             acts.append(Kill(s.worker_id))
         if slot is None and local.is_local(state, s.worker_id):  # a node's own standby lost:
@@ -81,6 +89,14 @@ def on_suspects(state: SupervisorState, obs: Suspects, now: float, policy: Polic
             state, more = local.drop(state, w.node, kill=s.slurmd_reachable)
             acts += more
         faults.append(fault)
+    if errors:
+        verdict = blame.program_verdict(state.errors, errors, nodes_in_job=len(state.table.node_list))
+        state = dataclasses.replace(state, errors=blame.remember(state.errors, errors))
+        if verdict is not None:  # the program's own bug: fail once, take no node, requeue nothing
+            e = verdict.first
+            state, more = abort(state, verdict.message(), policy, traceback=e.error.traceback,
+                                program_error=e.error.to_dict(), rank=e.rank, node=e.node, ranks=list(verdict.ranks))
+            return state, acts + more
     if not faults:
         return state, acts
     state, more = incident(state, faults, detected, now, policy)
@@ -91,11 +107,7 @@ def on_step_faults(state: SupervisorState, obs: StepFaults, now: float, policy: 
     """Relaunch mode: the step's faults, with each lost node's rank from the table."""
     if obs.bad_spares:
         state = dataclasses.replace(state, excluded=state.excluded | obs.bad_spares)
-    faults = []
-    for f in obs.faults:
-        slot = state.table.slot_for_node(f.node)
-        faults.append(dataclasses.replace(f, rank=slot.rank if slot else None))
-    acts: list[Action] = [emit(EventKind.FAULT_DETECTED, faults=[f.to_dict() for f in faults], step=obs.step)]
+    state, acts, faults = relaunch_recovery.step_faults(state, obs)  # its lines; an open recovery closes
     state, more = incident(state, faults, obs.t, now, policy)
     return state, acts + more
 
@@ -113,7 +125,8 @@ def incident(state: SupervisorState, faults: list[Fault], detected: float, now: 
             seen_nodes.add(f.node)
             cases.append(FaultCase(f.rank, f.node, f.kind, ranks=state.table.ranks_on(f.node)))
         else:
-            cases.append(FaultCase(f.rank, f.node, f.kind))
+            cases.append(FaultCase(f.rank, f.node, f.kind, node_suspect=is_process_fault(f.kind) and f.rank is not None
+                                   and blame.node_suspect(state.process_failures, f.node)))
     plan = plan_recovery(cases, spares=state.free_spares(policy.mode), world_size=state.table.world_size,
                          policy=policy.ladder, retries_used=state.fault_retries_used,
                          requeues_used=state.requeue_count)
@@ -131,7 +144,8 @@ def carry_out(state: SupervisorState, plan: RecoveryPlan, cases: tuple[FaultCase
               detected: float, now: float, policy: Policy, *, why: str) -> Decision:
     """The actions of ``plan.level`` (any level, fresh or after a time-out)."""
     if plan.level is Level.FAIL:
-        return abort(state, _fail_message(state, cases, plan, policy), policy)
+        return abort(state, _fail_message(state, cases, plan, policy), policy,
+                     **blame.last_error(state.errors, cases, state.recoveries))
     if plan.level is Level.REQUEUE:
         return requeue(state, plan.reason, policy, persist=False)
     if plan.level is Level.PROCESS_RESTART:
@@ -170,7 +184,8 @@ def carry_out(state: SupervisorState, plan: RecoveryPlan, cases: tuple[FaultCase
         lost = [r for rank in plan.lost for r in state.table.ranks_on(state.table.slots[rank].node)]
         table = dataclasses.replace(shrink(table, lost), generation=state.table.generation + 1)
     if policy.mode is Mode.RELAUNCH:
-        return _relaunch(state, table, plan.reason)
+        return _relaunch(state, table, plan.reason, level=plan.level.value, cases=cases, failed=failed,
+                         detected=detected, now=now)
     state, acts = move(state, JobPhase.RECOVERING, why)
     new_ids = {m.new_worker_id for m in moves}
     joining = tuple(s.rank for s in table.slots if s.worker_id in new_ids)
@@ -232,7 +247,8 @@ def _relaunch_all(state: SupervisorState, cases, failed, detected: float, now: f
     if state.recovery is None:  # a fresh incident answered by relaunching (a retry in place)
         state = dataclasses.replace(state, fault_retries_used=state.fault_retries_used + 1)
     if policy.mode is Mode.RELAUNCH:
-        return _relaunch(state, table, reason)
+        return _relaunch(state, table, reason, level=PROCESS_RESTART, cases=cases, failed=failed,
+                         detected=detected, now=now)
     old = [s.worker_id for s in state.table.slots]
     acts: list[Action] = []
     if state.recovery is not None:
@@ -263,14 +279,18 @@ def _relaunch_all(state: SupervisorState, cases, failed, detected: float, now: f
     return state, acts + more
 
 
-def _relaunch(state: SupervisorState, table, reason: str) -> Decision:
-    """Relaunch mode: the next all-ranks step (in place, or with spares in lost slots)."""
+def _relaunch(state: SupervisorState, table, reason: str, *, level: str, cases, failed, detected: float,
+              now: float) -> Decision:
+    """Relaunch mode: the next all-ranks step (in place, or with spares in lost slots); a
+    recovery starts (it ends at the step's first progress line, ``relaunch_recovery``)."""
     attempt = state.relaunches + 1
     previous = list(state.table.node_list)
     table = in_node_order(table, (*state.worker_nodes, *state.spare_nodes))  # Slurm's task order
     state = dataclasses.replace(state, table=table, relaunches=attempt)
     state, acts = move(state, JobPhase.RECOVERING, reason)
-    acts += [emit(EventKind.RELAUNCH, attempt=attempt, nodes=list(table.node_list), previous=previous, reason=reason),
+    state, more = begin(state, level, cases, failed, detected, now, table.generation)
+    acts += [*more, relaunch_recovery.relaunching(state.recovery, attempt, table.node_list),
+             emit(EventKind.RELAUNCH, attempt=attempt, nodes=list(table.node_list), previous=previous, reason=reason),
              Relaunch(table, attempt)]
     state, more = move(state, JobPhase.RUNNING, f"step {attempt} on {','.join(table.node_list)}")
     return state, acts + more

@@ -48,6 +48,7 @@ def status_dict(state: SupervisorState, *, mode: str, retry_budget: int,
         "recoveries": state.recoveries, "relaunches": state.relaunches, "nodes": list(state.table.node_list),
         "excluded": sorted(state.excluded), "fault_retries_used": state.fault_retries_used,
         "retry_budget": retry_budget, **({"endpoints": dict(endpoints)} if endpoints else {}),
+        **({"failure": dict(state.failure)} if state.failure else {}),  # reason, the program's traceback
         # a slot whose launch failed (or relaunch mode) has no worker record: pid None, step 0
         "ranks": [{"rank": s.rank, "node": s.node, "worker_id": s.worker_id,
                    "pid": getattr(workers.get(s.worker_id), "pid", None),

@@ -9,7 +9,10 @@ Vocabulary of the counters (the word "restart" is not used for any of them):
 
 - ``fault_retries_used``: process faults of this job answered by restarting processes
   in place (online, or a relaunch in place of every rank); limited by
-  ``recovery.fault_retry_times``. Past it, a process fault is treated as a node fault.
+  ``recovery.fault_retry_times``. Past it, a process fault on a healthy node ends the
+  job (or requeues it, within ``recovery.max_requeues``); it takes the node out only
+  with node-level evidence (``blame.node_suspect``).
+- ``process_failures``: per node, how many of its ranks' processes died (``blame.py``).
 - ``requeue_count``: how often Slurm requeued this job before this run
   (``SLURM_RESTART_COUNT``); limited by ``recovery.max_requeues``.
 - ``recoveries``: recoveries started in this run (the timeline's numbering).
@@ -26,6 +29,7 @@ from ..config import ResilienceConfig
 from ..lifecycle import JobPhase
 from ..model import FaultKind, RankTable
 from ..protocol import Role
+from .blame import ErrorSeen
 from .ladder import FaultCase, Level, LadderPolicy
 
 
@@ -137,6 +141,9 @@ class SupervisorState:
     recoveries: int = 0
     next_id: int = 0
     recovery: Recovery | None = None
+    errors: tuple[ErrorSeen, ...] = ()  # the programs' own errors the ranks reported (blame.py)
+    process_failures: Mapping[str, int] = dataclasses.field(default_factory=dict)  # node -> its ranks' deaths
+    failure: Mapping[str, Any] | None = None  # why the job failed, for the status: reason (+ traceback)
 
     # -- small pure queries ---------------------------------------------------
     @functools.cached_property
@@ -195,6 +202,8 @@ class SupervisorState:
             "workers": [dataclasses.asdict(w) | {"role": w.role.value} for w in self.workers.values()],
             "fault_retries_used": self.fault_retries_used, "requeue_count": self.requeue_count,
             "relaunches": self.relaunches, "recoveries": self.recoveries, "next_id": self.next_id,
+            "errors": [e.to_dict() for e in self.errors], "process_failures": dict(self.process_failures),
+            "failure": dict(self.failure) if self.failure else None,
         }
 
     @classmethod
@@ -219,7 +228,9 @@ class SupervisorState:
             spare_passed={n: float(t) for n, t in d.get("spare_passed", {}).items()},
             fault_retries_used=int(d["fault_retries_used"]), requeue_count=int(d["requeue_count"]),
             relaunches=int(d.get("relaunches", 0)), recoveries=int(d["recoveries"]),
-            next_id=int(d["next_id"]))
+            next_id=int(d["next_id"]), errors=tuple(ErrorSeen.from_dict(e) for e in d.get("errors", ())),
+            process_failures={str(n): int(c) for n, c in d.get("process_failures", {}).items()},
+            failure=d.get("failure"))
 
 
 def is_process_fault(kind: FaultKind) -> bool:

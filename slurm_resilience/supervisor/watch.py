@@ -27,9 +27,10 @@ from typing import Any, Callable, Mapping
 
 from ..config import ResilienceConfig
 from ..events import EventLog
+from ..program_error import ProgramError
 from ..protocol import EventKind, StoreKey, WorkerEvent, done_key, event_key, heartbeat_key
 from .classify import node_unhealthy
-from .detect import Observation as Seen, read_heartbeats, stale_workers
+from .detect import Observation as Seen, present_keys, read_heartbeats, stale_workers
 from .launcher import Launcher, StepHandle
 from .probe import NodeProbed, NodeProber, silent_nodes
 from .messages import (
@@ -233,51 +234,73 @@ class Watch:
             else:
                 reachable = None if finished else self.launcher.node_reachable(w.node, self.cfg.detect.probe_timeout_s)
             h = self.handles.get(wid)
+            error = self._program_error(wid) if o.get("process_exited") and slot is not None and not finished else None
             items.append(Suspect(worker_id=wid, t=o["t"], process_exited=o.get("process_exited", False),
                                  heartbeat_stale=o.get("heartbeat_stale", False), node_state=o.get("node_state"),
                                  slurmd_reachable=reachable, still_running=h is not None and h.exit_code() is None,
                                  finished=finished, evidence=o.get("evidence", ""),
                                  slurmd_answers=None if res is None else res.answered,
-                                 probe_s=None if res is None else res.ended - o["t"]))
+                                 probe_s=None if res is None else res.ended - o["t"], error=error))
         return Suspects(tuple(items))
 
-    def poll_events(self, state: SupervisorState) -> list[Observation]:
-        """Log the workers' new events; the recovery marks among them become observations."""
-        out: list[Observation] = []
-        n = self.store.add(StoreKey.EVENT_COUNTER.value, 0)
-        while self.events_seen < n:
-            key = event_key(self.events_seen + 1)
+    def _program_error(self, worker_id: str) -> ProgramError | None:
+        """The error a dead rank reported before it exited (``Session._report``), if any:
+        written before its process ended, so it is in the store when the death is seen."""
+        key = StoreKey.ERROR.of(worker_id)
+        try:
             if not self.store.check([key]):
+                return None
+            return ProgramError.from_json(self.store.get(key))
+        except (KeyError, ValueError, TypeError) as exc:  # a malformed record: the death alone counts
+            log.warning("unreadable program error of worker %s: %s", worker_id, exc)
+            return None
+
+    def poll_events(self, state: SupervisorState) -> list[Observation]:
+        """Log the workers' new events; the recovery marks among them become observations.
+
+        Batched: one ``check`` and one ``multi_get`` for all the events counted since the
+        last poll (``detect.present_keys``), not a round trip per event."""
+        n = self.store.add(StoreKey.EVENT_COUNTER.value, 0)
+        numbers = range(self.events_seen + 1, n + 1)
+        present = set(present_keys(self.store, [event_key(i) for i in numbers])) if n > self.events_seen else set()
+        take: list[str] = []
+        for i in numbers:
+            if event_key(i) not in present:
                 # Counted but not yet written: wait a little. A worker killed between
                 # counting and writing never writes it; without this every later event
                 # (recovery marks included) would wait behind the hole forever.
                 now = time.monotonic()
-                if self._hole is None or self._hole[0] != self.events_seen + 1:
-                    self._hole = (self.events_seen + 1, now)
+                if self._hole is None or self._hole[0] != i:
+                    self._hole = (i, now)
                 if now - self._hole[1] < EVENT_HOLE_S:
-                    return out
-                self._late[self.events_seen + 1] = now  # taken late if it still comes
-                self.events_seen += 1
-                continue
-            self.events_seen += 1
-            out += self._take(key)
-        for k, since in list(self._late.items()):
-            if self.store.check([event_key(k)]):
+                    break
+                self._late[i] = now  # taken late if it still comes
+            else:
+                take.append(event_key(i))
+            self.events_seen = i
+        late = present_keys(self.store, [event_key(k) for k in self._late]) if self._late else []
+        for k in list(self._late):
+            if event_key(k) in late:
                 del self._late[k]
-                out += self._take(event_key(k))
-            elif time.monotonic() - since > 60:
+                take.append(event_key(k))
+            elif time.monotonic() - self._late[k] > 60:
                 del self._late[k]
                 self.events.emit(EventKind.EVENT_LOST, n=k)
-        return out
+        return self._take(take)
 
-    def _take(self, key: str) -> list[Observation]:
-        ev = json.loads(self.store.get(key))
-        self.store.delete_key(key)
-        kind = ev.pop("kind")
-        self.events.emit(f"rank_{kind}", **ev)
-        if kind in _MARKS and ev.get("rank") is not None and ev.get("generation") is not None:
-            return [WorkerMark(WorkerEvent(kind), int(ev["rank"]), int(ev["generation"]), float(ev["t"]))]
-        return []
+    def _take(self, keys: list[str]) -> list[Observation]:
+        """Log the events under ``keys`` (one ``multi_get``) and remove them from the store."""
+        if not keys:
+            return []
+        out: list[Observation] = []
+        for key, raw in zip(keys, self.store.multi_get(keys)):
+            ev = json.loads(bytes(raw))
+            self.store.delete_key(key)
+            kind = ev.pop("kind")
+            self.events.emit(f"rank_{kind}", **ev)
+            if kind in _MARKS and ev.get("rank") is not None and ev.get("generation") is not None:
+                out.append(WorkerMark(WorkerEvent(kind), int(ev["rank"]), int(ev["generation"]), float(ev["t"])))
+        return out
 
     def _returned(self, state: SupervisorState) -> list[Observation]:
         candidates = returning_candidates(state)

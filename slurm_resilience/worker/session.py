@@ -39,6 +39,7 @@ from ..checkpoint.engine import CheckpointEngine
 from ..config import ResilienceConfig, load_config
 from ..errors import JobEnded, ResilienceError, StepAborted
 from ..exits import FAST_EXIT_ENV, exit_fast_at_exit
+from ..program_error import ProgramPhase, from_exception
 from ..protocol import Plan, PlanAction, Role, StoreKey, WorkerEnv
 from .endings import Endings
 from .facade import StateFacade
@@ -110,6 +111,7 @@ class Session(StateFacade):
         self._meshes: dict[tuple, Any] = {}  # device meshes of the current generation
         self._parts: _Parts | None = None  # built by __enter__ (it connects and starts threads)
         self._watch: StoreWatch | None = None  # notes a lost store (worker/headless.py)
+        self._phase = ProgramPhase.START  # where an error would leave the program (program_error.py)
 
     # -- lifecycle -------------------------------------------------------------
     def __enter__(self) -> "Session":
@@ -153,7 +155,10 @@ class Session(StateFacade):
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        """Stop the threads; a JobEnded becomes the process's exit with its status."""
+        """Stop the threads; a JobEnded becomes the process's exit with its status; the
+        program's own error is reported to the supervisor first (``_report``)."""
+        if exc is not None and self._parts is not None and not isinstance(exc, (JobEnded, HeadlessEnded)):
+            self._report(exc, tb)
         if self._parts is not None and (isinstance(exc, HeadlessEnded) or (exc is None and self._finished_headless())):
             self._end_headless()  # finished while headless too: the requeued job ends at once
         if self._parts is not None:
@@ -165,6 +170,22 @@ class Session(StateFacade):
             if self._fast_exit:  # the checkpoints are written: skip torch's tear-down
                 exit_fast_at_exit(exc.code)
             raise SystemExit(exc.code) from None
+
+    def _report(self, exc: BaseException, tb) -> None:
+        """The program raised: its error goes to the store before the process ends (and
+        before the liveness connection closes with it), so the supervisor reads it with
+        the death. Never masks the error itself."""
+        if not isinstance(exc, Exception):  # KeyboardInterrupt, SystemExit: not a program error
+            return
+        members = self._p.members
+        err = from_exception(exc, tb, phase=self._phase, step=self._state.step,
+                             generation=members.plan.generation if members.plan is not None else None)
+        try:
+            store = self._p.store
+            store.set(StoreKey.ERROR.of(self._env.worker_id), err.to_json())
+            store.check([StoreKey.ERROR.of(self._env.worker_id)])  # a round trip: the set is in
+        except Exception as report_exc:  # the store is gone too: the death alone is reported
+            log.warning("could not report the program's error to the supervisor: %s", report_exc)
 
     @property
     def _p(self) -> _Parts:
@@ -211,14 +232,17 @@ class Session(StateFacade):
         while True:
             try:
                 if p.sync.needed(self.generation):
+                    self._phase = ProgramPhase.STATE_SYNC
                     with p.heartbeat.progress.busy():  # checkpoint I/O: no step timeout (watchdog)
                         p.sync.sync(self._group, p.members.plan)
                         p.safepoint.restored()  # MTTR ends at the first step after any restore
                         if p.members.plan.action is PlanAction.PERSIST:
                             p.endings.persist()
                     self._meshes.clear()
+                    self._phase = ProgramPhase.HOOKS
                     self._run_hooks()
                 if self._state.step >= total_steps:
+                    self._phase = ProgramPhase.FINISH
                     self._group.barrier()
                     break
             except StepAborted as exc:
@@ -228,6 +252,7 @@ class Session(StateFacade):
             st.mark()  # an aborted step gives back what it drew from the RNGs
             step = self._current = Step(self, st.step, replay=is_replay(st.step, st.high_water),
                                         on_fault=self._user_fault)
+            self._phase = ProgramPhase.STEP
             yield step
             if not step.entered:
                 raise ResilienceError("wrap the body of each step in `with step:` so a fault can abort it")
@@ -235,6 +260,7 @@ class Session(StateFacade):
                 st.rewind()
                 self._recover(step.aborted)
                 continue
+            self._phase = ProgramPhase.SAFE_POINT
             try:
                 with p.heartbeat.progress.busy():
                     newer = p.safepoint.complete(step.consumed, self._group, p.members.newer_plan)
@@ -243,6 +269,7 @@ class Session(StateFacade):
                 continue
             if newer:  # safe point: stop here and re-form (fencing included)
                 self._recover(StepAborted("stopped at a safe point for a new generation"))
+        self._phase = ProgramPhase.FINISH
         with p.heartbeat.progress.busy():
             p.endings.finish(self._group)
 

@@ -231,3 +231,40 @@ def test_read_heartbeats_from_a_client(store):
                                                          timedelta(seconds=10), wait_for_workers=False))
     client.set(heartbeat_key("remote"), json.dumps({"t": 5.0, "step": 3}))
     assert read_heartbeats(store, {"remote": heartbeat_key("remote")})["remote"]["step"] == 3
+
+
+class _Counting:
+    """A store that counts its round trips (issue 23: a poll is never one per worker)."""
+
+    def __init__(self, store):
+        self.store, self.trips = store, 0
+
+    def check(self, keys):
+        self.trips += 1
+        return self.store.check(keys)
+
+    def multi_get(self, keys):
+        self.trips += 1
+        return self.store.multi_get(keys)
+
+
+def test_a_poll_of_many_workers_costs_two_round_trips_once_all_beat(store):
+    keys = {f"n{i}.{i}": heartbeat_key(f"n{i}.{i}") for i in range(512)}
+    store.multi_set(list(keys.values()), [json.dumps({"t": 1.0, "step": i}) for i in range(512)])
+    counting = _Counting(store)
+    got = read_heartbeats(counting, keys)
+    assert counting.trips == 2 and [got[w]["step"] for w in keys] == list(range(512))
+
+
+def test_missing_heartbeats_are_found_by_bisection_not_per_key(store):
+    from slurm_resilience.supervisor.detect import present_keys
+
+    keys = [heartbeat_key(f"w{i}") for i in range(1024)]
+    missing = {keys[3], keys[700]}
+    for k in keys:
+        if k not in missing:
+            store.set(k, "{}")
+    counting = _Counting(store)
+    assert present_keys(counting, keys) == [k for k in keys if k not in missing]
+    assert counting.trips <= 2 * 2 * 10 + 1  # O(missing · log N), not 1024
+    assert present_keys(counting, []) == []

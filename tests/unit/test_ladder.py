@@ -21,7 +21,10 @@ def expected(inp: LadderInput) -> Level:
     else:
         if inp.fault in PROCESS and inp.retries_used < inp.retry_budget:
             order += [Level.ONLINE, Level.PROCESS_RESTART]
-        order += [Level.NODE_REPLACEMENT, Level.SCALE_IN, Level.REQUEUE]
+        # a process fault past its budget takes its node only with node-level evidence
+        if inp.fault not in PROCESS or inp.retries_used < inp.retry_budget or inp.node_suspect:
+            order += [Level.NODE_REPLACEMENT, Level.SCALE_IN]
+        order += [Level.REQUEUE]
     ok = {
         Level.ONLINE: inp.online,
         Level.PROCESS_RESTART: inp.relaunch,
@@ -42,13 +45,13 @@ FAILED_SETS = [frozenset(), frozenset({Level.ONLINE}), frozenset({Level.ONLINE, 
 @pytest.mark.parametrize("fault", list(FaultKind))
 def test_exhaustive(fault):
     n = 0
-    for spares, used, budget, world, minw, scale, relaunch, rq_used, rq_max, failed, online, timed_out in \
+    for spares, used, budget, world, minw, scale, relaunch, rq_used, rq_max, failed, online, timed_out, suspect in \
             itertools.product((0, 1, 2), (0, 2, 3), (0, 3), (1, 2, 4), (1, 3), (True, False), (True, False),
-                              (0, 1), (0, 1), FAILED_SETS, (True, False), (False, True)):
+                              (0, 1), (0, 1), FAILED_SETS, (True, False), (False, True), (False, True)):
         inp = LadderInput(fault=fault, spares_left=spares, retries_used=used, retry_budget=budget,
                           world_size=world, min_world_size=minw, scale_in=scale, relaunch=relaunch,
                           requeues_used=rq_used, max_requeues=rq_max, failed=failed, online=online,
-                          timed_out=timed_out)
+                          timed_out=timed_out, node_suspect=suspect)
         d = choose_level(inp)
         assert d.level is expected(inp), inp
         assert d.reason
@@ -79,8 +82,17 @@ def test_incident_needing_requeue_requeues_as_a_whole():
     assert p.level is Level.REQUEUE and not p.spares and not p.lost
 
 
-def test_budget_spent_treats_node_as_bad():
+def test_budget_spent_on_a_healthy_node_never_costs_the_node():
+    """Issue 22: past the restart budget a rank's death on a reachable, healthy node
+    ends the job (no requeue budget) and takes no node out of service."""
     p = plan_recovery([FaultCase(0, "n2", FaultKind.PROCESS_DIED)], spares=["n6"],
+                      world_size=4, policy=LadderPolicy(retry_budget=3), retries_used=3)
+    assert p.level is Level.FAIL and p.isolate == () and p.spares == ()
+    assert "never costs its node" in p.reason
+
+
+def test_budget_spent_with_node_evidence_treats_node_as_bad():
+    p = plan_recovery([FaultCase(0, "n2", FaultKind.PROCESS_DIED, node_suspect=True)], spares=["n6"],
                       world_size=4, policy=LadderPolicy(retry_budget=3), retries_used=3)
     assert p.level is Level.NODE_REPLACEMENT and p.isolate == ("n2",) and p.spares == ((0, "n6"),)
 

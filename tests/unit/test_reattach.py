@@ -71,6 +71,12 @@ class _Store:
     def get(self, k):
         return self.d[k]
 
+    def multi_get(self, keys):
+        return [self.d[k] for k in keys]
+
+    def delete_key(self, k):
+        return self.d.pop(k, None) is not None
+
     def check(self, keys):
         return all(k in self.d for k in keys)
 
