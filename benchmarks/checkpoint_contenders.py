@@ -215,7 +215,8 @@ class Ours(Contender):
         self.state, self.root = state, root
         specs = (TierSpec(name="L0", storage="memory", interval_steps=1),
                  TierSpec(name="L1", storage="local", interval_steps=1, path=str(root / "ours"), keep=1))
-        self.eng = CheckpointEngine(specs, job_id="bench", job_dir=str(root), node="n0", emit=self._event)
+        self.eng = CheckpointEngine(specs, job_id="bench", run_id="0" * 32, job_dir=str(root), node="n0",
+                                    emit=self._event)
         from slurm_resilience.checkpoint.hdf5_format import flatten_state
 
         self.target = {k: torch.empty_like(v) for k, v in flatten_state(state)[0].items()}  # as the shard names them

@@ -145,7 +145,7 @@ class Ours:
         rank, world = dist.get_rank(), dist.get_world_size()
         specs = (TierSpec(name="L0", storage="memory", interval_steps=1),
                  TierSpec(name="L1", storage="local", interval_steps=1, path=str(root / "ours" / "{node}"), keep=1))
-        self.eng = CheckpointEngine(specs, job_id="bench", job_dir=str(root), node=f"n{rank}")
+        self.eng = CheckpointEngine(specs, job_id="bench", run_id="0" * 32, job_dir=str(root), node=f"n{rank}")
         transfer = _Transfer(dist.new_group(backend="gloo"))
         self.eng.bind(rank=rank, world_size=world, nodes=[f"n{r}" for r in range(world)], transfer=lambda: transfer)
         self.last: tuple[int, str, str] | None = None

@@ -54,6 +54,7 @@ from slurm_resilience.simulate.goodput import (  # noqa: E402
 from slurm_resilience.simulate.measured import (  # noqa: E402
     mean_phases_ms, observed_ettr, poisson_schedule, productive_step_time, recovery_phases_ms, training_window,
 )
+from slurm_resilience.run_identity import new_run_id  # noqa: E402
 from slurm_resilience.supervisor.online import Supervisor  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -146,7 +147,7 @@ def run_job(a: argparse.Namespace, root: Path, name: str, steps: int,
             config=_config(a, root / name),
             command=[sys.executable, str(TRAIN), "--steps", str(steps), "--step-time", str(a.step_time)],
             job_dir=str(job_dir), nodes=[f"local{i}" for i in range(1, a.ranks + 1)],
-            launcher=launcher, store_host="127.0.0.1", job_id=name, out=log)
+            launcher=launcher, store_host="127.0.0.1", job_id=name, out=log, run_id=new_run_id())
         result: dict[str, int] = {}
         thread = threading.Thread(target=lambda: result.update(code=sup.run()), daemon=True)
         injections: list[Injection] = []

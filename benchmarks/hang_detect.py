@@ -43,6 +43,7 @@ from figures import emit, stats, utc_now  # noqa: E402
 from slurm_resilience.config import load_config  # noqa: E402
 from slurm_resilience.events import read_events  # noqa: E402
 from slurm_resilience.launch.localhost import LocalLauncher  # noqa: E402
+from slurm_resilience.run_identity import new_run_id  # noqa: E402
 from slurm_resilience.supervisor.online import Supervisor  # noqa: E402
 
 TRAIN = REPO / "examples" / "train_mlp.py"
@@ -57,7 +58,7 @@ def run_once(root: Path, detect: dict, args: argparse.Namespace) -> dict:
     sup = Supervisor(config=cfg, command=[sys.executable, str(TRAIN), "--steps", str(args.steps), "--step-time",
                                           str(args.step_time), "--block-file", str(flag)],
                      job_dir=str(job_dir), nodes=[f"local{i}" for i in range(1, 5)], launcher=launcher,
-                     store_host="127.0.0.1", job_id="bench", out=io.StringIO())
+                     store_host="127.0.0.1", job_id="bench", out=io.StringIO(), run_id=new_run_id())
     result: dict = {}
     thread = threading.Thread(target=lambda: result.update(code=sup.run()), daemon=True)
     thread.start()

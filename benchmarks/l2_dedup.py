@@ -71,7 +71,7 @@ def run(args) -> dict:
 
     engines = []
     for r, node in enumerate(nodes):
-        eng = CheckpointEngine(specs, job_id="1", job_dir=str(root), node=node)
+        eng = CheckpointEngine(specs, job_id="1", run_id="0" * 32, job_dir=str(root), node=node)
         eng.bind(rank=r, world_size=world, nodes=nodes, transfer=factory(r))
         engines.append(eng)
     states = [make_state(r, args.size_mb, args.tensors) for r in range(world)]

@@ -26,6 +26,10 @@ safe point
 recovery level
     How much is rebuilt: online (survivors keep their processes), process restart in
     place, node replacement from a spare, fallback relaunch of every rank.
+run
+    One submission of a job, kept across its requeues and resubmissions; named by a
+    random *run id* (a Slurm job id can repeat). A checkpoint belongs to the run that
+    wrote it.
 
 Guarantees
 ----------
@@ -36,6 +40,7 @@ Guarantees
 * At most one step lost on online recovery: the step in flight is redone.
 * A rank left out of a newer plan stops (fencing), so an old generation never
   carries on beside a new one.
+* A run restores only its own checkpoints: another run's are ignored, and said so.
 """
 
 __version__ = "0.1.0"

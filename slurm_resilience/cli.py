@@ -130,8 +130,12 @@ def cmd_supervise(args) -> int:
         exit_now(keep_allocation(cfg, command, args.job_dir, started=getattr(args, "started", None)))
     # the keeper wrote its store's port before starting this process (keeper.bind_store);
     # torch is imported only after the workers' launches (online.StoreLink)
+    from .run_identity import from_environ
+
+    run_id = from_environ(os.environ)  # the keeper's (keeper.keep_supervisor)
     _, port = read_store_address(args.job_dir, keeper_pid=os.getppid())
-    exit_now(supervise_allocation(cfg, command, args.job_dir, store_port=port, reattach=args.reattach))
+    exit_now(supervise_allocation(cfg, command, args.job_dir, run_id=run_id, store_port=port,
+                                  reattach=args.reattach))
 
 
 def cmd_local(args) -> int:
@@ -147,13 +151,20 @@ def cmd_local(args) -> int:
         raise ResilienceError(f"container.runtime={cfg.container.runtime} applies to Slurm jobs (submit, run); "
                               "`local` starts plain processes on this host: set runtime: none")
     nodes = [f"local{i}" for i in range(1, cfg.job.nodes + cfg.job.spares + 1)]
+    from .run_identity import RUN_ID_ENV, from_environ
+
     if not args.child:
         _no_reattach(args)
-        return keep_supervisor(cfg, command, _job_dir(args, cfg, f"local-{os.getpid()}"), "127.0.0.1", mode="local")
+        job_dir = _job_dir(args, cfg, f"local-{os.getpid()}")
+        # run again in an existing job directory, a local job resumes (its run id is kept)
+        return keep_supervisor(cfg, command, job_dir, "127.0.0.1", mode="local",
+                               run_id=os.environ.get(RUN_ID_ENV) or None,
+                               resumed=args.job_dir is not None and os.path.isdir(job_dir))
     job_id = f"local-{os.getppid()}"  # the keeper's pid, as in the job dir's default name
+    run_id = from_environ(os.environ)  # the keeper's (keeper.keep_supervisor)
     _, port = read_store_address(args.job_dir, keeper_pid=os.getppid())
     sup = Supervisor(config=cfg, command=command, job_dir=args.job_dir, nodes=nodes,
-                     launcher=LocalLauncher(), store_host="127.0.0.1", job_id=job_id,
+                     launcher=LocalLauncher(), store_host="127.0.0.1", job_id=job_id, run_id=run_id,
                      store_port=port, reattach=args.reattach)
     return write_result(args.job_dir, sup.run())
 
@@ -173,7 +184,11 @@ def cmd_submit(args) -> int:
 
     cfg_path = write_private(os.path.join(job_dir, "submitted-config.yaml"),
                              yaml.safe_dump(config_to_dict(cfg)))
-    script = render(cfg, command=command, config_path=cfg_path, job_dir=job_dir, hetjob=args.hetjob)
+    from .run_identity import new_run_id
+
+    # every start of this submission (requeues, resubmissions of job.sbatch) is one run
+    script = render(cfg, command=command, config_path=cfg_path, job_dir=job_dir, hetjob=args.hetjob,
+                    run_id=new_run_id())
     script_path = write_private(os.path.join(job_dir, "job.sbatch"), script, mode=0o700)
     job_id = commands.sbatch(script_path)
     print(f"submitted job {job_id}; job dir {job_dir}", flush=True)

@@ -173,7 +173,9 @@ class CheckpointConfig:
         local_every: L1 node-local checkpoint every N steps (0: off).
         local_auto: size the L1 interval by Young/Daly from the measured checkpoint
             cost and ``mtbf_s`` (overrides ``local_every``).
-        local_dir: node-local directory; ``{job_id}``, ``{node}``, ``{rank}``, ``{job_dir}``, ``{user}``.
+        local_dir: node-local directory; ``{job_id}``, ``{run_id}``, ``{node}``, ``{rank}``,
+            ``{job_dir}``, ``{user}``. With ``{run_id}`` after ``{job_id}`` every run has a
+            directory of its own, and ended runs' are removed (``checkpoint/clean.py``).
         local_redundancy: ``partner`` (a copy on the next node), ``xor`` (parity over
             groups of ``local_xor_group_size`` nodes: one lost node per group is
             rebuilt), or ``none``.
@@ -193,12 +195,14 @@ class CheckpointConfig:
             ``torch.distributed.checkpoint.save``) the job starts from while it has no
             checkpoint of its own; its top-level keys are the registered object names
             (``worker/statesync.py``). Empty: start from the script's own step-0 state.
+        adopt_legacy: restore checkpoints whose manifest names no run (written before
+            run ids); off, they are another run's and ignored (``checkpoint/ownership.py``).
     """
 
     memory_every: int = 10
     local_every: int = 10
     local_auto: bool = False
-    local_dir: str = "/tmp/slurm_resilience-{user}/{job_id}/{node}/ckpt"
+    local_dir: str = "/tmp/slurm_resilience-{user}/{job_id}/{run_id}/{node}/ckpt"
     local_redundancy: str = "partner"
     local_xor_group_size: int = 4
     local_keep: int = 2
@@ -211,6 +215,7 @@ class CheckpointConfig:
     lustre_stripe_size: str = "4M"
     mtbf_s: float = 86400.0
     init_from: str = ""
+    adopt_legacy: bool = False
 
     def __post_init__(self) -> None:
         for name in ("memory_every", "local_every", "shared_every_kth", "shared_keep_every", "local_min_free_gb"):

@@ -101,13 +101,14 @@ def run_checks(*, local_dir: str, min_free_gb: float, gpus: int, command: Sequen
             or (check_command(command, timeout_s) if command else None))
 
 
-def health_argv(cfg, *, job_id: str, job_dir: str, node: str, python: str = sys.executable) -> list[str]:
+def health_argv(cfg, *, job_id: str, run_id: str, job_dir: str, node: str,
+                python: str = sys.executable) -> list[str]:
     """Pure: the argv that runs these checks on ``node`` for this job's config (the node's
     L1 directory as ``checkpoint.local_dir`` names it; with ``{rank}`` in it, local rank
     0's; GPUs expected: one per rank on NCCL)."""
     local = next((t for t in cfg.checkpoint.tiers() if t.storage == "local"), None)
     path = local.path if local is not None else cfg.checkpoint.local_dir
-    local_dir = path.format_map({"job_id": job_id, "node": node, "rank": 0, "job_dir": job_dir,
+    local_dir = path.format_map({"job_id": job_id, "run_id": run_id, "node": node, "rank": 0, "job_dir": job_dir,
                                   "user": current_user()})
     gpus = cfg.job.tasks_per_node if cfg.reconnect.backend == "nccl" else 0
     argv = [python, "-m", "slurm_resilience.health", "--local-dir", local_dir,

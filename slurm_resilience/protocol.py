@@ -172,6 +172,10 @@ class WorkerEvent(_Named):
     CHECKPOINT_REBUILD_FAILED = "checkpoint_rebuild_failed"
     CHECKPOINT_INVALID = "checkpoint_invalid"
     CHECKPOINT_STRIPE_FAILED = "checkpoint_stripe_failed"
+    CHECKPOINT_FOREIGN = "checkpoint_foreign"
+    """a restore found another run's checkpoints and ignored them (one per restore)."""
+    CHECKPOINT_CLEANED = "checkpoint_cleaned"
+    """node-local checkpoint directories of ended runs were removed at the job's start."""
 
     @property
     def logged(self) -> str:
@@ -240,6 +244,7 @@ _ENV_VARS = {
     "generation": "SR_GENERATION",
     "config_path": "SR_CONFIG",
     "job_id": "SR_JOB_ID",
+    "run_id": "SR_RUN_ID",
 }
 
 
@@ -258,6 +263,8 @@ class WorkerEnv:
     generation: int
     config_path: str
     job_id: str
+    run_id: str
+    """the run's id (``run_identity``): which checkpoints are this run's."""
 
     def to_environ(self) -> dict[str, str]:
         env = {var: str(getattr(self, f)) for f, var in _ENV_VARS.items()}
@@ -288,6 +295,7 @@ class WorkerEnv:
             generation=int(env["SR_GENERATION"]),
             config_path=env["SR_CONFIG"],
             job_id=env["SR_JOB_ID"],
+            run_id=env["SR_RUN_ID"],
         )
 
 

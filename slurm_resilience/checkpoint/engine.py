@@ -18,7 +18,8 @@ as an event, never raised into training, and never touches an older checkpoint.
 Restore: :meth:`CheckpointEngine.rebuild_missing` (collective) first rebuilds XOR
 shards lost with a node into the rank that now holds the slot; then every rank
 walks ``candidates()`` fastest-first, verifying checksums (``best``), and reads
-through ``shared_read`` (a dedup L2 step: its own file + owners' files).
+through ``shared_read`` (a dedup L2 step: its own file + owners' files). Another
+run's steps are not candidates (``ownership``), ended runs' directories go (``clean``).
 
 What the writer does per tier is in ``persist``; every path comes from ``layout``.
 """
@@ -36,11 +37,13 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 
 from ..errors import CheckpointError
-from . import layout
+from . import clean, layout
 from . import manifest as mf
 from .hdf5_format import flatten_state, unflatten_state, verify_shard
 from .intervals import IntervalEstimator
+from ..run_identity import RunIdentity
 from .lustre import LustreStriping, Striping
+from .ownership import Ownership
 from .shared_read import read_rank_state, verify_rank_problems
 from .persist import Job, Lazy, first_line, persist_local, persist_shared, prune_local
 from .tiers import Redundancy, TierSpec, base_tier, tier_for_step
@@ -74,12 +77,14 @@ class CheckpointEngine:
     and ``lfs``, :class:`~.lustre.LustreStriping`); tests inject a fake.
     """
 
-    def __init__(self, specs: Sequence[TierSpec], *, job_id: str, job_dir: str, node: str,
+    def __init__(self, specs: Sequence[TierSpec], *, job_id: str, run_id: str, job_dir: str, node: str,
                  emit: Callable[..., None] = lambda kind, **f: None, mtbf_s: float = 86400.0,
-                 striping: Striping | None = None) -> None:
+                 striping: Striping | None = None, adopt_legacy: bool = False) -> None:
         self.specs = tuple(specs)
         self._by_storage = {s.storage: s for s in reversed(self.specs)}
-        self.job_id, self.job_dir, self.node = job_id, job_dir, node
+        self.job_id, self.run_id, self.job_dir, self.node = job_id, run_id, job_dir, node
+        self.ownership = Ownership(RunIdentity(job_id, run_id), adopt_legacy=adopt_legacy, emit=emit)
+        self._cleaner: threading.Thread | bool | None = False  # clean.py, at the first bind
         self._emit = emit
         self._pinned = torch.cuda.is_available()
         self._sets = [_BufferSet({}), _BufferSet({})]
@@ -112,10 +117,26 @@ class CheckpointEngine:
         self.rank, self.world_size, self.nodes = rank, world_size, tuple(nodes)
         self._owners = self._root_owners()
         self._transfer = Lazy(transfer) if transfer is not None else None
+        if self._cleaner is False:  # the roots' owners are known now: each cleans its own once
+            self._cleaner = clean.clean_in_background(
+                [(s.name, s.path) for s in self._spoken_specs()],
+                dict(job_id=self.job_id, node=self.node, rank=self.rank, job_dir=self.job_dir,
+                     user=layout.current_user()), self.run_id, self._emit)
+
+    def _spoken_specs(self) -> list[TierSpec]:
+        """Disk tiers whose root this rank speaks for: a local root's owner, rank 0 for shared."""
+        return [s for s in self.specs if (s.storage == "local" and self._owners[s.name][self.rank] == self.rank)
+                or (s.storage == "shared" and self.rank == 0)]
+
+    def report_foreign(self) -> None:
+        """A restore is over: one event for the other runs' steps skipped (``ownership.report``)."""
+        roots = {self.root(s) for s in self._spoken_specs()}
+        self.ownership.report(roots | {layout.partner_root(r) for r in roots})
 
     def _root_owners(self) -> dict[str, tuple[int, ...]]:
         """Node-local tier -> the rank owning each rank's root (the G ranks of a node share one)."""
-        return {s.name: layout.root_owners(s, self.nodes, job_id=self.job_id, job_dir=self.job_dir)
+        return {s.name: layout.root_owners(s, self.nodes, job_id=self.job_id, run_id=self.run_id,
+                                           job_dir=self.job_dir)
                 for s in self.specs if s.storage == "local"}
 
     @property
@@ -125,8 +146,8 @@ class CheckpointEngine:
 
     def root(self, spec: TierSpec, rank: int | None = None) -> str:
         """The tier root of ``spec`` for this job, node and ``rank`` (default: ours)."""
-        return layout.expand_path(spec, job_id=self.job_id, node=self.node,
-                           rank=self.rank if rank is None else rank, job_dir=self.job_dir)
+        return layout.expand_path(spec, job_id=self.job_id, run_id=self.run_id, node=self.node,
+                                  rank=self.rank if rank is None else rank, job_dir=self.job_dir)
 
     # -- save --------------------------------------------------------------------
     def due(self, step: int) -> list[str]:
@@ -175,7 +196,7 @@ class CheckpointEngine:
         if disk:
             buf.busy = True
             self._queue.put(Job(step, disk, buf, self._transfer, self.rank, self.world_size, self.nodes,
-                                self._owners))
+                                self._owners, self.ownership))
         if self.estimator is not None:
             self.estimator.observe_checkpoint(stall)
         self._emit("checkpoint_saved", step=step, tiers=tiers, stall_ms=round(stall * 1000, 3))
@@ -295,7 +316,8 @@ class CheckpointEngine:
                 t0 = time.perf_counter()
                 plan, out = rebuild_tier(job.transfer.get(), root=self.root(spec, job.rank), tier=spec.name,
                                          rank=job.rank, nodes=job.nodes, group_size=spec.group_size,
-                                         limit=spec.keep, verify=self._verify, owners=job.owners[spec.name])
+                                         limit=spec.keep, verify=self._verify, owners=job.owners[spec.name],
+                                         ownership=self.ownership)
                 job.result += [(plan.step, r, ok) for r, ok in out]
                 # the outcome is the same on every rank: rank 0's event carries it, so a job's
                 # log names each rebuilt rank once; the others report the plan and their time
@@ -333,8 +355,7 @@ class CheckpointEngine:
             if spec.storage == "memory":
                 continue
             root = self.root(spec)
-            for step in reversed(mf.complete_steps(root)):
-                man = mf.read_manifest(root, step)
+            for step, man in reversed(self.ownership.own(root, spec.name)):
                 if spec.storage == "local" and self.rank in man.shards:
                     out.append((step, spec.name, layout.shard_path(root, step, self.rank)))
                 elif spec.storage == "shared":
@@ -342,23 +363,27 @@ class CheckpointEngine:
                     out.append((step, spec.name, layout.shard_path(root, step, rank)))
             proot = layout.partner_root(root)
             if spec.storage == "local" and os.path.isdir(proot):
-                for step in reversed(mf.complete_steps(proot)):
-                    for r in mf.read_manifest(proot, step).shards:
+                for step, man in reversed(self.ownership.own(proot, f"{spec.name}-partner")):
+                    for r in man.shards:
                         out.append((step, f"{spec.name}-partner", layout.shard_path(proot, step, r)))
         order = {name: i for i, name in enumerate(["L0"] + [s.name for s in self.specs])}
         out.sort(key=lambda c: (-c[0], order.get(c[1].split("-")[0], 99), c[1]))
         return out
 
     def best(self) -> tuple[int, str, str] | None:
-        """Newest valid candidate (checksums verified); corrupt ones are skipped and reported."""
-        for step, source, path in self.candidates():
-            if source == "L0":
-                return step, source, path
-            problems = verify_rank_problems(path, self._verify)  # a dedup step: every file it reads
-            if not problems:
-                return step, source, path
-            self._emit("checkpoint_invalid", step=step, source=source, path=path, problems=problems[:3])
-        return None
+        """Newest valid candidate (checksums verified); corrupt ones are skipped and reported,
+        and other runs' steps are not candidates (one ``checkpoint_foreign`` event)."""
+        try:
+            for step, source, path in self.candidates():
+                if source == "L0":
+                    return step, source, path
+                problems = verify_rank_problems(path, self._verify)  # a dedup step: every file it reads
+                if not problems:
+                    return step, source, path
+                self._emit("checkpoint_invalid", step=step, source=source, path=path, problems=problems[:3])
+            return None
+        finally:
+            self.report_foreign()
 
     def load(self, candidate: tuple[int, str, str], into: Mapping[str, torch.Tensor] | None = None) -> Any:
         """The state of ``candidate`` (from ``best``). From disk, tensors are read straight into

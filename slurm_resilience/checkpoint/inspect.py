@@ -49,7 +49,9 @@ def cmd_list(args) -> int:
             man = mf.read_manifest(root, step)
             size = sum(r.nbytes for r in man.shards.values())
             mark = " <- latest" if step == latest else ""
-            print(f"  step {step:>8}  {man.tier:<4} complete    {len(man.shards)} shard(s) {size / 1e6:9.2f} MB{mark}")
+            run = f"  run {man.run_id[:8]}" if man.run_id else "  run -"  # which run wrote it (ownership.py)
+            print(f"  step {step:>8}  {man.tier:<4} complete    {len(man.shards)} shard(s) {size / 1e6:9.2f} MB"
+                  f"{run}{mark}")
         else:
             print(f"  step {step:>8}       incomplete  (no manifest: never restored from)")
     return 0

@@ -69,7 +69,9 @@ class Manifest:
     ``shards`` holds one record per rank whose shard lives under this root: every
     rank ``0 .. world_size-1`` on a shared tier (L2), only the node's own ranks on
     a node-local one (L1). ``extra`` holds JSON-serializable facts for the engine
-    (data position, generation ...).
+    (data position, generation ...). ``run_id`` and ``job_id`` name the run that wrote
+    it (``run_identity.RunIdentity``); a manifest written before run ids has None, and
+    a restore treats it as another run's (``checkpoint/ownership.py``).
 
     Raises:
         CheckpointError: on construction, when a field is out of range, a rank is
@@ -82,6 +84,8 @@ class Manifest:
     shards: Mapping[int, ShardRecord]
     created: float = field(default_factory=time.time)
     extra: Mapping[str, Any] = field(default_factory=dict)
+    run_id: str | None = None
+    job_id: str | None = None
 
     def __post_init__(self) -> None:
         if not _is_int(self.step) or self.step < 0:
@@ -103,6 +107,8 @@ class Manifest:
                 raise CheckpointError(f"manifest shard of rank {rank} has invalid size or checksum")
         if isinstance(self.created, bool) or not isinstance(self.created, (int, float)) or not math.isfinite(self.created):
             raise CheckpointError(f"manifest created must be a finite number, got {self.created!r}")
+        if any(v is not None and not isinstance(v, str) for v in (self.run_id, self.job_id)):
+            raise CheckpointError(f"manifest run_id/job_id must be str, got {self.run_id!r}/{self.job_id!r}")
         object.__setattr__(self, "shards", dict(sorted(self.shards.items())))
         object.__setattr__(self, "extra", dict(self.extra))
 
@@ -121,6 +127,8 @@ class Manifest:
             "shards": {str(r): {"file": s.file, "nbytes": s.nbytes, "crc32": s.crc32} for r, s in self.shards.items()},
             "extra": self.extra,
         }
+        if self.run_id is not None:
+            doc.update(run_id=self.run_id, job_id=self.job_id)
         try:
             return json.dumps(doc, indent=1, allow_nan=False) + "\n"
         except (TypeError, ValueError) as e:
@@ -158,6 +166,8 @@ class Manifest:
                 shards=shards,
                 created=doc["created"],
                 extra=doc["extra"],
+                run_id=doc.get("run_id"),
+                job_id=doc.get("job_id"),
             )
         except (KeyError, TypeError) as e:
             raise CheckpointError(f"malformed manifest: {e!r}") from e
@@ -348,9 +358,13 @@ def steps_to_prune(
 
 
 def prune(
-    root: str, keep_last: int, keep_every: int | None = None, *, protect: Collection[int] = ()
+    root: str, keep_last: int, keep_every: int | None = None, *, protect: Collection[int] = (),
+    foreign: Collection[int] = (),
 ) -> list[int]:
     """Delete old steps under ``root`` per ``steps_to_prune``; return those deleted.
+
+    ``foreign``: steps of another run (``ownership.foreign_steps``): neither counted
+    towards ``keep_last`` nor deleted.
 
     A complete step loses its manifest first (becoming incomplete), then its
     directory, so a crash mid-prune never leaves a manifest without shards.
@@ -362,7 +376,8 @@ def prune(
         ConfigError: invalid ``keep_last`` or ``keep_every``.
         CheckpointError: ``latest`` is corrupt, or a directory cannot be removed.
     """
-    complete = complete_steps(root)
+    complete = [s for s in complete_steps(root) if s not in foreign]
+    protect = {*protect, *foreign}
     doomed = steps_to_prune(complete, incomplete_steps(root), read_latest(root), keep_last, keep_every, protect)
     for step in doomed:
         try:

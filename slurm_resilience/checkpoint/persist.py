@@ -59,6 +59,7 @@ class Job:
     world_size: int
     nodes: tuple[str, ...]
     owners: dict[str, tuple[int, ...]]  # node-local tier -> the owner of every rank's root
+    ownership: Any  # the run's ``ownership.Ownership``: manifests name the run; others' steps stay
 
 
 class Lazy:
@@ -156,13 +157,14 @@ def _commit_root(spec: TierSpec, root: str, job: Job, ranks: list[int], table: l
     if spec.redundancy is Redundancy.XOR and job.world_size > 1:
         extra = {"xor": {str(r): {"parity": layout.parity_name(r), "nbytes": table[r][3]} for r in ranks}}
     mf.write_manifest(root, mf.Manifest(step=job.step, world_size=job.world_size, tier=spec.name,
-                                        shards={r: record(r) for r in ranks}, created=time.time(), extra=extra))
+                                        shards={r: record(r) for r in ranks}, created=time.time(), extra=extra,
+                                        **job.ownership.stamp()))
     if spec.redundancy is Redundancy.PARTNER and job.world_size > 1:
         held = {src for src, holder in enumerate(partner_map(job.nodes)) if holder in ranks}
         if held:  # the partner copies this root holds form a tier root of their own
             mf.write_manifest(layout.partner_root(root), mf.Manifest(
                 step=job.step, world_size=job.world_size, tier=f"{spec.name}-partner",
-                shards={r: record(r) for r in held}, created=time.time(), extra={}))
+                shards={r: record(r) for r in held}, created=time.time(), extra={}, **job.ownership.stamp()))
     mf.set_latest(root, job.step)
 
 
@@ -177,8 +179,9 @@ def prune_local(spec: TierSpec, root: str, job: Job) -> list[int]:
     """
     if job.owners[spec.name][job.rank] != job.rank:
         return []
-    deleted = mf.prune(root, keep_last=spec.keep)
-    mf.prune(layout.partner_root(root), keep_last=spec.keep)
+    deleted = mf.prune(root, keep_last=spec.keep, foreign=job.ownership.foreign_steps(root))
+    proot = layout.partner_root(root)
+    mf.prune(proot, keep_last=spec.keep, foreign=job.ownership.foreign_steps(proot))
     return deleted
 
 
@@ -238,8 +241,9 @@ def persist_shared(spec: TierSpec, root: str, job: Job, state: Any, attrs: dict[
         shards = {r: mf.ShardRecord(layout.shard_name(r), sizes[r], crcs[r]) for r in range(job.world_size)}
         mf.write_manifest(root, mf.Manifest(step=job.step, world_size=job.world_size, tier=spec.name,
                                             shards=shards, created=time.time(),
-                                            extra={DEDUP: {"owners": owners}} if owners else {}))
+                                            extra={DEDUP: {"owners": owners}} if owners else {},
+                                            **job.ownership.stamp()))
         mf.set_latest(root, job.step)
-        mf.prune(root, keep_last=spec.keep, keep_every=spec.keep_every)
+        mf.prune(root, keep_last=spec.keep, keep_every=spec.keep_every, foreign=job.ownership.foreign_steps(root))
     gather(job, 1)  # nobody reports L2 durable before rank 0 committed
     return nbytes

@@ -12,7 +12,8 @@ redundancy and how many checkpoints it keeps. The usual three levels::
 ``scr_reddesc_for_checkpoint``); ``intervals`` sizes an ``auto`` interval from
 checkpoint cost and the mean time between failures.
 
-Path templates may use ``{job_id}`` (Slurm job id), ``{node}`` (host name of the
+Path templates may use ``{job_id}`` (Slurm job id), ``{run_id}`` (the run's own id,
+``run_identity``: no other run repeats it), ``{node}`` (host name of the
 rank), ``{rank}`` (global rank), ``{job_dir}`` (``job.job_dir`` of the config,
 already expanded) and ``{user}`` (the user the process runs as: a node-local root
 shared by several users' jobs is created 0700 by the first one, so a default path
@@ -45,7 +46,7 @@ __all__ = [
 ]
 
 STORAGES = ("memory", "local", "shared")
-PATH_PLACEHOLDERS = ("job_id", "node", "rank", "job_dir", "user")
+PATH_PLACEHOLDERS = ("job_id", "run_id", "node", "rank", "job_dir", "user")
 
 
 class Redundancy(enum.Enum):
@@ -322,7 +323,7 @@ def default_tiers() -> tuple[TierSpec, ...]:
             storage="local",
             interval_steps=10,
             redundancy=Redundancy.PARTNER,
-            path="/tmp/slurm_resilience-{user}/{job_id}/{node}/ckpt",
+            path="/tmp/slurm_resilience-{user}/{job_id}/{run_id}/{node}/ckpt",
         ),
         TierSpec(name="L2", storage="shared", every_kth=5, path="{job_dir}/" + JOB_CHECKPOINTS, keep=2),
     )

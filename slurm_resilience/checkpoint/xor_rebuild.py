@@ -82,11 +82,13 @@ def plan_rebuild(groups: Sequence[Sequence[int]], held: Sequence[Sequence[int]])
 
 
 def held_steps(root: str, *, rank: int, group: Sequence[int], world_size: int, limit: int,
-               verify: Callable[[str], list[str]]) -> list[int]:
-    """The newest ``limit`` committed steps under ``root`` whose shard and parity row
-    of ``rank`` are intact and were written for this ``group`` and world size."""
+               verify: Callable[[str], list[str]], ownership: Any = None) -> list[int]:
+    """The newest ``limit`` committed steps under ``root`` (of this run, when
+    ``ownership`` is given) whose shard and parity row of ``rank`` are intact and were
+    written for this ``group`` and world size."""
     out = []
-    for step in list(reversed(mf.complete_steps(root)))[:limit]:
+    foreign = set(ownership.foreign_steps(root)) if ownership is not None else set()
+    for step in [s for s in reversed(mf.complete_steps(root)) if s not in foreign][:limit]:
         try:
             rec = mf.read_manifest(root, step).shards.get(rank)
             hdr, _, _ = read_parity(layout.parity_path(root, step, rank))
@@ -103,7 +105,7 @@ def held_steps(root: str, *, rank: int, group: Sequence[int], world_size: int, l
 
 def rebuild_tier(g: Any, *, root: str, tier: str, rank: int, nodes: Sequence[str], group_size: int,
                  limit: int, verify: Callable[[str], list[str]], owners: Sequence[int] | None = None,
-                 round_bytes: int = ROUND_BYTES) -> tuple[RebuildPlan, list[tuple[int, bool]]]:
+                 round_bytes: int = ROUND_BYTES, ownership: Any = None) -> tuple[RebuildPlan, list[tuple[int, bool]]]:
     """Collective (transfer group): scan, agree and rebuild one XOR tier.
 
     Every rank of the group must call it with the same ``nodes``, ``group_size``,
@@ -119,7 +121,8 @@ def rebuild_tier(g: Any, *, root: str, tier: str, rank: int, nodes: Sequence[str
     """
     groups = xor_groups(nodes, group_size)
     group = group_of(rank, groups)
-    mine = held_steps(root, rank=rank, group=group, world_size=len(nodes), limit=limit, verify=verify)
+    mine = held_steps(root, rank=rank, group=group, world_size=len(nodes), limit=limit, verify=verify,
+                      ownership=ownership)
     table = gather_rows(g, (mine + [-1] * limit)[:limit])
     plan = plan_rebuild(groups, table)
     if plan.step is None or not plan.lost:
@@ -131,7 +134,8 @@ def rebuild_tier(g: Any, *, root: str, tier: str, rank: int, nodes: Sequence[str
     mine = {r: rows[r] for r in plan.lost if owners[r] == rank and rows[r][0]}
     if mine:
         try:
-            _commit_rebuilt(root, tier, plan.step, g.world_size, mine, groups)
+            _commit_rebuilt(root, tier, plan.step, g.world_size, mine, groups,
+                            stamp=ownership.stamp() if ownership is not None else {})
         except CheckpointError as e:
             committed = 0
             log.warning("cannot commit rebuilt ranks %s: %s", sorted(mine), e)
@@ -140,7 +144,8 @@ def rebuild_tier(g: Any, *, root: str, tier: str, rank: int, nodes: Sequence[str
 
 
 def _commit_rebuilt(root: str, tier: str, step: int, world_size: int,
-                    rebuilt: Mapping[int, Sequence[int]], groups: Sequence[Sequence[int]]) -> None:
+                    rebuilt: Mapping[int, Sequence[int]], groups: Sequence[Sequence[int]],
+                    stamp: Mapping[str, str] | None = None) -> None:
     """The root's owner: add the ``rebuilt`` ranks (rank -> (ok, size, crc)) to the step's
     manifest, keeping the records of the root's other ranks, then ``latest``.
 
@@ -151,7 +156,8 @@ def _commit_rebuilt(root: str, tier: str, step: int, world_size: int,
         old = mf.read_manifest(root, step)
     except CheckpointError:  # none yet (a replacement node's fresh disk) or unreadable: start over
         old = None
-    keep = old is not None and old.world_size == world_size
+    stamp = stamp or {}  # the run's (ownership.stamp): another run's records at this step are not kept
+    keep = old is not None and old.world_size == world_size and old.run_id == stamp.get("run_id", old.run_id)
     shards = dict(old.shards) if keep else {}
     extra = dict(old.extra) if keep else {}
     xor = dict(extra.get("xor", {}))
@@ -159,7 +165,7 @@ def _commit_rebuilt(root: str, tier: str, step: int, world_size: int,
         shards[r] = mf.ShardRecord(layout.shard_name(r), length, crc)
         xor[str(r)] = {"parity": layout.parity_name(r), "group": group_of(r, groups), "rebuilt": True}
     mf.write_manifest(root, mf.Manifest(step=step, world_size=world_size, tier=tier, shards=shards,
-                                        extra={**extra, "xor": xor}))
+                                        extra={**extra, "xor": xor}, **stamp))
     latest = mf.read_latest(root)
     if latest is None or latest < step:
         mf.set_latest(root, step)

@@ -53,12 +53,13 @@ def worker_pool(env: "SlurmEnv", supervisor_node: bool) -> WorkerPool:
 
 
 def supervise_allocation(cfg: ResilienceConfig, command: Sequence[str], job_dir: str | None,
-                         environ: Mapping[str, str] = os.environ, *, store_port: int | None = None,
-                         reattach: bool = False) -> int:
+                         environ: Mapping[str, str] = os.environ, *, run_id: str,
+                         store_port: int | None = None, reattach: bool = False) -> int:
     """Supervise ``command`` on this allocation; returns the job's exit code.
 
     ``job_dir`` may hold ``%j`` (the job id, as in sbatch and submitit paths).
-    ``store_port``: the store hosted by the batch step (``keep_allocation``).
+    ``run_id``: the run's, from the batch step. ``store_port``: the store hosted by the
+    batch step (``keep_allocation``).
 
     Raises:
         ResilienceError: not inside an allocation, too few nodes for the config, or a
@@ -84,7 +85,7 @@ def supervise_allocation(cfg: ResilienceConfig, command: Sequence[str], job_dir:
     if not reattach:  # a node back in service starts clean: what ended jobs left there goes
         launcher.clean_containers(pool, stale=True)
     sup = Supervisor(config=cfg, command=command, job_dir=job_dir, nodes=pool, launcher=launcher,
-                     store_host=launcher.address(me) if me else "127.0.0.1", job_id=env.job_id,
+                     store_host=launcher.address(me) if me else "127.0.0.1", job_id=env.job_id, run_id=run_id,
                      requeue_count=env.requeue_count + env.resubmit_count, store_port=store_port, reattach=reattach)
     return write_result(job_dir, sup.run())
 
@@ -104,13 +105,26 @@ def _launcher_kind(cfg: ResilienceConfig, env: "SlurmEnv", job_dir: str) -> tupl
 
 
 def keep_allocation(cfg: ResilienceConfig, command: Sequence[str], job_dir: str | None,
-                    environ: Mapping[str, str] = os.environ, *, started: float | None = None) -> int:
+                    environ: Mapping[str, str] = os.environ, *, started: float | None = None,
+                    run_id: str | None = None) -> int:
     """The batch step of the sbatch and submitit paths: host the store, run the
-    supervisor as a child and restart it if it is killed (``supervisor/keeper.py``)."""
+    supervisor as a child and restart it if it is killed (``supervisor/keeper.py``).
+    ``run_id``: the submitter's (submitit path), else ``SR_RUN_ID`` from ``job.sbatch``;
+    without either a requeue keeps the recorded one (``run_identity``).
+
+    Raises:
+        ResilienceError: not inside an allocation.
+        ConfigError: the given run id is not one.
+    """
+    from ..run_identity import RUN_ID_ENV
+    from ..slurm.parse import SlurmEnv
     from ..supervisor.keeper import keep_supervisor
 
     job_dir, host = allocation_job_dir(cfg, job_dir, environ)
-    return write_result(job_dir, keep_supervisor(cfg, command, job_dir, host, started=started))
+    env = SlurmEnv.from_environ(environ)
+    return write_result(job_dir, keep_supervisor(
+        cfg, command, job_dir, host, started=started, run_id=run_id or environ.get(RUN_ID_ENV) or None,
+        resumed=env.requeue_count + env.resubmit_count > 0))
 
 
 def allocation_job_dir(cfg: ResilienceConfig, job_dir: str | None, environ: Mapping[str, str]) -> tuple[str, str]:

@@ -31,6 +31,7 @@ from typing import Sequence
 
 from ..config import ResilienceConfig
 from ..errors import ConfigError
+from ..run_identity import RUN_ID_ENV, check_run_id
 from ..slurm.options import HETJOB_WORKER_ONLY, sbatch_lines
 
 _PARTITION = re.compile(r"[A-Za-z0-9_.,-]+")
@@ -45,16 +46,19 @@ TEMPLATES = {False: "resilient.sbatch.tmpl", True: "hetjob.sbatch.tmpl"}
 def render(cfg: ResilienceConfig, *, command: Sequence[str], config_path: str, job_dir: str,
            job_name: str = "resilient", python: str = sys.executable,
            hetjob: bool = False, template: str | None = None,
-           extra: dict[str, str] | None = None) -> str:
+           extra: dict[str, str] | None = None, run_id: str | None = None) -> str:
     """Pure: the sbatch script text. Every user value is shell-quoted.
 
     ``hetjob``: component 0 = the supervisor's node, component 1 = nodes + spares
     (template ``hetjob.sbatch.tmpl`` unless ``template`` names another).
+    ``run_id``: the submission's run id (``run_identity``), exported as ``SR_RUN_ID``
+    for the batch step; a requeue reruns the script, a resubmission submits it again,
+    so every start of the job is the same run.
 
     Raises:
         ConfigError: empty command, missing template, a line break in a value, a bad
             partition name, ``hetjob`` with ``job.supervisor_node`` false, or supervisor
-            options without ``hetjob``.
+            options without ``hetjob``, a ``run_id`` that is not one.
     """
     if hetjob and not cfg.job.supervisor_node:
         raise ConfigError("job.supervisor_node=false contradicts --hetjob: a heterogeneous job "
@@ -102,6 +106,7 @@ def render(cfg: ResilienceConfig, *, command: Sequence[str], config_path: str, j
         config=shlex.quote(config_path),
         job_dir=shlex.quote(job_dir),
         command=" ".join(shlex.quote(a) for a in command),
+        run_id_line=f"export {RUN_ID_ENV}={check_run_id(run_id)}" if run_id else "",
         **(extra or {}),
     ))
 

@@ -21,14 +21,18 @@ from typing import Any, Mapping, Sequence
 
 from ..config import ResilienceConfig, config_to_dict, load_config
 from ..files import makedirs_private
+from ..run_identity import new_run_id
 
 
-def run_supervisor(config: Mapping[str, Any], command: Sequence[str], job_dir: str) -> int:
+def run_supervisor(config: Mapping[str, Any], command: Sequence[str], job_dir: str,
+                   run_id: str | None = None) -> int:
     """The function submitit pickles and runs in the batch step: it hosts the store
-    and runs the supervisor as a child it restarts if killed (as the sbatch path)."""
+    and runs the supervisor as a child it restarts if killed (as the sbatch path).
+    ``run_id``: drawn at submission; submitit runs the same pickle again on a requeue,
+    so every start of the job is one run (``run_identity``)."""
     from .allocation import keep_allocation
 
-    return keep_allocation(load_config(config), command, job_dir)
+    return keep_allocation(load_config(config), command, job_dir, run_id=run_id)
 
 
 def submit(command: Sequence[str], *, nodes: int, spares: int = 1, tasks_per_node: int | None = None,
@@ -83,4 +87,4 @@ def submit(command: Sequence[str], *, nodes: int, spares: int = 1, tasks_per_nod
     site = {k.replace("-", "_"): v for k, v in resolved.job.sbatch_options.items()}
     params["slurm_additional_parameters"] = {**site, **params["slurm_additional_parameters"]}
     executor.update_parameters(**params)
-    return executor.submit(run_supervisor, config_to_dict(resolved), list(command), job_dir)
+    return executor.submit(run_supervisor, config_to_dict(resolved), list(command), job_dir, new_run_id())

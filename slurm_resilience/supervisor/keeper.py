@@ -7,6 +7,11 @@
               it reloads ``JOBDIR/supervisor.json`` and takes over the running
               workers without restarting them (see ``reattach.py``)
 
+The batch step also settles the run's identity once per start
+(``run_identity.establish``: the ``SR_RUN_ID`` it was given, or the one a requeue
+recorded in ``JOBDIR/run.json``, or a fresh one) and hands it to the supervisor in
+``SR_RUN_ID``; a restarted supervisor gets the same.
+
 The store lives here and not in the supervisor so that it outlives the supervisor:
 the workers keep training (their gloo groups do not need it) and keep writing
 heartbeats and events into it while the supervisor is down. The preemption signal
@@ -24,7 +29,7 @@ import sys
 import threading
 import time
 from datetime import timedelta
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from ..files import write_private
 
@@ -93,11 +98,12 @@ ORDERLY = frozenset({signal.SIGTERM, signal.SIGINT, signal.SIGHUP})
 
 
 def keep(child_argv: Sequence[str], *, restarts: int, forward: Sequence[int] = (),
-         out=sys.stderr) -> int:
-    """Run ``child_argv`` (a supervisor); rerun it with ``--reattach`` each time it is
-    killed by a signal (SIGKILL, SIGSEGV, …), at most ``restarts`` times. Returns its
-    exit code (128 + N for a signal N). A signal in ``ORDERLY``, to the supervisor or
-    to this process, ends the job instead: no restart."""
+         out=sys.stderr, env: Mapping[str, str] | None = None) -> int:
+    """Run ``child_argv`` (a supervisor; environment ``env``, default this process's);
+    rerun it with ``--reattach`` each time it is killed by a signal (SIGKILL, SIGSEGV,
+    …), at most ``restarts`` times. Returns its exit code (128 + N for a signal N). A
+    signal in ``ORDERLY``, to the supervisor or to this process, ends the job instead:
+    no restart."""
     child: subprocess.Popen | None = None
     ending = False
 
@@ -111,7 +117,7 @@ def keep(child_argv: Sequence[str], *, restarts: int, forward: Sequence[int] = (
         signal.signal(sig, relay)
     argv = list(child_argv)
     for attempt in range(restarts + 1):
-        child = subprocess.Popen(argv)
+        child = subprocess.Popen(argv, env=None if env is None else dict(env))
         code = child.wait()
         if code >= 0:
             return code
@@ -127,16 +133,24 @@ def keep(child_argv: Sequence[str], *, restarts: int, forward: Sequence[int] = (
 
 
 def keep_supervisor(cfg, command: Sequence[str], job_dir: str, host: str, *, mode: str = "supervise",
-                    started: float | None = None) -> int:
-    """The batch step: host the store, run ``slurm-resilience {mode} --child`` with this
-    config, restart it (``--reattach``) when it is killed. Returns the job's exit code.
-    ``started``: when the batch step's CLI was up (recorded in ``store.json``)."""
+                    started: float | None = None, run_id: str | None = None, resumed: bool = False) -> int:
+    """The batch step: settle the run id, host the store, run ``slurm-resilience {mode}
+    --child`` with this config, restart it (``--reattach``) when it is killed. Returns
+    the job's exit code. ``started``: when the batch step's CLI was up (recorded in
+    ``store.json``); ``run_id``: the one this start was given (``SR_RUN_ID``), None to
+    keep the recorded one (``resumed``: a requeue) or draw one (``run_identity.choose``).
+
+    Raises:
+        ConfigError: ``run_id`` is not a run id.
+    """
     import yaml
 
     from ..config import config_to_dict
     from ..files import makedirs_private
+    from ..run_identity import RUN_ID_ENV, establish
 
     makedirs_private(job_dir)
+    run_id = establish(job_dir, run_id, resumed=resumed)
     cfg_path = write_private(os.path.join(job_dir, "supervisor-config.yaml"), yaml.safe_dump(config_to_dict(cfg)))
     stores: list = []  # the store serves the workers for as long as this process lives;
     # its port is known at once (bind_store); it serves once torch is imported, in a thread,
@@ -147,7 +161,8 @@ def keep_supervisor(cfg, command: Sequence[str], job_dir: str, host: str, *, mod
     child = [sys.executable, "-m", "slurm_resilience.cli", mode, "--child", "--config", cfg_path,
              "--job-dir", job_dir, "--", *command]
     try:
-        return keep(child, restarts=cfg.job.supervisor_respawns, forward=[*forward, signal.SIGTERM])
+        return keep(child, restarts=cfg.job.supervisor_respawns, forward=[*forward, signal.SIGTERM],
+                    env={**os.environ, RUN_ID_ENV: run_id})
     finally:
         stores.clear()
 

@@ -32,7 +32,8 @@ from ..exits import FAST_EXIT_ENV
 from ..files import makedirs_private, write_private
 from ..lifecycle import JobPhase
 from ..model import RankTable
-from ..protocol import EventKind, Plan, Role, StoreKey, WorkerEnv, plan_key, read_token, write_token
+from ..protocol import EventKind, Plan, Role, StoreKey, WorkerEnv, WorkerEvent, plan_key, read_token, write_token
+from ..run_identity import check_run_id
 from . import loop, reattach
 from .classify import node_unhealthy
 from .detect import LivenessServer, NodeWatcher
@@ -81,11 +82,13 @@ class Supervisor:
 
     def __init__(self, *, config: ResilienceConfig, command: Sequence[str], job_dir: str,
                  nodes: Sequence[str], launcher: Launcher, store_host: str,
-                 job_id: str = "local", requeue_count: int = 0, out=sys.stdout,
+                 run_id: str, job_id: str = "local", requeue_count: int = 0, out=sys.stdout,
                  store_port: int | None = None, reattach: bool = False) -> None:
-        """``store_port``: the job's store is hosted elsewhere (the batch step, see
-        ``keeper.py``), else in this process. ``reattach``: take over the running
-        workers of a killed supervisor from ``JOBDIR/supervisor.json``."""
+        """``run_id``: the run's id (``run_identity.establish``), handed to every worker:
+        which checkpoints are this run's. ``store_port``: the job's store is hosted
+        elsewhere (the batch step, see ``keeper.py``), else in this process.
+        ``reattach``: take over the running workers of a killed supervisor from
+        ``JOBDIR/supervisor.json``."""
         need = config.job.nodes + config.job.spares
         if len(nodes) < need:
             raise ConfigError(
@@ -94,6 +97,7 @@ class Supervisor:
                 "allocate more nodes or lower the counts")
         self.cfg, self.command, self.job_dir = config, list(command), job_dir
         self.launcher, self.store_host, self.job_id = launcher, store_host, job_id
+        self.run_id = check_run_id(run_id)
         self.requeue_count, self.out = requeue_count, out
         self.store_port, self.reattaching = store_port, reattach
         self.nodes = list(nodes[:need])
@@ -115,7 +119,7 @@ class Supervisor:
             write_token(self.job_dir, self.token)
             write_private(self.config_path, yaml.safe_dump(config_to_dict(self.cfg)))
         self.metrics = Metrics()
-        self.events = EventLog(os.path.join(self.job_dir, "events.jsonl"), on_event=self.metrics.observe)
+        self.events = EventLog(os.path.join(self.job_dir, "events.jsonl"), on_event=self._observe)
         self.seen: queue.Queue = queue.Queue()
         self.liveness = LivenessServer(self.store_host, self.token, self.seen).start()
         self.store = StoreLink(self._connect_store)
@@ -126,7 +130,8 @@ class Supervisor:
         self.isolator = Isolator(self.launcher, self.events.emit, self.cfg.recovery, job_id=self.job_id, say=self._say)
         self.checker = SpareChecker(
             self.launcher.run_check,
-            lambda node: health_argv(self.cfg, job_id=self.job_id, job_dir=self.job_dir, node=node),
+            lambda node: health_argv(self.cfg, job_id=self.job_id, run_id=self.run_id, job_dir=self.job_dir,
+                                     node=node),
             self.cfg.recovery.health_check_timeout_s)
 
     def _connect_store(self):
@@ -266,7 +271,8 @@ class Supervisor:
         env = WorkerEnv(
             store_addr=self.store_host, store_port=self.store_port, liveness_port=self.liveness.port,
             token=self.token, job_dir=self.job_dir, worker_id=a.worker_id, node=a.node, role=a.role,
-            generation=a.generation, config_path=self.config_path, job_id=self.job_id).to_environ()
+            generation=a.generation, config_path=self.config_path, job_id=self.job_id,
+            run_id=self.run_id).to_environ()
         env = {**self._nccl_env, **env, FAST_EXIT_ENV: "1"}  # a stopped rank skips torch's tear-down
         log_path = os.path.join(self.job_dir, "logs", f"{a.worker_id}.log")
         self.handles[a.worker_id] = self.launcher.launch(
@@ -326,6 +332,28 @@ class Supervisor:
         write_status(self.job_dir, status)
         write_private(os.path.join(self.job_dir, "metrics.prom"), self.metrics.render(status), durable=False)
 
+    def _observe(self, event: dict) -> None:
+        """Every logged event: the metrics; a line in the log where a user must see it."""
+        self.metrics.observe(event)
+        line = checkpoint_notice(event)
+        if line is not None:
+            self._say(line)
+
     def _say(self, text: str) -> None:
         print(f"[sr +{time.time() - self._t0:8.3f}s] {text}", file=self.out, flush=True)
 
+
+def checkpoint_notice(event: dict) -> str | None:
+    """Pure: the log line for a rank's checkpoint-ownership event (another run's steps
+    ignored, ended runs' directories removed), or None for any other event."""
+    who = f"rank {event.get('rank')} on {event.get('node')}"
+    if event.get("kind") == WorkerEvent.CHECKPOINT_FOREIGN.logged:
+        found = event.get("found") or []
+        where = "; ".join(f"{e.get('tier')} {e.get('root')} steps {e.get('steps')}" for e in found)
+        return (f"{who}: ignored {sum(int(e.get('count', 0)) for e in found)} checkpoint step(s) of another run "
+                f"(not restored): {where}")
+    if event.get("kind") == WorkerEvent.CHECKPOINT_CLEANED.logged:
+        removed, failed = event.get("removed") or [], event.get("failed") or []
+        return (f"{who}: removed {len(removed)} checkpoint directory(ies) of ended runs"
+                + (f", {len(failed)} could not be removed" if failed else "") + f": {', '.join(removed)}")
+    return None

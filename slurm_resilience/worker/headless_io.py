@@ -46,18 +46,22 @@ def persist(state, checkpoints, *, rank: int, world_size: int) -> str | None:
     checkpoints.wait(timeout=ENGINE_DRAIN_S)
     root = checkpoints.root(spec, rank)
     step = state.step
-    if os.path.isfile(layout.manifest_path(root, step)):
+    own = checkpoints.ownership
+    if own.committed(root, step):
         return layout.step_dir(root, step)  # committed already (a regular checkpoint of this step)
+    if os.path.isfile(layout.manifest_path(root, step)):  # its shards would count as ours
+        raise CheckpointError(f"step {step} under {root} is another run's: not persisted there")
     path = layout.shard_path(root, step, rank)
     write_shard(path, state.state_dict(), attrs={"step": step, "rank": rank, "world_size": world_size})
-    commit(root, step, world_size, spec.name, sharded=bool(state.sharded))
+    commit(root, step, world_size, spec.name, sharded=bool(state.sharded), ownership=own)
     return path
 
 
-def commit(root: str, step: int, world_size: int, tier: str, *, sharded: bool) -> bool:
+def commit(root: str, step: int, world_size: int, tier: str, *, sharded: bool, ownership=None) -> bool:
     """Write the manifest of ``step`` listing the complete shards, when they make a
     restorable set (:func:`~.headless.manifest_ranks`) and no manifest exists yet.
-    Every rank calls this after its own rename, so the last one sees every shard."""
+    Every rank calls this after its own rename, so the last one sees every shard.
+    ``ownership`` (the engine's ``ownership.Ownership``) names the run in the manifest."""
     if os.path.isfile(layout.manifest_path(root, step)):
         return False
     sdir = layout.step_dir(root, step)
@@ -70,7 +74,8 @@ def commit(root: str, step: int, world_size: int, tier: str, *, sharded: bool) -
         p = layout.shard_path(root, step, r)
         shards[r] = mf.ShardRecord(layout.shard_name(r), os.path.getsize(p), shard_crc32(p))
     mf.write_manifest(root, mf.Manifest(step=step, world_size=world_size, tier=tier, shards=shards,
-                                        created=time.time(), extra={"headless": True}))
+                                        created=time.time(), extra={"headless": True},
+                                        **(ownership.stamp() if ownership is not None else {})))
     return True
 
 

@@ -36,7 +36,6 @@ from typing import Any, Iterable, Mapping, Sequence
 import torch
 
 from ..checkpoint import layout
-from ..checkpoint import manifest as mf
 from ..checkpoint.globalize import slice_range  # noqa: F401 (re-exported: reshard.slice_range)
 from ..checkpoint.shared_read import read_rank_state
 from ..errors import StepAborted
@@ -137,7 +136,8 @@ def assign_sources(held: Mapping[int, Iterable[Sequence[int]]], step: int, world
 
 # -- the collective ----------------------------------------------------------------
 def local_holdings(engine) -> tuple[list[tuple[int, int, str]], dict[int, int], dict[int, str]]:
-    """(step, old_rank, path) on this node's disk tiers; shared steps → world; shared roots."""
+    """(step, old_rank, path) on this node's disk tiers; shared steps → world; shared roots.
+    Only this run's steps (``engine.ownership``): another run's are not held."""
     held, shared, roots = [], {}, {}
     for spec in engine.specs:
         if spec.storage == "memory":
@@ -147,8 +147,7 @@ def local_holdings(engine) -> tuple[list[tuple[int, int, str]], dict[int, int], 
         for d in dirs:
             if not os.path.isdir(d):
                 continue
-            for step in mf.complete_steps(d):
-                man = mf.read_manifest(d, step)
+            for step, man in engine.ownership.own(d, spec.name if d == root else f"{spec.name}-partner"):
                 if spec.storage == "shared":
                     shared.setdefault(step, man.world_size)
                     roots.setdefault(step, d)
@@ -183,6 +182,7 @@ def restore_sharded(gen, store, engine, names: Sequence[str]) -> dict[str, Any] 
     its sharded objects resharded to ``gen.world_size``; None when there is no such step."""
     engine.rebuild_missing()  # XOR tiers: a lost node's shard rebuilt into its slot's new rank
     held, shared, roots = local_holdings(engine)
+    engine.report_foreign()
     store.set(StoreKey.RESHARD_HELD.of(gen.generation, gen.rank), json.dumps([[s, r, w] for s, r, _, w in held]))
     infos = {r: json.loads(_get(store, StoreKey.RESHARD_HELD.of(gen.generation, r), gen))
              for r in range(gen.world_size)}

@@ -132,7 +132,8 @@ class Session(StateFacade):
         checkpoints = CheckpointEngine(
             # a resubmitted job (recovery.requeue_by: resubmit) keeps the first job's paths
             cfg.checkpoint.tiers(), job_id=os.environ.get("SR_ORIGIN_JOB_ID") or env.job_id, job_dir=env.job_dir,
-            node=env.node, emit=events.emit, mtbf_s=cfg.checkpoint.mtbf_s)
+            node=env.node, emit=events.emit, mtbf_s=cfg.checkpoint.mtbf_s,
+            run_id=env.run_id, adopt_legacy=cfg.checkpoint.adopt_legacy)  # restores this run's only
         hb = Heartbeat(env, cfg.detect.heartbeat_period_s, pulse=cfg.detect.pulse).start()
         members = Membership(env, cfg.reconnect, store, open_client=lambda: open_store(env), emit=events.emit,
                              heartbeat=hb, checkpoints=checkpoints, parking=self._parking,

@@ -14,6 +14,7 @@ from slurm_resilience.checkpoint import manifest as mf
 from slurm_resilience.checkpoint.hdf5_format import shard_crc32
 from slurm_resilience.config import load_config
 from slurm_resilience.launch.localhost import LocalLauncher
+from slurm_resilience.run_identity import establish
 from slurm_resilience.supervisor.online import Supervisor
 
 TRAIN = Path(__file__).resolve().parents[2] / "examples" / "train_mlp.py"
@@ -30,7 +31,10 @@ class LocalJob:
                  step_time: float = STEP_TIME, checkpoint: dict | None = None,
                  job_name: str = "job", local_dir: Path | None = None,
                  recovery: dict | None = None, detect: dict | None = None, reconnect: dict | None = None,
-                 extra_args: tuple[str, ...] = (), script: Path = TRAIN, tasks_per_node: int = 1) -> None:
+                 extra_args: tuple[str, ...] = (), script: Path = TRAIN, tasks_per_node: int = 1,
+                 run_id: str | None = None) -> None:
+        """``run_id``: the run this job continues (its checkpoints are restored); None: the
+        job directory's recorded one if it ran before, else a new run (``run_identity``)."""
         cfg = load_config({
             "reconnect": {"gloo_ifname": "lo", **(reconnect or {})},
             "job": {"nodes": nodes, "spares": spares, "tasks_per_node": tasks_per_node},
@@ -49,7 +53,9 @@ class LocalJob:
             command=[sys.executable, str(script), "--steps", str(steps), "--step-time", str(step_time), *extra_args],
             job_dir=str(self.job_dir),
             nodes=[f"local{i}" for i in range(1, nodes + spares + 1)],
-            launcher=self.launcher, store_host="127.0.0.1", job_id="test", out=self.out)
+            launcher=self.launcher, store_host="127.0.0.1", job_id="test", out=self.out,
+            # a job directory run again is the same run (as `slurm-resilience local` on it)
+            run_id=establish(str(self.job_dir), run_id, resumed=True))
         self.code: int | None = None
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="test-supervisor", daemon=True)
@@ -158,10 +164,14 @@ def assert_same_training(got: dict, ref: dict) -> None:
     assert got["digests"] == ref["digests"], "a rank's final state differs from the reference"
 
 
+GATHERED_RUN = "d" * 32  # the run a gathered checkpoint is stamped with: a job started from it passes it
+
+
 def gather_l1(local: Path, step: int, dst: Path, world: int = 3) -> None:
     """A shared-tier root at ``dst`` holding ``step``'s L1 shards as a ``world``-rank
     job's nodes held them (rank r ran on local{r+1}, tier directory ``ckpt``): how a test
-    starts a fresh job from another job's checkpoint of that step."""
+    starts a fresh job from another job's checkpoint of that step (``run_id=GATHERED_RUN``:
+    a checkpoint is restored by its own run only)."""
     shards = {}
     for r in range(world):
         src = mf.shard_path(str(local / f"local{r + 1}" / "ckpt"), step, r)
@@ -170,5 +180,5 @@ def gather_l1(local: Path, step: int, dst: Path, world: int = 3) -> None:
         shutil.copyfile(src, to)
         shards[r] = mf.ShardRecord(mf.shard_name(r), Path(to).stat().st_size, shard_crc32(to))
     mf.write_manifest(str(dst), mf.Manifest(step=step, world_size=world, tier="L2", shards=shards, created=0.0,
-                                            extra={}))
+                                            extra={}, run_id=GATHERED_RUN))
     mf.set_latest(str(dst), step)

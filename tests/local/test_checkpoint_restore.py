@@ -30,13 +30,14 @@ pytestmark = pytest.mark.timeout(240)
 
 FIRST, TOTAL = 20, 30
 CKPT = {"local_every": 10, "shared_every_kth": 1, "memory_every": 10}
+RUN = "c" * 32  # "resumed" continues "first": one run (as a requeue would), so its checkpoints are its own
 
 
 def _run(root: Path, *, steps: int, nodes: int = 3, job_name: str, local: Path) -> LocalJob:
     """One job; node-local dirs under ``local``, the shared tier in ``root/shared``."""
     job = LocalJob(root, nodes=nodes, spares=0, steps=steps, step_time=0.0,
                    checkpoint={**CKPT, "shared_dir": str(root / "shared")},
-                   job_name=job_name, local_dir=local).start()
+                   job_name=job_name, local_dir=local, run_id=RUN).start()
     try:
         assert job.wait() == 0, job.diag()
     finally:

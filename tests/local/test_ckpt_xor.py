@@ -65,7 +65,7 @@ _RANK = textwrap.dedent(
     events = []
     specs = (TierSpec(name="L1", storage="local", interval_steps=1, redundancy=Redundancy.XOR,
                       group_size=group_size, path=root + "/{node}/l1", keep=2),)
-    eng = CheckpointEngine(specs, job_id="1", job_dir=root, node=nodes[rank],
+    eng = CheckpointEngine(specs, job_id="1", run_id="0" * 32, job_dir=root, node=nodes[rank],
                            emit=lambda kind, **f: events.append([kind, f]))
     eng.bind(rank=rank, world_size=len(nodes), nodes=nodes,
              transfer=lambda: Generation(store, table, rank, backend="gloo", timeout_s=60, poll_ms=50,

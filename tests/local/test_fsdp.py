@@ -23,7 +23,7 @@ from slurm_resilience.checkpoint import manifest as mf
 from slurm_resilience.checkpoint.shared_read import read_rank_state
 from slurm_resilience.cli import main as cli_main
 
-from .localjob import LocalJob, assert_bit_identical, final_state, gather_l1, rank_digests
+from .localjob import GATHERED_RUN, LocalJob, assert_bit_identical, final_state, gather_l1, rank_digests
 
 pytestmark = pytest.mark.timeout(300)
 SCRIPT = Path(__file__).with_name("train_fsdp_tiny.py")
@@ -112,7 +112,7 @@ def test_scale_in_reshards_like_a_fresh_job_at_the_new_size(tmp_path):
 
     # B: a fresh 2-rank job from A's checkpoint of that step (the three L1 shards, as A's nodes held them)
     gather_l1(tmp_path / "local-a", step, tmp_path / "b" / "checkpoints")
-    b = _run(_job(tmp_path, "b", nodes=2, spares=0, checkpoint={**CKPT, "shared_every_kth": 1}))
+    b = _run(_job(tmp_path, "b", nodes=2, spares=0, checkpoint={**CKPT, "shared_every_kth": 1}, run_id=GATHERED_RUN))
     assert {e["step"] for e in _events(b, "rank_restored") if e.get("resharded")} == {step}
     assert sorted(rank_digests(a)) == [0, 1] and rank_digests(a) == rank_digests(b)
     fa, fb = final_state(a), final_state(b)

@@ -105,7 +105,7 @@ def test_g2_scale_in_by_a_whole_node_reshards_6_to_4_exactly(tmp_path):
     from slurm_resilience.checkpoint import manifest as mf
     from slurm_resilience.checkpoint.hdf5_format import shard_crc32
 
-    from .localjob import STEPS, ZERO, assert_bit_identical
+    from .localjob import GATHERED_RUN, STEPS, ZERO, assert_bit_identical
 
     a = LocalJob(tmp_path, nodes=3, spares=0, script=ZERO, checkpoint=CKPT, job_name="a", tasks_per_node=G).start()
     st = a.wait_for_step(INJECT_AFTER + 6)
@@ -126,10 +126,10 @@ def test_g2_scale_in_by_a_whole_node_reshards_6_to_4_exactly(tmp_path):
         shutil.copyfile(src, to)
         shards[r] = mf.ShardRecord(mf.shard_name(r), Path(to).stat().st_size, shard_crc32(to))
     mf.write_manifest(str(dst), mf.Manifest(step=step, world_size=3 * G, tier="L2", shards=shards,
-                                            created=0.0, extra={}))
+                                            created=0.0, extra={}, run_id=GATHERED_RUN))
     mf.set_latest(str(dst), step)
     b = _run(LocalJob(tmp_path, nodes=2, spares=0, script=ZERO, checkpoint=CKPT, job_name="b",
-                      local_dir=tmp_path / "local-b", tasks_per_node=G).start())
+                      local_dir=tmp_path / "local-b", tasks_per_node=G, run_id=GATHERED_RUN).start())
     assert {e["step"] for e in b.events() if e["kind"] == "rank_restored" and e.get("resharded")} == {step}
     fa, fb = final_state(a), final_state(b)
     assert fa["step"] == fb["step"] == STEPS

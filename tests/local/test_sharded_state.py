@@ -19,7 +19,7 @@ from slurm_resilience.checkpoint import manifest as mf
 from slurm_resilience.checkpoint.hdf5_format import read_shard
 from slurm_resilience.cli import main as cli_main
 
-from .localjob import INJECT_AFTER, ZERO, LocalJob, assert_bit_identical, final_state, gather_l1
+from .localjob import GATHERED_RUN, INJECT_AFTER, ZERO, LocalJob, assert_bit_identical, final_state, gather_l1
 
 pytestmark = pytest.mark.timeout(300)
 DCP_LOAD = Path(__file__).with_name("dcp_load.py")  # torch alone: no slurm_resilience import
@@ -56,7 +56,7 @@ def test_scale_in_reshards_sharded_state_exactly(tmp_path):
     gather_l1(tmp_path / "local", step, dst)
     dcp_dir = _export_and_load_with_dcp_alone(dst, step, tmp_path)
     b = _run(LocalJob(tmp_path, nodes=2, spares=0, steps=STEPS, script=ZERO, checkpoint=CKPT, job_name="b",
-                      local_dir=tmp_path / "local-b").start())
+                      local_dir=tmp_path / "local-b", run_id=GATHERED_RUN).start())
     restored_b = [e for e in _events(b, "rank_restored") if e.get("resharded")]
     assert restored_b and {e["step"] for e in restored_b} == {step}
 

@@ -55,7 +55,7 @@ class Cluster:
         self.events = [[] for _ in nodes]
         self.engines = []
         for r, node in enumerate(nodes):
-            eng = CheckpointEngine((spec,), job_id="1", job_dir=str(root), node=node,
+            eng = CheckpointEngine((spec,), job_id="1", run_id="0" * 32, job_dir=str(root), node=node,
                                    emit=lambda kind, _r=r, **f: self.events[_r].append((kind, f)))
             eng.dedup_shared = dedup_shared
             eng.bind(rank=r, world_size=WORLD, nodes=nodes, transfer=self._factory(r))
@@ -89,7 +89,8 @@ class Cluster:
 
     def fresh(self, rank, events):
         """A relaunched rank's engine: nothing in memory, the shared tier only."""
-        eng = CheckpointEngine((self.spec,), job_id="1", job_dir=str(self.root), node=self.nodes[rank],
+        eng = CheckpointEngine((self.spec,), job_id="1", run_id="0" * 32, job_dir=str(self.root),
+                               node=self.nodes[rank],
                                emit=lambda kind, **f: events.append((kind, f)))
         eng.bind(rank=rank, world_size=WORLD, nodes=self.nodes, transfer=None)
         self.engines.append(eng)
@@ -209,7 +210,8 @@ def test_dedup_file_under_a_manifest_without_the_record_is_invalid(tmp_path):
     try:
         c.save([1, 2])
         man = mf.read_manifest(c.l2, 2)
-        mf.write_manifest(c.l2, mf.Manifest(step=2, world_size=WORLD, tier="L2", shards=man.shards, extra={}))
+        mf.write_manifest(c.l2, mf.Manifest(step=2, world_size=WORLD, tier="L2", shards=man.shards, extra={},
+                                                run_id=man.run_id, job_id=man.job_id))
         path = layout.shard_path(c.l2, 2, 0)
         assert "held by no file" in verify_rank_problems(path)[0]
         assert mf.validate_step(c.l2, 2, deep=True)

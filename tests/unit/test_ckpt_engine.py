@@ -49,7 +49,8 @@ def specs(tmp_path, l2=True, l1_path=None):
 
 
 def make_engine(tier_specs, tmp_path, events):
-    return CheckpointEngine(tier_specs, job_id="1", job_dir=str(tmp_path), node="node0", emit=events)
+    return CheckpointEngine(tier_specs, job_id="1", run_id="0" * 32, job_dir=str(tmp_path), node="node0",
+                            emit=events)
 
 
 def train_state(step, width=8):
@@ -263,7 +264,7 @@ _KILLED_WRITER = textwrap.dedent(
     root = sys.argv[1]
     specs = (TierSpec(name="L0", storage="memory", interval_steps=1),
              TierSpec(name="L1", storage="local", interval_steps=1, path=root, keep=3))
-    eng = CheckpointEngine(specs, job_id="1", job_dir=root, node="n0")
+    eng = CheckpointEngine(specs, job_id="1", run_id="0" * 32, job_dir=root, node="n0")
     eng.save(1, {"objects": {"model": {"w": torch.arange(1000, dtype=torch.float32)}}, "step": 1})
     assert eng.wait(60)
     n = 300 * (1 << 20) // 4

@@ -170,7 +170,8 @@ def _run(tmp_path, striping, steps=range(1, 7), **l2):
     events = []
     tiers = (TierSpec(name="L1", storage="local", interval_steps=1, path=str(tmp_path / "l1")),
              TierSpec(name="L2", storage="shared", every_kth=2, path=str(tmp_path / "l2"), keep=5, **l2))
-    eng = CheckpointEngine(tiers, job_id="1", job_dir=str(tmp_path), node="n0", striping=striping,
+    eng = CheckpointEngine(tiers, job_id="1", run_id="0" * 32, job_dir=str(tmp_path), node="n0",
+                           striping=striping,
                            emit=lambda kind, **f: events.append((kind, f)))
     try:
         for s in steps:

@@ -82,7 +82,9 @@ def test_tierspec_valid_forms():
 
 def test_expand_path():
     assert expand_path(L1, job_id="42") == "/tmp/42"
-    assert expand_path(default_tiers()[1], job_id=7, node="n1", user="ann") == "/tmp/slurm_resilience-ann/7/n1/ckpt"
+    run = "ab" * 16
+    assert (expand_path(default_tiers()[1], job_id=7, run_id=run, node="n1", user="ann")
+            == f"/tmp/slurm_resilience-ann/7/{run}/n1/ckpt")  # a run of its own: a reused job id cannot collide
     with pytest.raises(ConfigError, match=r"needs a value for \{job_dir\}"):
         expand_path(L2, job_id=1)
     with pytest.raises(ConfigError, match="no path"):
@@ -312,7 +314,7 @@ def test_default_tiers():
     l0, l1, l2 = default_tiers()
     assert (l0.name, l0.storage, l0.interval_steps) == ("L0", "memory", 10)
     assert (l1.storage, l1.interval_steps, l1.redundancy) == ("local", 10, Redundancy.PARTNER)
-    assert l1.path == "/tmp/slurm_resilience-{user}/{job_id}/{node}/ckpt"
+    assert l1.path == "/tmp/slurm_resilience-{user}/{job_id}/{run_id}/{node}/ckpt"
     assert (l2.storage, l2.every_kth, l2.keep, l2.path) == ("shared", 5, 2, "{job_dir}/checkpoints")
     out = _run(default_tiers(), range(1, 101))
     assert [s for s, n in out.items() if "L2" in n] == [50, 100]

@@ -48,7 +48,7 @@ class Cluster:
         self.events = [[] for _ in self.nodes]
         self.engines = []
         for r, node in enumerate(self.nodes):
-            eng = CheckpointEngine((spec,), job_id="1", job_dir=str(root), node=node,
+            eng = CheckpointEngine((spec,), job_id="1", run_id="0" * 32, job_dir=str(root), node=node,
                                    emit=lambda kind, _r=r, **f: self.events[_r].append((kind, f)))
             eng.bind(rank=r, world_size=len(self.nodes), nodes=self.nodes, transfer=self._factory(r, timeout_s))
             self.engines.append(eng)

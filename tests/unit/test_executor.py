@@ -11,6 +11,7 @@ from slurm_resilience.errors import ConfigError, ResilienceError
 from slurm_resilience.launch import executor as executor_mod
 from slurm_resilience.launch import submitit_launch
 from slurm_resilience.slurm import commands
+from slurm_resilience.run_identity import check_run_id
 
 
 class FakeSubmititJob:
@@ -150,8 +151,8 @@ def test_submit_makes_only_the_levels_above_the_job_id(tmp_path, monkeypatch):
         def update_parameters(self, **params):
             seen["params"] = params
 
-        def submit(self, fn, config, command, job_dir):
-            seen["job_dir"] = job_dir
+        def submit(self, fn, config, command, job_dir, run_id):
+            seen["job_dir"], seen["run_id"] = job_dir, run_id
             return "job"
 
     import submitit
@@ -162,6 +163,7 @@ def test_submit_makes_only_the_levels_above_the_job_id(tmp_path, monkeypatch):
     assert oct((tmp_path / "jobs").stat().st_mode & 0o777) == "0o700"
     assert seen["folder"] == str(tmp_path / "jobs" / "%j" / "submitit")
     assert seen["job_dir"] == str(tmp_path / "jobs" / "%j")
+    assert check_run_id(seen["run_id"])  # drawn at submission: the pickle a requeue runs again holds it
     assert seen["params"]["slurm_additional_parameters"] == {"no_kill": True, "nodes": 4, "ntasks_per_node": 1,
                                                            "requeue": True, "signal": "USR2@60"}
 
@@ -188,7 +190,7 @@ def _fake_submitit(monkeypatch, seen):
         def update_parameters(self, **params):
             seen["params"] = params
 
-        def submit(self, fn, config, command, job_dir):
+        def submit(self, fn, config, command, job_dir, run_id):
             seen["config"] = config
             return "job"
 

@@ -133,7 +133,7 @@ def test_persist_skips_a_committed_step_and_writes_a_restorable_shard(tmp_path):
     from slurm_resilience.worker.statesync import TrainingState
 
     spec = TierSpec(name="L2", storage="shared", path=str(tmp_path / "l2"), interval_steps=10)
-    eng = CheckpointEngine([spec], job_id="1", job_dir=str(tmp_path), node="n1")
+    eng = CheckpointEngine([spec], job_id="1", run_id="0" * 32, job_dir=str(tmp_path), node="n1")
     try:
         eng.bind(rank=2, world_size=3, nodes=["n1", "n2", "n3"], transfer=None)
         model = torch.nn.Linear(2, 2)

@@ -50,6 +50,6 @@ def test_argv_for_a_node_follows_the_config():
     cfg = load_config({"checkpoint": {"local_dir": "/scratch/{job_id}/{node}/ckpt", "local_min_free_gb": 5},
                        "recovery": {"health_check": ["/site/probe", "--quick"], "health_check_timeout_s": 7},
                        "reconnect": {"backend": "nccl"}, "job": {"tasks_per_node": 4}})
-    argv = health.health_argv(cfg, job_id="42", job_dir="/j", node="gpu7", python="py")
+    argv = health.health_argv(cfg, job_id="42", run_id="0" * 32, job_dir="/j", node="gpu7", python="py")
     assert argv == ["py", "-m", "slurm_resilience.health", "--local-dir", "/scratch/42/gpu7/ckpt", "--min-free-gb",
                     "5.0", "--gpus", "4", "--timeout-s", "7.0", "--", "/site/probe", "--quick"]

@@ -50,6 +50,9 @@ class Engine:
     def rebuild_missing(self):
         return []
 
+    def report_foreign(self):
+        pass
+
     def save(self, step, state, tiers):
         self.saved.append((step, tiers))
 

@@ -58,7 +58,7 @@ def test_store_keys_distinct():
 def _env(job_dir, **kw):
     base = dict(store_addr="10.1.2.3", store_port=29500, liveness_port=40001, token="s3cr3t",
                 job_dir=str(job_dir), worker_id="n1.7", node="n1", role=Role.STANDBY,
-                generation=3, config_path="/x/config.yaml", job_id="12345")
+                generation=3, config_path="/x/config.yaml", job_id="12345", run_id="ab" * 16)
     base.update(kw)
     return WorkerEnv(**base)
 
@@ -116,7 +116,7 @@ def test_empty_environment(tmp_path):
     msg = str(ei.value)
     assert "\n" not in msg
     for var in ("SR_STORE_ADDR", "SR_STORE_PORT", "SR_LIVENESS_PORT", "SR_JOB_DIR", "SR_WORKER_ID",
-                "SR_NODE", "SR_ROLE", "SR_GENERATION", "SR_CONFIG", "SR_JOB_ID"):
+                "SR_NODE", "SR_ROLE", "SR_GENERATION", "SR_CONFIG", "SR_JOB_ID", "SR_RUN_ID"):
         assert var in msg
 
 

@@ -142,7 +142,8 @@ def test_a_dead_pulse_leaves_the_progress_in_the_heartbeat_and_the_watchdog_find
     base = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=10), wait_for_workers=False)
     store = dist.PrefixStore(TOKEN + "/", base)
     env = WorkerEnv(store_addr="127.0.0.1", store_port=base.port, liveness_port=srv.port, token=TOKEN, job_dir="",
-                    worker_id="w1", node="n1", role=Role.RANK, generation=0, config_path="", job_id="j")
+                    worker_id="w1", node="n1", role=Role.RANK, generation=0, config_path="", job_id="j",
+                    run_id="0" * 32)
     hb = Heartbeat(env, 0.05).start()
     watch = ProgressWatch(stale_s=1.0, soft_s=0.6, hard_s=1.2, factor=2, pulse_s=0.3)
 

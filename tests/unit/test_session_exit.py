@@ -48,7 +48,7 @@ class FakeSupervisor:
             "SR_STORE_ADDR": "127.0.0.1", "SR_STORE_PORT": str(self.server.port),
             "SR_LIVENESS_PORT": str(self.liveness.getsockname()[1]), "SR_JOB_DIR": str(self.job_dir),
             "SR_WORKER_ID": "w0", "SR_NODE": "n0", "SR_ROLE": role, "SR_GENERATION": "0",
-            "SR_CONFIG": str(cfg), "SR_JOB_ID": "1",
+            "SR_CONFIG": str(cfg), "SR_JOB_ID": "1", "SR_RUN_ID": "0" * 32,
         }
 
     def publish(self, g, action=PlanAction.RUN, worker="w0", reason=""):

@@ -272,7 +272,8 @@ class _Recorder:
 
 def _env(worker_id, role=Role.RANK):
     return WorkerEnv(store_addr="127.0.0.1", store_port=0, liveness_port=0, token="t", job_dir="/nonexistent",
-                     worker_id=worker_id, node="n0", role=role, generation=0, config_path="", job_id="1")
+                     worker_id=worker_id, node="n0", role=role, generation=0, config_path="", job_id="1",
+                     run_id="0" * 32)
 
 
 def _membership(store, worker_id, role=Role.RANK, aborted=None):

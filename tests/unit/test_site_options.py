@@ -240,7 +240,7 @@ def test_executor_merges_the_site_options_with_its_own(tmp_path, monkeypatch):
         def update_parameters(self, **params):
             seen["params"] = params
 
-        def submit(self, fn, config, command, job_dir):
+        def submit(self, fn, config, command, job_dir, run_id):
             seen["config"] = config
             return type("J", (), {"job_id": "9"})()
 

@@ -64,7 +64,7 @@ class Launcher:  # what Supervisor._setup touches of a launcher
 def _supervisor(tmp_path, store_port):
     cfg = load_config({"job": {"nodes": 1, "spares": 0}})
     return Supervisor(config=cfg, command=["true"], job_dir=str(tmp_path), nodes=["a"], launcher=Launcher(),
-                      store_host="127.0.0.1", store_port=store_port)
+                      store_host="127.0.0.1", store_port=store_port, run_id="0" * 32)
 
 
 def test_with_the_keepers_store_the_supervisor_connects_only_at_its_first_store_use(tmp_path):
