@@ -352,25 +352,23 @@ class Session(StateFacade):
             return True
         return False
 
+    def _own_rank(self) -> int | None:
+        """This worker's rank: its group's, else its own slot's in the last plan (by
+        worker id: with G ranks per node the node's first slot is another rank's)."""
+        members = self._p.members
+        if members.group is not None:
+            return members.group.rank
+        plan = members.plan
+        slot = None if plan is None else next((s for s in plan.table.slots if s.worker_id == self._env.worker_id), None)
+        return slot.rank if slot is not None else None
+
     def _end_headless(self) -> None:
         """The batch host is lost: persist this rank's newest state, requeue in turn."""
-        members = self._p.members
-        plan, rank = members.plan, None
-        if members.group is not None:
-            rank = members.group.rank
-        elif plan is not None:
-            slot = next((s for s in plan.table.slots if s.worker_id == self._env.worker_id), None)
-            rank = slot.rank if slot is not None else None
-        end_headless(state=self._state, checkpoints=self._p.checkpoints, rank=rank,
+        plan = self._p.members.plan
+        end_headless(state=self._state, checkpoints=self._p.checkpoints, rank=self._own_rank(),
                      world_size=plan.table.world_size if plan is not None else None,
                      job_id=self._env.job_id, job_dir=self._env.job_dir, config=self.config)
 
     def _abort(self, plan: Plan) -> NoReturn:
-        members = self._p.members
-        if members.group is not None:
-            rank = members.group.rank
-        elif members.plan is not None:
-            rank = members.plan.table.slot_for_node(self._env.node).rank
-        else:
-            rank = None
+        rank = self._own_rank()
         self._p.endings.abort(plan, rank)

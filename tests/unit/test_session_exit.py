@@ -190,3 +190,22 @@ def test_stopped_rank_launched_by_the_supervisor_skips_the_teardown(sup):
     p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
     assert (p.returncode, p.stdout) == (0, "finally ran"), p.stderr[-2000:]
     assert sup.kinds() == ["stopped"]
+
+
+def test_an_aborted_rank_without_a_group_is_named_by_its_own_slot_not_its_nodes_first():
+    """Issue 24's hidden bug: with G = 2 both ranks of a node aborted as the node's first
+    rank (``slot_for_node``); the rank comes from this worker's own slot."""
+    import types
+
+    from slurm_resilience.protocol import Plan, PlanAction
+    from slurm_resilience.supervisor.ranktable import initial_table
+
+    table = initial_table(["n1", "n2"], ["n1.a", "n1.b", "n2.a", "n2.b"], {"n1": "x", "n2": "y"}, tasks_per_node=2)
+    plan = Plan(generation=0, action=PlanAction.RUN, table=table)
+    ranks = {}
+    for wid in ("n1.a", "n1.b", "n2.b", "elsewhere"):
+        s = object.__new__(Session)  # no environment: only the rank lookup is used
+        s._parts = types.SimpleNamespace(members=types.SimpleNamespace(group=None, plan=plan))
+        s._env = types.SimpleNamespace(worker_id=wid, node=wid.split(".")[0])
+        ranks[wid] = s._own_rank()
+    assert ranks == {"n1.a": 0, "n1.b": 1, "n2.b": 3, "elsewhere": None}
