@@ -12,32 +12,55 @@ IMAGE=localhost/slurm-resilience:latest
 mkdir -p "$OUT"
 t0=$(date +%s)
 if ! podman image exists "$BASE"; then
-    if podman pull -q docker.io/library/debian:bookworm >/dev/null 2>&1; then
-        podman tag docker.io/library/debian:bookworm "$BASE"
-    else  # no registry: a minimal Debian from the package mirror apt already uses
-        mirror="$(sed -n 's/^URIs: *//p' /etc/apt/sources.list.d/debian.sources 2>/dev/null | head -1)"
+    # The base image by its short name, resolved by podman's own registries.conf; where
+    # no registry answers, a minimal Debian from the package mirror apt already uses.
+    if podman pull -q debian:bookworm >/dev/null 2>&1; then
+        podman tag debian:bookworm "$BASE"
+    else
+        mirror="$(sed -n 's/^URIs: *//p' /etc/apt/sources.list.d/*.sources 2>/dev/null | head -1)"
+        [ -n "$mirror" ] || mirror="$(sed -n 's/^deb \(\[[^]]*\] \)\?\([^ ]*\) .*/\2/p' /etc/apt/sources.list 2>/dev/null | head -1)"
+        if [ -z "$mirror" ]; then
+            echo "try.sh: no image registry and no Debian mirror in apt's sources: podman pull a Debian 12 image as $BASE" >&2
+            exit 2
+        fi
         rootfs="$(mktemp -d)"
-        debootstrap --variant=minbase bookworm "$rootfs" "${mirror:-http://deb.debian.org/debian}" >"$OUT/debootstrap.log"
+        debootstrap --variant=minbase bookworm "$rootfs" "$mirror" >"$OUT/debootstrap.log"
         tar -C "$rootfs" -c . | podman import -q - "$BASE" >/dev/null
         rm -rf "$rootfs"
     fi
 fi
 t1=$(date +%s)
-# The build host's pip settings (a local wheel directory / index), mounted read-only.
+# This host's own pip settings (`pip config list`: its files and PIP_* variables;
+# index, extra indexes, find-links) are passed to the build; local directories they
+# name are mounted read-only at the same path.
 pip_opts=() volumes=()
-for d in /opt/wheels /opt/pypi /opt/pypi-more; do
-    [ -d "$d" ] || continue
-    volumes+=(-v "$d:$d:ro")
-    if [ "$d" = /opt/wheels ]; then pip_opts+=(--find-links "$d"); else pip_opts+=(--extra-index-url "file://$d/simple"); fi
-done
+declare -A seen=()
+add_source() {  # $1: pip option, $2: its value (a URL or a path)
+    [ -z "${seen[$1 $2]:-}" ] || return 0
+    seen[$1 $2]=1
+    pip_opts+=("$1" "$2")
+    local dir="${2#file://}"
+    dir="${dir%/simple}"
+    case "$dir" in /*) if [ -e "$dir" ] && [ -z "${seen[mount $dir]:-}" ]; then
+        seen[mount $dir]=1; volumes+=(-v "$dir:$dir:ro"); fi ;; esac
+}
+while IFS= read -r line; do
+    key="${line%%=*}" value="${line#*=}"
+    value="${value#\'}" value="${value%\'}"
+    case "$key" in
+        *.index-url) add_source --index-url "$value" ;;
+        *.extra-index-url) for v in $value; do add_source --extra-index-url "$v"; done ;;
+        *.find-links) for v in $value; do add_source --find-links "$v"; done ;;
+    esac
+done < <(python3 -m pip config list 2>/dev/null)
 # A site proxy's CA (pip on this host trusts it through the system bundle; Debian's
 # bundle in the image does not have it).
 if [ -f /etc/ssl/certs/ca-certificates.crt ]; then
     volumes+=(-v /etc/ssl/certs/ca-certificates.crt:/opt/host-ca.crt:ro)
     pip_opts+=(--cert /opt/host-ca.crt)
 fi
-torch_index=https://download.pytorch.org/whl/cpu
-ls /opt/wheels/torch-*+cpu-* >/dev/null 2>&1 && torch_index=""  # the CPU wheel is on disk
+# torch's CPU wheel index, if pip's own sources lack the CPU build: TORCH_INDEX=URL.
+torch_index="${TORCH_INDEX:-}"
 podman build --network host "${volumes[@]}" --build-arg BASE="$BASE" --build-arg TORCH_INDEX="$torch_index" \
     --build-arg PIP_OPTS="${pip_opts[*]}" -f "$REPO/containers/Containerfile" -t "$IMAGE" "$REPO" >"$OUT/build.log" 2>&1
 t2=$(date +%s)
