@@ -109,7 +109,8 @@ class Session:
             path = os.path.join(events, f"events-w{self.wid}.jsonl")
             self._events = open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "a")
         self._fault_t: float | None = None
-        self.event("start", rank=self.rank, size=self.size, spares=spares)
+        self.event("start", rank=self.rank, size=self.size, spares=spares, pid=os.getpid(),
+                   node=env.get("SLURMD_NODENAME") or MPI.Get_processor_name())
 
     # -- the program's loop ------------------------------------------------------------
 
