@@ -1,0 +1,273 @@
+"""Simulated ranks: many per thread, each speaking the real protocol, no compute.
+
+One ``Driver`` thread owns a set of ranks and one store client (its calls counted)
+and runs their timers from a heap. A rank:
+
+* connects its liveness socket with the job's token (``heartbeat.connect_liveness``)
+  and, with ``pulse``, a pulse connection (``pulse._connect``);
+* every ``heartbeat_period_s`` writes ``hb/{worker}`` as ``Heartbeat._beat`` does and
+  sends a pulse line as ``pulse.run`` does (``pulse._send``);
+* waits for ``plan/{g}`` polling every ``poll_interval_ms`` (``Membership.await_plan``,
+  the shutdown key too), reads it, admits itself as ``membership.admit`` does
+  (join / wait / fenced / stop), and on joining emits ``reconnected``, ``restored`` and
+  ``first_step`` through ``EventSink``;
+* trains: one "step" every ``step_s``, at whose safe point it checks ``plan/{g+1}``
+  (``Membership.newer_plan``); blocked (a peer is gone: the orchestrator says so) it
+  polls ``plan/{g+1}`` every ``poll_interval_ms`` as a bounded-wait collective does.
+
+Not simulated: the process group (gloo's own rendezvous keys and full mesh), state
+sync, checkpoints. Each driver's ranks share its store client (one TCP connection per
+driver, not per rank): see docs/scale.md.
+"""
+
+from __future__ import annotations
+
+import enum
+import heapq
+import itertools
+import json
+import queue
+import socket
+import threading
+import time
+from typing import Any, Callable
+
+from slurm_resilience.protocol import Plan, PlanAction, Role, StoreKey, WorkerEnv, WorkerEvent
+from slurm_resilience.worker.event_sink import EventSink
+from slurm_resilience.worker.heartbeat import connect_liveness
+from slurm_resilience.worker import pulse as pulse_wire
+
+from .common import CountingStore
+
+
+class Phase(enum.Enum):
+    """AWAIT: polls for plan ``want`` (start, a standby, fenced-or-join pending).
+    RUNNING: in generation ``gen``, a safe point every step. BLOCKED: in a collective
+    a lost peer never joins: polls for ``gen + 1``. SILENT: frozen (nothing sent,
+    nothing closed). ENDED: its sockets are closed."""
+
+    AWAIT = "await"
+    RUNNING = "running"
+    BLOCKED = "blocked"
+    SILENT = "silent"
+    ENDED = "ended"
+
+
+class SimRank:
+    def __init__(self, env: WorkerEnv) -> None:
+        self.env = env
+        self.phase = Phase.AWAIT
+        self.want = env.generation
+        self.gen: int | None = None
+        self.rank: int | None = None
+        self.joined = False
+        self.step = 0
+        self.progress = 0
+        self.version = 0  # bumped when its timers are replaced: stale heap entries are skipped
+        self.liveness: socket.socket | None = None
+        self.pulse: socket.socket | None = None
+        self.sink: EventSink | None = None
+
+    def close(self) -> None:
+        for s in (self.liveness, self.pulse):
+            if s is not None:
+                s.close()
+        self.liveness = self.pulse = None
+        self.phase = Phase.ENDED
+
+
+BEAT, CHECK = 0, 1
+
+
+class Driver(threading.Thread):
+    """Runs its ranks' timers. ``record(kind, gen, t)`` notes a plan read or a join;
+    ``exited(worker_id, code)`` reports a rank's end to the launcher."""
+
+    def __init__(self, idx: int, open_store: Callable[[], Any], cfg: dict,
+                 record: Callable[[str, int, float], None], exited: Callable[[str, int], None]) -> None:
+        super().__init__(name=f"sim-driver-{idx}", daemon=True)
+        self.cfg = cfg
+        self.period = cfg["heartbeat_period_s"]
+        self.poll = cfg["poll_interval_ms"] / 1000.0
+        self.step_s = cfg["step_s"]
+        self._open_store, self.record, self.exited = open_store, record, exited
+        self.inbox: "queue.SimpleQueue[tuple]" = queue.SimpleQueue()
+        self.ranks: dict[str, SimRank] = {}
+        self._raw: Any = None  # the driver's store client (heartbeat.open_store's TCPStore)
+        self._prefix: CountingStore | None = None
+        self._heap: list[tuple[float, int, int, int, SimRank]] = []
+        self._seq = itertools.count()
+        self._plans: dict[int, tuple[Plan, dict[str, Any]]] = {}  # parsed once per driver
+        self.lag_max = 0.0
+        self.late = 0  # timers that fired later than one heartbeat period
+        self.pulse_drops = 0
+        self.closed_at: dict[str, float] = {}  # node → when its ranks' sockets were closed
+        self.stopping = False
+
+    # -- timers ---------------------------------------------------------------------------
+    def _at(self, t: float, kind: int, r: SimRank) -> None:
+        heapq.heappush(self._heap, (t, next(self._seq), kind, r.version, r))
+
+    def run(self) -> None:
+        self._raw = self._open_store()
+        while not self.stopping:
+            self._inbox()
+            now = time.monotonic()
+            while self._heap and self._heap[0][0] <= now:
+                t, _, kind, version, r = heapq.heappop(self._heap)
+                if version != r.version or r.phase in (Phase.SILENT, Phase.ENDED):
+                    continue
+                lag = now - t
+                self.lag_max = max(self.lag_max, lag)
+                if lag > self.period:
+                    self.late += 1
+                try:
+                    (self._beat if kind == BEAT else self._check)(r, t, now)
+                except (RuntimeError, OSError) as exc:  # the store is gone: the run is over
+                    if self.stopping:
+                        return
+                    raise exc
+                now = time.monotonic()
+                if not self.inbox.empty():
+                    break
+            wait = (self._heap[0][0] - time.monotonic()) if self._heap else 0.05
+            if wait > 0:
+                try:
+                    self._handle(self.inbox.get(timeout=min(wait, 0.05)))
+                except queue.Empty:
+                    pass
+
+    def _inbox(self) -> None:
+        while True:
+            try:
+                self._handle(self.inbox.get_nowait())
+            except queue.Empty:
+                return
+
+    def _handle(self, msg: tuple) -> None:
+        what = msg[0]
+        if what == "launch":
+            self._launch(msg[1])
+        elif what == "kill":
+            r = self.ranks.get(msg[1])
+            if r is not None and r.phase is not Phase.ENDED:
+                r.close()
+            if r is not None:
+                self.exited(msg[1], -9)
+        elif what in ("kill_node", "silence_node"):
+            t = time.time()
+            for r in self.ranks.values():
+                if r.env.node == msg[1] and r.phase is not Phase.ENDED:
+                    if what == "kill_node":
+                        r.close()
+                    else:
+                        r.phase = Phase.SILENT
+            self.closed_at[msg[1]] = t
+        elif what == "block":
+            now = time.monotonic()
+            for r in self.ranks.values():
+                if r.phase is Phase.RUNNING and r.gen == msg[1]:
+                    r.phase, r.want, r.version = Phase.BLOCKED, r.gen + 1, r.version + 1
+                    r.progress += 1
+                    self._at(now, BEAT, r)
+                    self._at(now, CHECK, r)
+        elif what == "finish":
+            for r in self.ranks.values():
+                if r.phase in (Phase.RUNNING, Phase.BLOCKED):
+                    self._prefixed(r.env).set(StoreKey.DONE.of(r.rank), str(r.step))
+                    r.sink.emit(WorkerEvent.DONE, step=r.step)
+                    r.close()
+                    self.exited(r.env.worker_id, 0)
+        elif what == "stop":
+            self.stopping = True
+
+    # -- one rank -------------------------------------------------------------------------
+    def _launch(self, environ: dict) -> None:
+        env = WorkerEnv.from_environ(environ)  # reads the job's token file, as a worker does
+        r = SimRank(env)
+        r.liveness = connect_liveness(env)
+        if self.cfg["pulse"]:
+            hello = {"token": env.token, "worker_id": env.worker_id, "node": env.node, "pid": 0, "pulse": True}
+            r.pulse = pulse_wire._connect(env.store_addr, env.liveness_port, hello)
+        r.sink = EventSink(self._prefixed(env), worker_id=env.worker_id, node=env.node,
+                           where=lambda r=r: (r.gen, r.rank))
+        self.ranks[env.worker_id] = r
+        now = time.monotonic()
+        self._beat(r, now, now)  # Heartbeat.start beats once before its thread
+        self._at(now, CHECK, r)
+
+    def _prefixed(self, env: WorkerEnv):
+        """The driver's client under the job's prefix (``heartbeat.open_store``'s PrefixStore)."""
+        if self._prefix is None:
+            import torch.distributed as dist
+
+            self._prefix = CountingStore(dist.PrefixStore(env.token + "/", self._raw))
+        return self._prefix
+
+    def calls(self) -> int:
+        """Store calls so far."""
+        return 0 if self._prefix is None else self._prefix.calls()
+
+    def _beat(self, r: SimRank, due: float, now: float) -> None:
+        waiting = 0 if r.phase is Phase.RUNNING else 1
+        info = {"pid": 0, "generation": r.gen if r.gen is not None else r.env.generation, "rank": r.rank,
+                "step": r.step}
+        self._prefixed(r.env).set(StoreKey.HEARTBEAT.of(r.env.worker_id),
+                                  json.dumps(dict(info, progress=r.progress, phase=waiting, t=time.time())))
+        if r.pulse is not None and not pulse_wire._send(r.pulse, {
+                "progress": r.progress, "waiting": waiting, "step": r.step, "state": "S", "cpu": 0,
+                "t": time.time()}):
+            self.pulse_drops += 1
+        self._at(max(due + self.period, now), BEAT, r)
+
+    def _check(self, r: SimRank, due: float, now: float) -> None:
+        store = self._prefixed(r.env)
+        if r.phase is Phase.RUNNING:  # a safe point: the step is done; a newer plan?
+            r.step += 1
+            r.progress += 1
+            if not store.check([StoreKey.PLAN.of(r.gen + 1)]):
+                self._at(max(due + self.step_s, now), CHECK, r)
+                return
+            r.want = r.gen + 1
+        elif not store.check([StoreKey.PLAN.of(r.want)]):
+            if r.phase is Phase.AWAIT and store.check([StoreKey.SHUTDOWN.value]):
+                r.close()
+                self.exited(r.env.worker_id, 0)
+                return
+            self._at(max(due + self.poll, now), CHECK, r)
+            return
+        self._admit(r, store, r.want)
+
+    def _admit(self, r: SimRank, store, g: int) -> None:
+        raw = store.get(StoreKey.PLAN.of(g))
+        t_read = time.time()
+        if g not in self._plans:
+            plan = Plan.from_json(raw)
+            self._plans[g] = (plan, {s.worker_id: s for s in plan.table.slots})
+        plan, slots = self._plans[g]
+        slot = slots.get(r.env.worker_id)  # membership.admit, with the slot found by a dict
+        if plan.action in (PlanAction.ABORT, PlanAction.STOP):
+            r.close()
+            self.exited(r.env.worker_id, 3 if plan.action is PlanAction.ABORT else 0)
+            return
+        if slot is None:
+            if r.env.role is Role.RANK or r.joined:
+                r.sink.emit(WorkerEvent.FENCED, generation=g)
+                r.close()
+                self.exited(r.env.worker_id, 0)
+                return
+            r.phase, r.want = Phase.AWAIT, g + 1  # a standby not chosen waits for the next plan
+            self._at(time.monotonic() + self.poll, CHECK, r)
+            return
+        self.record("read", g, t_read)  # by a rank of the plan (standbys left waiting do not count)
+        r.gen, r.rank, r.joined, r.phase = g, slot.rank, True, Phase.RUNNING
+        r.version += 1
+        r.progress += 1
+        r.sink.emit(WorkerEvent.RECONNECTED, start=time.time(), joining=slot.rank in plan.joining)
+        self.record("join", g, time.time())
+        r.sink.emit(WorkerEvent.RESTORED, step=r.step)
+        r.sink.emit(WorkerEvent.FIRST_STEP, step=r.step)
+        now = time.monotonic()
+        self._at(now + self.period, BEAT, r)
+        self._at(now + self.step_s, CHECK, r)
+
