@@ -47,9 +47,19 @@ def main() -> None:
     ap.add_argument("--dump-at", type=int, default=-1, help="rank 0 writes the state of this step to OUT.stepN.npz")
     ap.add_argument("--progress", help="rank 0 appends 'STEP UNIX_TIME' here after each step")
     ap.add_argument("--events", help="directory of the per-process event files")
-    ap.add_argument("--die-wid", type=int, default=-1, help="test: this world rank SIGKILLs itself ...")
-    ap.add_argument("--die-step", type=int, default=-1, help="... when it starts this step")
+    ap.add_argument("--die", action="append", default=[], metavar="WID:STEP",
+                    help="test: world rank WID SIGKILLs itself when it starts STEP (repeatable)")
+    ap.add_argument("--die-in-repair", type=int, default=-1, metavar="WID",
+                    help="test: world rank WID SIGKILLs itself in a repair, after Shrink and the allgather")
     args = ap.parse_args()
+    try:
+        die = {tuple(int(v) for v in d.split(":")) for d in args.die}
+    except ValueError:
+        sys.exit(f"mpi_ulfm_train: --die takes WID:STEP, not {args.die}")
+
+    def observer(kind: str, rec: dict) -> None:
+        if kind == "gathered" and rec["wid"] == args.die_in_repair:  # past Shrink, before Agree
+            os.kill(os.getpid(), signal.SIGKILL)
 
     x, y = make_data()
     w = np.zeros((x.shape[1], y.shape[1]))
@@ -62,13 +72,14 @@ def main() -> None:
             first_step = int(s["step"])
 
     try:
-        session = Session({"w": w, "b": b, "pos": pos}, spares=args.spares, events=args.events)
+        session = Session({"w": w, "b": b, "pos": pos}, spares=args.spares, events=args.events,
+                          observer=observer)
     except UlfmUnavailableError as exc:
         sys.exit(f"mpi_ulfm_train: {exc}")
     session.step = first_step
 
     def train_step(comm, step: int) -> None:
-        if session.wid == args.die_wid and step == args.die_step:
+        if (session.wid, step) in die:
             os.kill(os.getpid(), signal.SIGKILL)
         rank, size = comm.Get_rank(), comm.Get_size()
         first = int(pos[0]) + rank * args.batch

@@ -24,12 +24,13 @@ import json
 import os
 import sys
 import time
+import traceback
 from typing import Any, Callable, Mapping
 
 import numpy as np
 
 from ..files import makedirs_private
-from .errors import UlfmUnavailableError
+from .errors import StateLostError, UlfmUnavailableError
 from .lifecycle import Phase, transition
 from .plan import SPARE, Member, RepairPlan, buddy, buddy_source, plan_repair
 from .snapshot import Layout
@@ -68,6 +69,8 @@ class Session:
             world rank 0.
         events: a directory where each process appends its events
             (``events-w{world rank}.jsonl``, 0600); None: no events.
+        observer: called as ``observer(kind, record)`` for every event, after it is
+            written (a program's own timeline, or a test's fault injector).
 
     Raises:
         UlfmUnavailableError: not launched with ``--with-ft ulfm`` or mpi4py < 4.
@@ -75,7 +78,8 @@ class Session:
     """
 
     def __init__(self, state: Mapping[str, Any], *, spares: int = 0, per_node: int | None = None,
-                 events: str | None = None, environ: Mapping[str, str] | None = None) -> None:
+                 events: str | None = None, environ: Mapping[str, str] | None = None,
+                 observer: Callable[[str, dict[str, Any]], None] | None = None) -> None:
         from mpi4py import MPI
 
         env = os.environ if environ is None else environ
@@ -104,11 +108,13 @@ class Session:
         self._own: dict[int, np.ndarray] = {}
         self._held: dict[int, np.ndarray] = {}
         self._events = None
+        self._observer = observer
         if events:
             makedirs_private(events)
             path = os.path.join(events, f"events-w{self.wid}.jsonl")
             self._events = open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "a")
         self._fault_t: float | None = None
+        self._plan_errors = 0
         self.event("start", rank=self.rank, size=self.size, spares=spares, pid=os.getpid(),
                    node=env.get("SLURMD_NODENAME") or MPI.Get_processor_name())
 
@@ -148,10 +154,28 @@ class Session:
                     self._fault_t = None
             except self._MPI.Exception as exc:
                 if not self._is_fault(exc):
-                    raise
+                    self._abandon(exc)
                 self._repair(exc)
+            except Exception as exc:  # the program's own error, or state lost for good
+                self._abandon(exc)
         self.phase = transition(self.phase, Phase.DONE)
         self.event("done", step=self.step)
+
+    def _abandon(self, exc: BaseException) -> None:
+        """End this process at once on an error the repair cannot mend: its traceback to
+        stderr, the communicators revoked so the others learn of it, then ``os._exit(1)``
+        (a normal exit runs MPI_Finalize, which waits for peers that never come)."""
+        traceback.print_exception(exc)
+        self.event("abandon", error=f"{type(exc).__name__}: {exc}")
+        for c in (self.comm, self._world):
+            if c != self._MPI.COMM_NULL:
+                try:
+                    c.Revoke()
+                except self._MPI.Exception as again:
+                    self.event("revoke_failed", error=str(again))
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
 
     def close(self, code: int = 0) -> None:
         """Collective (over the world): a barrier, then end the process with ``code``
@@ -170,11 +194,12 @@ class Session:
 
     def event(self, kind: str, **fields: Any) -> None:
         """Append one event (``{"t", "kind", "wid", "rank", ...}``) to this process's file."""
-        if self._events is None:
-            return
         rec = {"t": time.time(), "kind": kind, "wid": self.wid, "rank": self.rank, **fields}
-        self._events.write(json.dumps(rec) + "\n")
-        self._events.flush()
+        if self._events is not None:
+            self._events.write(json.dumps(rec) + "\n")
+            self._events.flush()
+        if self._observer is not None:
+            self._observer(kind, rec)
 
     # -- steps -------------------------------------------------------------------------
 
@@ -245,9 +270,24 @@ class Session:
         shrunk = self._world.Shrink()
         shrunk.Set_errhandler(MPI.ERRORS_RETURN)
         self._world = shrunk  # a failure from here on shrinks this one again
-        gathered = shrunk.allgather((self.wid, self.rank, self.committed))
-        members = [Member(*g) for g in gathered]
-        plan = plan_repair(members, self.size, self.per_node)
+        self.event("shrunk", world=shrunk.Get_size())
+        mine = np.array([self.wid, self.rank, self.committed], dtype=np.int64)
+        gathered = np.empty((shrunk.Get_size(), 3), dtype=np.int64)
+        shrunk.Allgather(mine, gathered)  # numbers, not pickles: a torn gather must not raise
+        members = [Member(*(int(v) for v in row)) for row in gathered]
+        self.event("gathered", members=len(members))
+        try:
+            plan = plan_repair(members, self.size, self.per_node)
+        except (ValueError, StateLostError) as exc:
+            # A peer lost during the gather can leave it torn (ULFM only promises the
+            # Agree): restart on that; the same verdict twice in a row is the truth.
+            self._plan_errors += 1
+            if self._plan_errors >= 3:
+                raise
+            self.event("plan_error", error=str(exc))
+            shrunk.Revoke()
+            raise self._MPI.Exception(self._MPI.ERR_REVOKED) from exc
+        self._plan_errors = 0
         new_rank = plan.rank_of(self.wid)
         comm = shrunk.Split(0 if new_rank != SPARE else MPI.UNDEFINED, key=max(new_rank, 0))
         if comm != MPI.COMM_NULL:
