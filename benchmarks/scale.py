@@ -140,6 +140,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="where the job directory lives (default /dev/shm: no fsync cost; a disk path adds it)")
     ap.add_argument("--stop-after-failure", action="store_true", help="skip larger N once a size failed")
     ap.add_argument("--profile", help="cProfile the supervisor's loop at the largest size into this file")
+    ap.add_argument("--skip-state-save", action="store_true",
+                    help="diagnostic, not the product: the supervisor never writes supervisor.json (shows the "
+                         "next bottleneck past the O(N) state save per change)")
     ap.add_argument("--label", default="", help="a name for this run in the JSON (e.g. the commit)")
     ap.add_argument("--json")
     ap.add_argument("--plot")
@@ -153,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
             spec = RunSpec(ranks=n, tasks_per_node=args.tasks_per_node, steady_s=args.steady_s,
                            settle_s=args.settle_s, step_s=args.step_s, hosts=args.hosts, threads=args.threads,
                            pulse={"auto": None, "on": True, "off": False}[args.pulse], cases=tuple(args.cases),
-                           max_wait_s=args.max_wait_s,
+                           max_wait_s=args.max_wait_s, skip_save=args.skip_state_save,
                            profile=args.profile if args.profile and n == max(args.sizes) else None)
             with Run(spec, root=args.job_root) as run:
                 try:

@@ -12,10 +12,11 @@ import sys
 import threading
 import time
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
 from .common import HOST, Channel, listen, raise_fd_limit
-from .ranks import Driver, Phase
+from .ranks import Driver, connect
 
 
 class RankHost:
@@ -24,6 +25,8 @@ class RankHost:
         self.launcher: Channel | None = None
         self._lock = threading.Lock()
         self.times: dict[str, dict[int, list]] = {"read": {}, "join": {}}  # kind → gen → [count, first, last]
+        self._pace, self._next_start = threading.Lock(), 0.0
+        self._starters = ThreadPoolExecutor(8, thread_name_prefix="sim-start")  # connects block
         self.drivers = [Driver(i, self._open_store, spec, self._record, self._exited) for i in range(spec["threads"])]
         for d in self.drivers:
             d.start()
@@ -44,6 +47,21 @@ class RankHost:
         if self.launcher is not None:
             self.launcher.send(("exit", worker_id, code))
 
+    def _start(self, environ: dict) -> None:
+        wid = environ["SR_WORKER_ID"]
+        with self._pace:  # real ranks start over seconds (srun, import torch), not in one burst
+            wait = self._next_start - time.monotonic()
+            self._next_start = max(self._next_start, time.monotonic()) + 1.0 / self.spec["start_rate"]
+        if wait > 0:
+            time.sleep(wait)
+        try:
+            r = connect(environ, self.spec["pulse"])
+        except OSError as exc:  # a worker that cannot reach the supervisor dies at its start
+            print(f"simulated rank {wid} failed to start: {exc}", file=sys.stderr, flush=True)
+            self._exited(wid, 1)
+            return
+        self._driver(wid).inbox.put(("adopt", r))
+
     def _driver(self, worker_id: str) -> Driver:
         return self.drivers[zlib.crc32(worker_id.encode()) % len(self.drivers)]
 
@@ -52,7 +70,7 @@ class RankHost:
         if what == "hello":
             self.launcher = ch
         elif what == "launch":
-            self._driver(msg[1]["SR_WORKER_ID"]).inbox.put(msg)
+            self._starters.submit(self._start, msg[1])
         elif what == "kill":
             self._driver(msg[1]).inbox.put(msg)
         elif what in ("kill_node", "silence_node", "block", "finish", "stop"):
@@ -71,11 +89,12 @@ class RankHost:
         with self._lock:
             times = {k: {g: list(v) for g, v in per.items()} for k, per in self.times.items()}
         out = {"phases": phases, "times": times, "store_calls": sum(d.calls() for d in self.drivers),
-               "lag_max_s": max(d.lag_max for d in self.drivers), "late": sum(d.late for d in self.drivers),
+               "lag_max_s": max(d.lag_max for d in self.drivers),
+               "poll_lag_max_s": max(d.poll_lag_max for d in self.drivers), "late": sum(d.late for d in self.drivers),
                "pulse_drops": sum(d.pulse_drops for d in self.drivers),
                "closed_at": {n: t for d in self.drivers for n, t in d.closed_at.items()}, "now": time.time()}
         for d in self.drivers:
-            d.lag_max = 0.0  # the window's maximum: reset at each look
+            d.lag_max = d.poll_lag_max = 0.0  # the window's maxima: reset at each look
         return out
 
 

@@ -53,6 +53,19 @@ class Phase(enum.Enum):
     ENDED = "ended"
 
 
+def connect(environ: dict, pulse: bool) -> SimRank:
+    """A launched rank's start: its environment (the job's token read from its file, as
+    a worker does), its liveness connection and its pulse's. Blocking (a full accept
+    backlog holds a connect): run by the rank host's starter threads, never a driver.
+    Raises OSError when the supervisor cannot be reached."""
+    r = SimRank(WorkerEnv.from_environ(environ))
+    r.liveness = connect_liveness(r.env)
+    if pulse:
+        hello = {"token": r.env.token, "worker_id": r.env.worker_id, "node": r.env.node, "pid": 0, "pulse": True}
+        r.pulse = pulse_wire._connect(r.env.store_addr, r.env.liveness_port, hello)
+    return r
+
+
 class SimRank:
     def __init__(self, env: WorkerEnv) -> None:
         self.env = env
@@ -95,50 +108,56 @@ class Driver(threading.Thread):
         self.ranks: dict[str, SimRank] = {}
         self._raw: Any = None  # the driver's store client (heartbeat.open_store's TCPStore)
         self._prefix: CountingStore | None = None
-        self._heap: list[tuple[float, int, int, int, SimRank]] = []
+        # Two timer heaps: a real rank's heartbeat is a thread of its own, so a driver busy
+        # polling for plans must not starve the beats (those first; polls for a slice at most).
+        self._heaps: tuple[list, list] = ([], [])
         self._seq = itertools.count()
         self._plans: dict[int, tuple[Plan, dict[str, Any]]] = {}  # parsed once per driver
-        self.lag_max = 0.0
-        self.late = 0  # timers that fired later than one heartbeat period
+        self.lag_max = 0.0  # the latest heartbeat (behind its schedule), seconds
+        self.late = 0  # heartbeats sent later than one period behind schedule
+        self.poll_lag_max = 0.0  # the latest plan poll or safe point, seconds
         self.pulse_drops = 0
         self.closed_at: dict[str, float] = {}  # node → when its ranks' sockets were closed
         self.stopping = False
 
     # -- timers ---------------------------------------------------------------------------
     def _at(self, t: float, kind: int, r: SimRank) -> None:
-        heapq.heappush(self._heap, (t, next(self._seq), kind, r.version, r))
+        heapq.heappush(self._heaps[kind], (t, next(self._seq), r.version, r))
 
     def run(self) -> None:
         self._raw = self._open_store()
         while not self.stopping:
-            self._inbox()
-            now = time.monotonic()
-            while self._heap and self._heap[0][0] <= now:
-                t, _, kind, version, r = heapq.heappop(self._heap)
-                if version != r.version or r.phase in (Phase.SILENT, Phase.ENDED):
-                    continue
-                lag = now - t
-                self.lag_max = max(self.lag_max, lag)
-                if lag > self.period:
-                    self.late += 1
-                try:
-                    (self._beat if kind == BEAT else self._check)(r, t, now)
-                except (RuntimeError, OSError) as exc:  # the store is gone: the run is over
-                    if self.stopping:
-                        return
-                    raise exc
-                now = time.monotonic()
-                if not self.inbox.empty():
-                    break
-            wait = (self._heap[0][0] - time.monotonic()) if self._heap else 0.05
+            self._inbox(64)  # a launch burst is taken a little at a time, between the timers
+            self._due(BEAT, None)
+            self._due(CHECK, time.monotonic() + 0.01)
+            nxt = min((h[0][0] for h in self._heaps if h), default=time.monotonic() + 0.05)
+            wait = nxt - time.monotonic()
             if wait > 0:
                 try:
                     self._handle(self.inbox.get(timeout=min(wait, 0.05)))
                 except queue.Empty:
                     pass
 
-    def _inbox(self) -> None:
-        while True:
+    def _due(self, kind: int, until: float | None) -> None:
+        """Run the due timers of ``kind`` (until the monotonic time ``until``, if given)."""
+        heap = self._heaps[kind]
+        now = time.monotonic()
+        while heap and heap[0][0] <= now and (until is None or now < until):
+            t, _, version, r = heapq.heappop(heap)
+            if version != r.version or r.phase in (Phase.SILENT, Phase.ENDED):
+                continue
+            lag = now - t
+            if kind == BEAT:
+                self.lag_max = max(self.lag_max, lag)
+                self.late += lag > self.period
+                self._beat(r, t, now)
+            else:
+                self.poll_lag_max = max(self.poll_lag_max, lag)
+                self._check(r, t, now)
+            now = time.monotonic()
+
+    def _inbox(self, most: int) -> None:
+        for _ in range(most):
             try:
                 self._handle(self.inbox.get_nowait())
             except queue.Empty:
@@ -146,8 +165,8 @@ class Driver(threading.Thread):
 
     def _handle(self, msg: tuple) -> None:
         what = msg[0]
-        if what == "launch":
-            self._launch(msg[1])
+        if what == "adopt":
+            self._adopt(msg[1])
         elif what == "kill":
             r = self.ranks.get(msg[1])
             if r is not None and r.phase is not Phase.ENDED:
@@ -182,16 +201,11 @@ class Driver(threading.Thread):
             self.stopping = True
 
     # -- one rank -------------------------------------------------------------------------
-    def _launch(self, environ: dict) -> None:
-        env = WorkerEnv.from_environ(environ)  # reads the job's token file, as a worker does
-        r = SimRank(env)
-        r.liveness = connect_liveness(env)
-        if self.cfg["pulse"]:
-            hello = {"token": env.token, "worker_id": env.worker_id, "node": env.node, "pid": 0, "pulse": True}
-            r.pulse = pulse_wire._connect(env.store_addr, env.liveness_port, hello)
-        r.sink = EventSink(self._prefixed(env), worker_id=env.worker_id, node=env.node,
+    def _adopt(self, r: SimRank) -> None:
+        """A rank whose connections are open (``connect``) starts beating and polling here."""
+        r.sink = EventSink(self._prefixed(r.env), worker_id=r.env.worker_id, node=r.env.node,
                            where=lambda r=r: (r.gen, r.rank))
-        self.ranks[env.worker_id] = r
+        self.ranks[r.env.worker_id] = r
         now = time.monotonic()
         self._beat(r, now, now)  # Heartbeat.start beats once before its thread
         self._at(now, CHECK, r)

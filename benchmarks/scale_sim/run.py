@@ -42,6 +42,8 @@ class RunSpec:
     wait_recovery: bool = True  # after each fault, wait until the supervisor logs the recovery done
     max_wait_s: float | None = None  # cap of each wait (None: 60 s + N/40 s)
     profile: str | None = None  # cProfile the supervisor's loop into this file
+    start_rate: float = 1000.0  # simulated ranks started per second (all hosts together)
+    skip_save: bool = False  # diagnostic: the supervisor does not persist its state (supervisor.json)
 
     def __post_init__(self) -> None:
         if self.ranks % self.tasks_per_node or self.ranks < 2 * self.tasks_per_node:
@@ -95,12 +97,14 @@ class Run:
         store_port = self._start("store", "store_host")
         host_spec = {"store_port": store_port, "threads": s.threads, "pulse": self.pulse, "step_s": s.step_s,
                      "heartbeat_period_s": s.detect.get("heartbeat_period_s", 0.25),
-                     "poll_interval_ms": s.reconnect.get("poll_interval_ms", 20.0)}
+                     "poll_interval_ms": s.reconnect.get("poll_interval_ms", 20.0),
+                     "start_rate": s.start_rate / s.hosts}
         ports = [self._start(f"ranks{i}", "rank_host", json.dumps(host_spec)) for i in range(s.hosts)]
         self.hosts = [Channel.connect(p) for p in ports]
         sup_spec = {"job_dir": self.job_dir, "store_port": store_port, "hosts": ports, "nodes": s.nodes,
                     "spares": s.spares, "tasks_per_node": s.tasks_per_node, "detect": s.detect,
-                    "reconnect": s.reconnect, "profile": s.profile}
+                    "reconnect": s.reconnect, "profile": s.profile,
+                    "skip_save": s.skip_save}
         self.ctl = Channel.connect(self._start("supervisor", "supervisor_host", json.dumps(sup_spec)))
         self.events = EventTail(os.path.join(self.job_dir, "events.jsonl"))
         return self
@@ -205,6 +209,7 @@ class Run:
                  supervisor_store_ops_per_s=round((calls1["supervisor"] - calls0["supervisor"]) / wall),
                  false_alarms=len(alarms), false_alarm_kinds=sorted({e["kind"] for e in alarms}),
                  sim_lag_max_s=round(max(st["lag_max_s"] for st in stats), 3),
+                 sim_poll_lag_max_s=round(max(st["poll_lag_max_s"] for st in stats), 3),
                  sim_late_timers=sum(st["late"] for st in stats) - sum(st["late"] for st in stats0),
                  pulse_drops=sum(st["pulse_drops"] for st in stats), load_during=loadavg())
 
@@ -222,7 +227,10 @@ class Run:
         owner.ask(("kill_node" if case == KILLED else "silence_node", node))
         for h in self.hosts:  # the survivors' next collective never completes: they poll for a plan
             h.ask(("block", gen))
-        t_fault = owner.ask(("stats",))["closed_at"][node]
+        t_fault = self.wait_for(f"{case} node: its ranks stopped",
+                                lambda: owner.ask(("stats",))["closed_at"].get(node), 30, 0.01)
+        if t_fault is None:
+            return False
         plan = self.wait_for(f"{case} node: plan {nxt}", self._event("plan", generation=nxt), timeout_s, 0.01)
         if plan is None:
             return False

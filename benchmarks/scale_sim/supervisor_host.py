@@ -32,6 +32,10 @@ def build(spec: dict, out):
             self.counted = CountingStore(super()._connect_store())
             return self.counted
 
+        if spec.get("skip_save"):  # diagnostic only (--skip-state-save): what the loop costs without it
+            def _save(self, state) -> None:
+                return None
+
     w, s = spec["nodes"], spec["spares"]
     cfg = load_config({
         "job": {"nodes": w, "spares": s, "tasks_per_node": spec["tasks_per_node"]},
