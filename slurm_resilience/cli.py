@@ -174,7 +174,13 @@ def cmd_submit(args) -> int:
     from .launch.sbatch import render
     from .slurm import commands
 
+    from .run_identity import continued, new_run_id
+
     cfg, command = _load(args)
+    # every start of this submission (requeues, resubmissions of job.sbatch) is one run;
+    # --continue-run makes it a start of an earlier submission's run (its checkpoints)
+    given = getattr(args, "continue_run", None)
+    run_id = continued(given) if given else new_run_id()
     job_dir = os.path.abspath(args.job_dir or cfg.job.job_dir.format(job_id=f"{int(time.time())}"))
     makedirs_private(job_dir)
     import yaml
@@ -184,11 +190,8 @@ def cmd_submit(args) -> int:
 
     cfg_path = write_private(os.path.join(job_dir, "submitted-config.yaml"),
                              yaml.safe_dump(config_to_dict(cfg)))
-    from .run_identity import new_run_id
-
-    # every start of this submission (requeues, resubmissions of job.sbatch) is one run
     script = render(cfg, command=command, config_path=cfg_path, job_dir=job_dir, hetjob=args.hetjob,
-                    run_id=new_run_id())
+                    run_id=run_id)
     script_path = write_private(os.path.join(job_dir, "job.sbatch"), script, mode=0o700)
     job_id = commands.sbatch(script_path)
     print(f"submitted job {job_id}; job dir {job_dir}", flush=True)
@@ -278,6 +281,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--wait", action="store_true", help="wait for the job; exit with its code")
     p.add_argument("--hetjob", action="store_true",
                    help="heterogeneous job: the supervisor on component 0, workers and spares on component 1")
+    p.add_argument("--continue-run", metavar="JOBDIR|RUN_ID",
+                   help="continue an earlier submission's run: restore its checkpoints (its job directory, "
+                        "or the run id `ckpt list` shows); by default a submission is a run of its own")
     _site_flags(p)
     p.set_defaults(func=cmd_submit)
     p = sub.add_parser("supervise", help="(inside an allocation) run the supervisor")

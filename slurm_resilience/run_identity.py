@@ -144,3 +144,20 @@ def from_environ(environ: Mapping[str, str]) -> str:
         raise ConfigError(f"no {RUN_ID_ENV} in the environment: the batch step (keeper) sets it for "
                           "the supervisor it starts; run `slurm-resilience supervise` without --child")
     return check_run_id(value)
+
+
+def continued(arg: str) -> str:
+    """The run id ``submit --continue-run ARG`` names: ARG itself when it is a run id,
+    else the one recorded in the job directory ARG (``JOBDIR/run.json``).
+
+    Raises:
+        ConfigError: ARG is neither a run id nor a job directory with a recorded one.
+    """
+    if _RUN_ID.fullmatch(arg):
+        return arg
+    recorded = read_recorded(arg)
+    if recorded is None:
+        raise ConfigError(f"--continue-run {arg}: not a run id (32 hex digits) nor a job directory with "
+                          f"a {RUN_FILE} (the run of a job started by slurm-resilience)")
+    return recorded
+

@@ -149,7 +149,9 @@ def test_g2_no_spare_scales_in_by_a_node_and_reshards_8_to_6(cluster, jobs_root,
     src, dst = layout.job_checkpoints(str(a.job_dir)), layout.job_checkpoints(str(b_dir))
     shutil.copytree(layout.step_dir(src, step), layout.step_dir(dst, step))
     mf.set_latest(dst, step)
-    b = lab.submit(b_dir, nodes=3, spares=0, tasks_per_node=G, steps=STEPS, config=cfg, script=lab.ZERO_EXAMPLE)
+    # B continues A's run (a resubmission by hand at another size): A's checkpoints are its own
+    b = lab.submit(b_dir, nodes=3, spares=0, tasks_per_node=G, steps=STEPS, config=cfg, script=lab.ZERO_EXAMPLE,
+                   cli_args=["--continue-run", str(a.job_dir)])
     assert b.wait() == 0, b.output()
     assert {e["step"] for e in _events(b.job_dir, "rank_restored") if e.get("resharded")} == {step}
     assert lab.compare_runs(a.job_dir / "final.pt", b.job_dir / "final.pt") == []

@@ -104,3 +104,17 @@ def test_submit_exports_the_run_id_in_the_batch_script():
     assert f"export {RUN_ID_ENV}={A}" in het
     with pytest.raises(ConfigError):
         render(cfg, command=["python", "t.py"], config_path="/c.yaml", job_dir="/j", run_id="$(rm -rf /)")
+
+
+def test_continue_run_takes_a_run_id_or_a_job_directory(tmp_path):
+    from slurm_resilience.errors import ConfigError
+    from slurm_resilience.run_identity import continued, establish, new_run_id
+
+    rid = new_run_id()
+    assert continued(rid) == rid
+    job = tmp_path / "job"
+    recorded = establish(str(job), None, resumed=False)
+    assert continued(str(job)) == recorded
+    for bad in (str(tmp_path / "nothing"), "ABC", rid.upper()):
+        with pytest.raises(ConfigError, match="--continue-run .*: not a run id"):
+            continued(bad)
