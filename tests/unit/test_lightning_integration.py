@@ -1,0 +1,55 @@
+"""slurm_resilience.integrations.lightning: the pure plan, resume position and snapshots."""
+
+import pytest
+import torch
+
+pytest.importorskip("pytorch_lightning")
+
+from slurm_resilience.errors import ConfigError  # noqa: E402
+from slurm_resilience.integrations.lightning import (  # noqa: E402
+    LightningEnv, NodeSnapshots, RestorePlan, Resilience, _SkipOnce, plan_restore, resume_position)
+
+
+def test_plan_takes_the_newest_step_from_the_lowest_rank_holding_it():
+    assert plan_restore([-1, -1, -1]) == RestorePlan(-1, None)
+    assert plan_restore([12, 12, -1, -1]) == RestorePlan(12, 0)  # spare ranks 2-3 hold nothing
+    assert plan_restore([-1, -1, 11, 12]) == RestorePlan(12, 3)
+    with pytest.raises(ValueError):
+        plan_restore([])
+
+
+def test_resume_position_mid_epoch_and_at_the_epoch_end():
+    assert resume_position(1, 3, 8) == (1, 3)
+    assert resume_position(0, 8, 8) == (1, 0)  # the last batch's snapshot: next epoch's start
+    assert resume_position(2, 0, 8) == (2, 0)
+
+
+def test_snapshots_are_atomic_newest_kept(tmp_path):
+    snaps = NodeSnapshots(tmp_path / "n1", keep=2)
+    assert snaps.newest() == -1
+    for step in (1, 2, 3):
+        snaps.write(step, {"w": torch.full((2,), float(step))})
+    assert snaps.steps() == [2, 3] and snaps.newest() == 3
+    (tmp_path / "n1" / ".step-000000004.pt.tmp-1").write_bytes(b"torn")  # a write cut short
+    assert snaps.newest() == 3
+    assert snaps.read_bytes(3)
+
+
+def test_skip_once_skips_only_the_first_iteration():
+    sampler = _SkipOnce(list(range(6)), 4)
+    assert list(sampler) == [4, 5]
+    assert list(sampler) == list(range(6))
+    assert len(sampler) == 6
+
+
+def test_environment_is_read_once_and_keys_the_directory():
+    env = LightningEnv.from_env({"SLURM_JOB_ID": "42", "SLURMD_NODENAME": "n3", "SR_PROGRESS_FILE": "/p"})
+    assert env.default_dir().parts[-2:] == ("42", "n3") and env.progress_file == "/p"
+    assert LightningEnv.from_env({}).default_dir() is None  # no job, no directory: no stale snapshots
+    assert LightningEnv.from_env({"SR_LIGHTNING_DIR": "/r", "SLURMD_NODENAME": "n1"}).default_dir().as_posix() == "/r/n1"
+
+
+@pytest.mark.parametrize("bad", [{"every": 0}, {"keep": 0}, {"every": True}, {"every": 1.5}])
+def test_bad_arguments_are_one_line_errors(bad):
+    with pytest.raises(ConfigError, match=r"^Resilience\(\w+=.*must be an integer >= 1$"):
+        Resilience(**bad)
