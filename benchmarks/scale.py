@@ -131,7 +131,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--settle-s", type=float, default=3.0)
     ap.add_argument("--step-s", type=float, default=0.5, help="simulated step time (a safe point each)")
     ap.add_argument("--hosts", type=int, default=2, help="processes holding the simulated ranks")
-    ap.add_argument("--threads", type=int, default=2, help="driver threads per such process")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="driver threads per such process (default: at most 256 ranks per driver, at least 2; "
+                         "each store call is a blocking round trip, so a driver holds only so many ranks)")
     ap.add_argument("--pulse", choices=["auto", "on", "off"], default="auto",
                     help="pulse connections (auto: where the open-file limit holds two sockets per worker)")
     ap.add_argument("--cases", nargs="+", default=["killed", "silent"], choices=["killed", "silent"])
@@ -154,7 +156,8 @@ def main(argv: list[str] | None = None) -> int:
         runs = []
         for _ in range(args.repeats):
             spec = RunSpec(ranks=n, tasks_per_node=args.tasks_per_node, steady_s=args.steady_s,
-                           settle_s=args.settle_s, step_s=args.step_s, hosts=args.hosts, threads=args.threads,
+                           settle_s=args.settle_s, step_s=args.step_s, hosts=args.hosts,
+                           threads=args.threads or max(2, -(-n // (256 * args.hosts))),
                            pulse={"auto": None, "on": True, "off": False}[args.pulse], cases=tuple(args.cases),
                            max_wait_s=args.max_wait_s, skip_save=args.skip_state_save,
                            profile=args.profile if args.profile and n == max(args.sizes) else None)

@@ -17,6 +17,7 @@ from .common import Channel, raise_fd_limit
 from .launcher import KILLED, SILENT, host_of, node_name
 from .measure import EventTail, cpu_s, false_alarms, loadavg, rss_mb
 
+SUPERSEDED = "superseded"
 BENCH_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -144,10 +145,28 @@ class Run:
         return None
 
     def _all(self, kind: str, gen: int):
+        """The last time of ``kind`` once every rank of ``gen`` did it; ``SUPERSEDED`` when a
+        later plan came first (a second fault: not every rank of ``gen`` ever joins it)."""
         def check():
             n, last = self._times(self.host_stats(), kind, gen)
-            return last if n >= self.spec.ranks else None
+            if n >= self.spec.ranks:
+                return last
+            self.events.poll()
+            return SUPERSEDED if self.events.first("plan", generation=gen + 1) else None
         return check
+
+    def _done(self, gen: int):
+        """The recovery that brought generation ``gen`` or a later one is logged done."""
+        def check():
+            self.events.poll()
+            return next((e for e in self.events.events if e["kind"] == "recovery_done"
+                         and e.get("generation", -1) >= gen), None)
+        return check
+
+    def generation(self) -> int:
+        """The newest generation the supervisor published."""
+        self.events.poll()
+        return max(e["generation"] for e in self.events.events if e["kind"] == "plan")
 
     def _event(self, kind: str, **match):
         def check():
@@ -180,12 +199,10 @@ class Run:
             r["start_to_logged_s"] = time.time() - t0
         time.sleep(s.settle_s)
         self.steady(s.steady_s)
-        gen = 0
         for i, case in enumerate(s.cases):
             node = node_name((i + 1) * s.nodes // (len(s.cases) + 1))
-            if not self.fault(case, node, gen, big):
+            if not self.fault(case, node, self.generation(), big):
                 break
-            gen += 1
         if s.finish:
             self.finish()
         return r
@@ -241,17 +258,20 @@ class Run:
             res["fault_to_detected_s"] = detected[0]["t"] - t_fault
             res["fault_kinds"] = sorted({e["fault"]["kind"] for e in detected})
         read = self.wait_for(f"{case} node: every rank read plan {nxt}", self._all("read", nxt), timeout_s)
-        res["plan_to_all_read_s"] = None if read is None else read - plan["t"]
+        res["plan_to_all_read_s"] = None if read in (None, SUPERSEDED) else read - plan["t"]
         joined = self.wait_for(f"{case} node: every rank joined {nxt}", self._all("join", nxt), timeout_s)
-        res["plan_to_all_joined_s"] = None if joined is None else joined - plan["t"]
+        res["plan_to_all_joined_s"] = None if joined in (None, SUPERSEDED) else joined - plan["t"]
+        if SUPERSEDED in (read, joined):
+            res["superseded"] = True  # another plan followed before every rank had this one
         r[case] = res
         if not self.spec.wait_recovery:
             return True
-        done = self.wait_for(f"{case} node: recovery done", self._event("recovery_done", generation=nxt), timeout_s)
+        done = self.wait_for(f"{case} node: recovery done", self._done(nxt), timeout_s)
         res["recovery_done"] = done is not None
         if done is not None:  # its t is the last rank's first step; the phase events' t is when it was logged
             res["detect_to_step_s"] = done.get("detect_to_step_s")
-            logged = [e["t"] for e in self.events.events if e["kind"] == "phase" and e.get("recovery") == gen + 1]
+            logged = [e["t"] for e in self.events.events
+                      if e["kind"] == "phase" and e.get("recovery") == done.get("recovery")]
             res["plan_to_recovery_logged_s"] = max(logged) - plan["t"] if logged else None
         r[case] = res
         time.sleep(self.spec.settle_s)
