@@ -16,7 +16,9 @@ compute or a process group). For each N (``--sizes``, G ranks per node):
   (``reconnected`` sent); → the supervisor has logged the recovery done.
 
 Median, min and max over ``--repeats``; JSON (``--json``), a growth plot (``--plot``,
-N on a log axis; skipped without matplotlib) and a Markdown table (``--markdown``).
+N on a log axis; skipped without matplotlib) and a Markdown table (``--markdown``);
+``--replot A.json B.json`` draws and tabulates earlier runs side by side (one line per
+``--label``).
 The slurm_resilience that runs is the first on ``PYTHONPATH``, so an older commit is
 measured with ``git worktree add /tmp/before COMMIT`` and ``PYTHONPATH=/tmp/before``.
 
@@ -92,7 +94,8 @@ def markdown(sizes: dict[int, dict]) -> str:
     return "\n".join(lines)
 
 
-def plot(sizes: dict[int, dict], path: str) -> bool:
+def plot(series: dict[str, dict[int, dict]], path: str) -> bool:
+    """One line per label (a run's ``--label``) and metric; N on a log axis."""
     try:
         import matplotlib
 
@@ -101,17 +104,21 @@ def plot(sizes: dict[int, dict], path: str) -> bool:
     except ImportError:
         print("matplotlib not installed: no plot", file=sys.stderr)
         return False
-    ns = sorted(sizes)
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    for ax, labels in ((axes[0], PLOTTED[:2]), (axes[1], PLOTTED[2:])):
-        for label in labels:
-            pts = [(n, sizes[n]["summary"][label]["median"]) for n in ns if sizes[n]["summary"][label]]
-            if pts:
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.6))
+    styles = ["-", "--", ":", "-."]
+    for i, (name, sizes) in enumerate(series.items()):
+        ns = sorted(sizes)
+        for ax, labels in ((axes[0], PLOTTED[:2]), (axes[1], PLOTTED[2:])):
+            for j, label in enumerate(labels):
+                pts = [(n, sizes[n]["summary"][label]["median"]) for n in ns if sizes[n]["summary"].get(label)]
+                if pts:
+                    ax.plot([p[0] for p in pts], [p[1] for p in pts], styles[i % 4], marker="o",
+                            color=f"C{j}", label=f"{label} [{name}]" if name else label)
+    for ax in axes:
         ax.set_xscale("log", base=2)
         ax.set_xlabel("simulated ranks N (8 per node)")
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=6)
     axes[0].set_ylabel("% of one core")
     axes[1].set_ylabel("ms")
     axes[1].set_yscale("log")
@@ -120,6 +127,15 @@ def plot(sizes: dict[int, dict], path: str) -> bool:
     fig.savefig(path, dpi=110)
     print(f"wrote {path}")
     return True
+
+
+def load(paths: list[str]) -> dict[str, dict[int, dict]]:
+    """Earlier runs' JSON by label (sizes keyed by N); runs with one label are merged."""
+    series: dict[str, dict[int, dict]] = {}
+    for path in paths:
+        d = json.loads(Path(path).read_text())
+        series.setdefault(d.get("label", path), {}).update({int(n): v for n, v in d["sizes"].items()})
+    return series
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -149,7 +165,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json")
     ap.add_argument("--plot")
     ap.add_argument("--markdown", action="store_true", help="print the table as Markdown")
+    ap.add_argument("--replot", nargs="+", metavar="JSON",
+                    help="run nothing: plot (--plot) and tabulate (--markdown) earlier runs, one line per label")
     args = ap.parse_args(argv)
+    if args.replot:
+        series = load(args.replot)
+        if args.plot:
+            plot(series, args.plot)
+        if args.markdown:
+            for name, sizes in series.items():
+                print(f"\n{name}\n\n{markdown(sizes)}")
+        return 0
     started = utc_now()
     sizes: dict[int, dict] = {}
     for n in sorted(args.sizes):
@@ -175,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
            "cpus": os.cpu_count(), "load_at_end": loadavg(), "pythonpath": os.environ.get("PYTHONPATH", ""),
            "args": vars(args), "sizes": {str(n): v for n, v in sizes.items()}}
     if args.plot:
-        plot(sizes, args.plot)
+        plot({args.label: sizes}, args.plot)
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2))
         print(f"wrote {args.json}")
