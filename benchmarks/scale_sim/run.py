@@ -193,10 +193,9 @@ class Run:
         if self.wait_for("generation 0 joined", self._all("join", 0), big) is None:
             return r
         r["start_to_joined_s"] = time.time() - t0
-        if s.drain:
-            if self.wait_for("generation 0 events logged", self._drained(0), big, 0.5) is None:
-                return r
-            r["start_to_logged_s"] = time.time() - t0
+        if s.drain:  # a supervisor that cannot catch up is measured anyway (the error says so)
+            if self.wait_for("generation 0 events logged", self._drained(0), big, 0.5) is not None:
+                r["start_to_logged_s"] = time.time() - t0
         time.sleep(s.settle_s)
         self.steady(s.steady_s)
         for i, case in enumerate(s.cases):
