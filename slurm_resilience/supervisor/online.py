@@ -107,6 +107,8 @@ class Supervisor:
         self._signalled = threading.Event()
         self._t0 = time.time()
         self._last_status = 0.0
+        self._saved_shape: tuple | None = None  # what the last state save held (_shape)
+        self._unsaved = False  # a change not in the state file yet (saved with the next status)
 
     # -- set-up ----------------------------------------------------------------------
     def _setup(self) -> None:
@@ -224,8 +226,15 @@ class Supervisor:
         return [*self.checker.drain(), *obs]
 
     def changed(self, state: SupervisorState) -> None:
+        """Persist a change for a re-attach: at once when the job's shape moved (phase,
+        generation, workers, recovery, budgets); a recovery's marks and other small
+        changes go with the next status write (≤ 0.5 s). Saving the whole state at every
+        worker event cost O(N) per event, O(N²) per recovery (benchmarks/scale.py)."""
         self.state = state
-        self._save(state)
+        if _shape(state) != self._saved_shape:
+            self._save(state)
+        else:
+            self._unsaved = True
 
     def execute(self, state: SupervisorState, action: Action) -> list[Observation]:
         if isinstance(action, Launch):
@@ -277,7 +286,7 @@ class Supervisor:
         log_path = os.path.join(self.job_dir, "logs", f"{a.worker_id}.log")
         self.handles[a.worker_id] = self.launcher.launch(
             name=state.workers[a.worker_id].step_name, node=a.node, argv=self.command, env=env, log_path=log_path)
-        self._save(state)
+        self._unsaved = True  # its pid goes with the next status write: one save per start, not per launch
 
     def _kill(self, worker_id: str) -> None:
         """End a worker's step in a thread: the step may sit on a node that answers
@@ -309,6 +318,7 @@ class Supervisor:
                 self.launcher.kill(h)
 
     def _save(self, state: SupervisorState) -> None:
+        self._saved_shape, self._unsaved = _shape(state), False
         pids = {wid: getattr(h, "pid", None) or (h.process.pid if getattr(h, "process", None) else None)
                 for wid, h in self.handles.items()}
         workers = {wid: w if w.pid or not pids.get(wid) else dataclasses.replace(w, pid=pids[wid])
@@ -320,7 +330,8 @@ class Supervisor:
         if not force and now - self._last_status < 0.5:
             return
         self._last_status = now
-        self._save(state)
+        if self._unsaved:
+            self._save(state)
         workers = {wid: dataclasses.replace(w, step=self.watch.steps.get(wid, w.step)) for wid, w in state.workers.items()}
         status = status_dict(dataclasses.replace(state, workers=workers), mode=Mode.ONLINE.value,
                              retry_budget=self.cfg.recovery.fault_retry_times,
@@ -357,3 +368,12 @@ def checkpoint_notice(event: dict) -> str | None:
         return (f"{who}: removed {len(removed)} checkpoint directory(ies) of ended runs"
                 + (f", {len(failed)} could not be removed" if failed else "") + f": {', '.join(removed)}")
     return None
+
+
+def _shape(state: SupervisorState) -> tuple:
+    """What a re-attach must not miss (saved at once when it changes): O(1) to compute."""
+    rec = state.recovery
+    return (state.phase, state.table.generation, state.next_id, len(state.workers), state.excluded,
+            None if rec is None else (rec.number, rec.level, rec.generation), state.fault_retries_used,
+            state.requeue_count, state.relaunches, state.failure is not None)
+
