@@ -18,7 +18,7 @@ import torch
 from slurm_resilience.checkpoint import manifest as mf
 from slurm_resilience.checkpoint.hdf5_format import shard_crc32
 
-from .localjob import LocalJob, rank_digests
+from .localjob import GATHERED_RUN, LocalJob, rank_digests
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "examples" / "train_ddp.py"
@@ -175,10 +175,11 @@ def _fresh_job_from(tmp_path, src_shard: Path, step: int, world: int, nodes: int
     shutil.copyfile(src_shard, to)
     mf.write_manifest(str(dst), mf.Manifest(step=step, world_size=world, tier="L2", created=0.0, extra={},
                                             shards={0: mf.ShardRecord(mf.shard_name(0), to.stat().st_size,
-                                                                      shard_crc32(str(to)))}))
+                                                                      shard_crc32(str(to)))},
+                                            run_id=GATHERED_RUN))  # a checkpoint is restored by its own run only
     mf.set_latest(str(dst), step)
     return LocalJob(tmp_path, nodes=nodes, spares=0, steps=STEPS, step_time=0.1, script=SCRIPT, detect=SLOW_BOX,
-                    job_name="fresh", local_dir=tmp_path / "local-fresh").start()
+                    job_name="fresh", local_dir=tmp_path / "local-fresh", run_id=GATHERED_RUN).start()
 
 
 @pytest.mark.timeout(400)
