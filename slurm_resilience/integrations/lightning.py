@@ -219,6 +219,7 @@ class Resilience(Callback):
                   f"(gathered {list(gathered)})", flush=True)
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._static_buckets(trainer)
         if self.restored is None or self.restored.source is None or trainer.fit_loop._combined_loader is None:
             return
         loop = trainer.fit_loop
@@ -235,6 +236,21 @@ class Resilience(Callback):
             batches.sampler = _SkipOnce(inner, skip * batches.batch_size)
         iter(loop._data_fetcher)
         self._skip = skip
+
+    @staticmethod
+    def _static_buckets(trainer: Trainer) -> None:
+        """DDP re-buckets after its first backward by gradient-ready order, and gloo's ring
+        sums an element in an order set by its place in the bucket: a relaunched process
+        would take its first step in the initial layout where the fault-free run had the
+        rebuilt one (different last bits at 3+ ranks). Fixed from parameter order before
+        the first backward, in every run, as ``session.ddp`` does (``worker/rebind.py``)."""
+        from torch.nn.parallel import DistributedDataParallel
+
+        from ..worker.rebind import static_buckets
+
+        model = getattr(trainer.strategy, "model", None)
+        if isinstance(model, DistributedDataParallel):
+            static_buckets(model)
 
     # -- every step ------------------------------------------------------------
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
