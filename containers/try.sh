@@ -39,7 +39,8 @@ add_source() {  # $1: pip option, $2: its value (a URL or a path)
     [ -z "${seen[$1 $2]:-}" ] || return 0
     seen[$1 $2]=1
     pip_opts+=("$1" "$2")
-    local dir="${2#file://}"
+    local dir="$2"
+    case "$dir" in file:*) dir="${dir#file:}"; dir="/${dir#"${dir%%[!/]*}"}" ;; esac
     dir="${dir%/simple}"
     case "$dir" in /*) if [ -e "$dir" ] && [ -z "${seen[mount $dir]:-}" ]; then
         seen[mount $dir]=1; volumes+=(-v "$dir:$dir:ro"); fi ;; esac
@@ -47,10 +48,9 @@ add_source() {  # $1: pip option, $2: its value (a URL or a path)
 while IFS= read -r line; do
     key="${line%%=*}" value="${line#*=}"
     value="${value#\'}" value="${value%\'}"
-    case "$key" in
-        *.index-url) add_source --index-url "$value" ;;
-        *.extra-index-url) for v in $value; do add_source --extra-index-url "$v"; done ;;
-        *.find-links) for v in $value; do add_source --find-links "$v"; done ;;
+    name="${key#*.}"
+    case "$name" in  # the package sources among pip's settings, passed as the same options
+        index-url|extra-index-url|find-links) for v in $value; do add_source "--$name" "$v"; done ;;
     esac
 done < <(python3 -m pip config list 2>/dev/null)
 # A site proxy's CA (pip on this host trusts it through the system bundle; Debian's
