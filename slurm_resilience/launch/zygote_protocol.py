@@ -92,6 +92,7 @@ class ForkRequest:
     umask: int
     log_path: str
     progress_file: str = ""  # the step's SR_PROGRESS_FILE, as a cold task of the step has it
+    job_dir: str = ""  # SR_RUN_JOB_DIR (supervisor/relaunch_preempt.py), as a cold task has it
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -183,6 +184,8 @@ def warm_env(zygote_env: Mapping[str, str], req: ForkRequest, *, job_nodelist: s
     env["SR_RESTART"] = str(req.restart)
     if req.progress_file:  # the supervisor's srun sets it per relaunch for a cold task
         env["SR_PROGRESS_FILE"] = req.progress_file
+    if req.job_dir:
+        env["SR_RUN_JOB_DIR"] = req.job_dir
     env.update(rank_env(env, master_addr=req.master_addr, master_port=req.master_port, restart=req.restart))
     env[AGENT_STORE_VAR] = str(True)  # the one variable a cold task lacks: the store is up already
     return env

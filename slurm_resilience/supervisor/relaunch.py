@@ -31,8 +31,10 @@ import contextlib
 import dataclasses
 import os
 import re
+import signal
 import subprocess
 import sys
+import threading
 import time
 from typing import Callable, Sequence
 
@@ -44,15 +46,16 @@ from ..events import EventLog
 from ..files import makedirs_private
 from ..lifecycle import JobPhase
 from ..model import RankTable
+from ..protocol import PlanAction
 from ..launch.zygote_protocol import warm_entry
 from ..slurm.options import srun_args
 from ..slurm.steps import srun_argv
-from . import loop
+from . import loop, relaunch_preempt
 from .classify import find_faults, node_unhealthy
 from .isolate import Isolator
 from .messages import (
-    Action, AllDone, Emit, Exit, Isolate, Observation, Phase, Published, Reap, Relaunch, Say, Start, StepFaults,
-    StepTrained,
+    Action, AllDone, Emit, Exit, Isolate, Observation, Phase, Preempted, Publish, Published, Reap, Relaunch, Requeue,
+    Say, Start, StepFaults, StepTrained,
 )
 from .report import status_dict, write_status
 from .state import Mode, Policy, SupervisorState
@@ -154,7 +157,8 @@ def step_argv(*, job_id: str, name: str, nodes: Sequence[str], command: Sequence
                  "--master-addr", master_addr, "--master-port", str(port), "--restart", str(attempt), "--",
                  *command]
     cname = container.container_name(job_id, "{node}", f"restart{attempt}-{{task}}")
-    return [*argv, "--", *container.wrap(step_container, inner, name=cname, env_names=["SR_RESTART", PROGRESS_VAR])]
+    return [*argv, "--", *container.wrap(step_container, inner, name=cname,
+                                         env_names=["SR_RESTART", PROGRESS_VAR, relaunch_preempt.JOB_DIR_VAR])]
 
 
 @dataclasses.dataclass
@@ -199,6 +203,8 @@ class RelaunchExecutor:
         self.step_pattern = re.compile(config.run.step_pattern) if config.run.step_pattern else None
         self.lost: set[str] = set()  # unreachable at the last probe: a warm kill does not wait on them
         self.zygotes: ZygotePool | None = None
+        self.preempted = threading.Event()  # job.preempt_signal reached the supervisor (relaunch_preempt.py)
+        self._preempt_seen = False
         # The zygotes run on the host: ranks in a container (container.runtime) start cold.
         if (config.run.warm and not mpi and config.container.runtime == "none"
                 and warm_entry(self.command, sys.executable) is not None):
@@ -208,6 +214,9 @@ class RelaunchExecutor:
     def run(self) -> int:
         start = Start(info={"job_id": self.job_id, "mode": "mpi" if self.mpi else "torch",
                             "nodes": list(self.state.worker_nodes), "command": self.command})
+        signum = self.cfg.job.preempt_signum
+        if signum is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(signum, lambda *_: self.preempted.set())
         try:
             code, self.state = loop.run(self, self.state, self.policy, [start], clock=self.clock)
             return code
@@ -230,6 +239,9 @@ class RelaunchExecutor:
         states: dict[str, str] = {}
         nodes = list(state.table.node_list)
         while True:
+            if self.preempted.is_set() and not self._preempt_seen:
+                self._preempt_seen = True
+                return [Preempted(self.cfg.job.preempt_signal_name)]
             code = self.step.process.poll()
             trained = self._progress()  # before the exit or the fault that may follow it
             if trained:
@@ -256,9 +268,17 @@ class RelaunchExecutor:
             self.step = self._launch(action.table, action.attempt)
             self.attempt, self.generation, self.trained = action.attempt, action.table.generation, False
             return [Published(action.table.generation, self.clock())]  # the relaunched step runs
+        elif isinstance(action, Publish) and action.plan.action is PlanAction.PERSIST:
+            relaunch_preempt.write_request(self.job_dir, signal_name=self.cfg.job.preempt_signal_name)
         elif isinstance(action, Reap):
+            if self.step is not None and self._preempt_seen:  # the program persists and exits by itself
+                end = time.monotonic() + relaunch_preempt.persist_wait_s(action.grace_s, self.cfg.job.preempt_signal)
+                while self.step.process.poll() is None and time.monotonic() < end:  # a warm step has poll() only
+                    time.sleep(self.poll_s)
             if self.step is not None and self.step.process.poll() is None:
                 self._cancel(self.step)
+        elif isinstance(action, Requeue):
+            self.launcher.requeue()  # Slurm then ends this process (SIGTERM); the job restarts here
         elif isinstance(action, Isolate):
             self.isolator.start(action.node, action.state, action.reason)
         elif isinstance(action, Emit):
@@ -317,6 +337,7 @@ class RelaunchExecutor:
         progress = progress_path(self.job_dir, attempt)
         with contextlib.suppress(FileNotFoundError):  # a reused job dir's: never this step's first step
             os.unlink(progress)
+        relaunch_preempt.clear_request(self.job_dir)
         if self.zygotes is not None:
             if attempt == 0:  # the zygotes started with the job; later ones are long up
                 self.zygotes.wait_ready(nodes, self.cfg.run.zygote_start_s)
@@ -324,7 +345,7 @@ class RelaunchExecutor:
             warm = self.zygotes.fork_step(name=name, nodes=order, tasks_per_node=table.tasks_per_node,
                                           command=self.command, master_addr=self.launcher.address(master),
                                           port=master_port(self.job_id, attempt), attempt=attempt,
-                                          log_path=log_path, progress_file=progress)
+                                          log_path=log_path, progress_file=progress, job_dir=self.job_dir)
             if warm is not None:
                 return warm
         argv = step_argv(job_id=self.job_id, name=name, nodes=nodes, command=self.command, mpi=self.mpi,
@@ -335,7 +356,7 @@ class RelaunchExecutor:
         fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         with os.fdopen(fd, "ab") as log:
             proc = subprocess.Popen(argv, env={**os.environ, **self._nccl_env, "SR_RESTART": str(attempt),
-                                               PROGRESS_VAR: progress},
+                                               PROGRESS_VAR: progress, relaunch_preempt.JOB_DIR_VAR: self.job_dir},
                                     stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     start_new_session=True)
         return _Step(name=name, node=master, process=proc)

@@ -100,7 +100,7 @@ class ZygotePool:
 
     def fork_step(self, *, name: str, nodes: Sequence[str], tasks_per_node: int, command: Sequence[str],
                   master_addr: str, port: int, attempt: int, log_path: str,
-                  progress_file: str = "") -> "WarmStep | None":
+                  progress_file: str = "", job_dir: str = "") -> "WarmStep | None":
         """Fork every rank of the step through the zygotes; None (nothing started) when a
         node has no live zygote (a new one is started for it), a zygote refused, or the
         command is not ``python script.py ...`` (``warm_entry``)."""
@@ -123,7 +123,7 @@ class ZygotePool:
                                   step_nodes=tuple(nodes), tasks_per_node=tasks_per_node, step_name=name,
                                   master_addr=master_addr, master_port=port, restart=attempt,
                                   command=tuple(command), cwd=os.getcwd(), umask=umask, log_path=log_path,
-                                  progress_file=progress_file)
+                                  progress_file=progress_file, job_dir=job_dir)
                 try:
                     conns[node].send_bytes(encode(req))
                 except OSError:

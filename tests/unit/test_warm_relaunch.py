@@ -46,7 +46,7 @@ class FakePool:
         return True
 
     def fork_step(self, *, name, nodes, tasks_per_node, command, master_addr, port, attempt, log_path,
-                  progress_file=""):
+                  progress_file="", job_dir=""):
         code = self.codes.pop(0)
         if code == "train":  # the program's rank 0 trains step 11 and ends
             with open(progress_file, "a") as f:
