@@ -200,10 +200,13 @@ class Session(StateFacade):
 
     @property
     def rank(self) -> int:
+        """This rank in the current generation (a replaced slot keeps its rank; scale-in
+        renumbers the survivors in order)."""
         return self._group.rank
 
     @property
     def world_size(self) -> int:
+        """Ranks in the current generation (smaller after a scale-in)."""
         return self._group.world_size
 
     @property
@@ -218,6 +221,7 @@ class Session(StateFacade):
 
     @property
     def generation(self) -> int:
+        """The current generation's number (0 for the job's first; one more per recovery)."""
         return self._p.members.plan.generation
 
     @property
