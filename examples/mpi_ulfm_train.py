@@ -35,17 +35,32 @@ def make_data(n: int = 4096, d_in: int = 16, d_out: int = 3):
     return x, y
 
 
+def save_atomic(path: str, **arrays) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.tmp-{os.getpid()}.npz"
+    with open(tmp, "wb") as f:
+        np.savez(f, **arrays)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("--spares", type=int, default=0, help="the world's last ranks that park as spares")
+    ap.add_argument("--spares", type=int, default=None,
+                    help="the world's last ranks that park as spares (default: SR_ULFM_SPARES, set by the launcher)")
     ap.add_argument("--batch", type=int, default=16, help="samples per rank per step")
     ap.add_argument("--lr", type=float, default=0.01)
     ap.add_argument("--step-time", type=float, default=0.0, help="extra seconds per step (emulated compute)")
     ap.add_argument("--out", required=True, help="final state (.npz), written by rank 0")
     ap.add_argument("--init", help="start from this state (.npz with w, b, pos, step)")
     ap.add_argument("--dump-at", type=int, default=-1, help="rank 0 writes the state of this step to OUT.stepN.npz")
-    ap.add_argument("--progress", help="rank 0 appends 'STEP UNIX_TIME' here after each step")
+    ap.add_argument("--progress", default=os.environ.get("SR_PROGRESS_FILE"),
+                    help="rank 0 appends 'STEP UNIX_TIME' here after each step (default: SR_PROGRESS_FILE)")
+    ap.add_argument("--snapshot", help="directory of the program's own snapshot: rank 0 writes it every "
+                    "--snapshot-every steps, every rank resumes from it at start (a relaunch after a node loss)")
+    ap.add_argument("--snapshot-every", type=int, default=10)
     ap.add_argument("--events", help="directory of the per-process event files")
     ap.add_argument("--die", action="append", default=[], metavar="WID:STEP",
                     help="test: world rank WID SIGKILLs itself when it starts STEP (repeatable)")
@@ -66,6 +81,9 @@ def main() -> None:
     b = np.zeros(y.shape[1])
     pos = np.zeros(1, dtype=np.int64)
     first_step = 0
+    snapshot = os.path.join(args.snapshot, "snapshot.npz") if args.snapshot else None
+    if snapshot and os.path.exists(snapshot):
+        args.init = snapshot
     if args.init:
         with np.load(args.init) as s:
             w[...], b[...], pos[...] = s["w"], s["b"], s["pos"]
@@ -97,6 +115,8 @@ def main() -> None:
         pos[0] += size * args.batch
         if args.step_time:
             time.sleep(args.step_time)
+        if rank == 0 and snapshot and (step + 1) % args.snapshot_every == 0:
+            save_atomic(snapshot, w=w, b=b, pos=pos, step=np.int64(step + 1))
         if rank == 0 and step + 1 == args.dump_at:
             np.savez(f"{args.out}.step{step + 1}.npz", w=w, b=b, pos=pos, step=np.int64(step + 1))
         if rank == 0 and args.progress:

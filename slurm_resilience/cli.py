@@ -219,8 +219,15 @@ def cmd_run(args) -> int:
     from .launch.restart import submit_restart, wait_result
 
     cfg, command = _load(args)
+    mpi_path = getattr(args, "mpi_path", "auto")
+    if args.mpi:  # said before the job is queued; the batch host checks again where it runs
+        from .launch.restart import mpi_choice
+
+        print(mpi_choice(cfg, command, mpi_path)[0].line(), flush=True)
+    elif mpi_path != "auto":
+        raise ResilienceError(f"--mpi-path {mpi_path} applies to MPI programs: add --mpi")
     job_dir = os.path.abspath(args.job_dir or cfg.job.job_dir.format(job_id=f"{int(time.time())}"))
-    job_id = submit_restart(cfg, command, job_dir, mpi=args.mpi)
+    job_id = submit_restart(cfg, command, job_dir, mpi=args.mpi, mpi_path=mpi_path)
     print(f"submitted job {job_id}; job dir {job_dir}", flush=True)
     return wait_result(job_id, job_dir) if args.wait else 0
 
@@ -230,7 +237,7 @@ def cmd_restart_supervise(args) -> int:
     from .launch.restart import supervise_restart
 
     cfg, command = _load(args)
-    return supervise_restart(cfg, command, args.job_dir, mpi=args.mpi)
+    return supervise_restart(cfg, command, args.job_dir, mpi=args.mpi, mpi_path=args.mpi_path)
 
 
 def cmd_timeline(args) -> int:
@@ -297,12 +304,16 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("run", help="submit an unmodified (torchrun-style or MPI) program; relaunch on faults")
     _common(p)
     p.add_argument("--wait", action="store_true", help="wait for the job; exit with its code")
-    p.add_argument("--mpi", action="store_true", help="MPI program: srun --mpi=pmix, no torch env wrapper")
+    p.add_argument("--mpi", action="store_true", help="MPI program: in-place repair (ULFM) when it can be "
+                   "trusted, else relaunch through srun --mpi=pmix; one line says which and why")
+    p.add_argument("--mpi-path", choices=("auto", "in-place", "relaunch"), default="auto",
+                   help="with --mpi: auto (default) decides; in-place is an error where ULFM cannot be trusted")
     _site_flags(p)
     p.set_defaults(func=cmd_run)
     p = sub.add_parser("restart-supervise", help="(inside an allocation) the supervisor of `run`")
     _common(p)
     p.add_argument("--mpi", action="store_true")
+    p.add_argument("--mpi-path", choices=("auto", "in-place", "relaunch"), default="auto")
     p.set_defaults(func=cmd_restart_supervise)
     from .checkpoint.inspect import add_parser as add_ckpt
 

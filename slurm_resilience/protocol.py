@@ -152,6 +152,14 @@ class EventKind(_Named):
     """a suspected or slow rank is well again."""
     PROGRESS_SLOW = "progress_slow"
     """a rank made no progress past the soft step timeout (the hard one recovers it)."""
+    MPI_PATH = "mpi_path"
+    """``run --mpi`` chose in-place repair (ULFM) or relaunch, and why (``mpi/choose.py``)."""
+    ULFM_LAUNCH = "ulfm_launch"
+    """the in-place path started ``mpirun --with-ft ulfm`` (attempt, workers, spares)."""
+    ULFM_REPAIRED = "ulfm_repaired"
+    """the ranks of a ULFM job repaired their communicator in place (lost, promoted, ms)."""
+    ULFM_EXIT = "ulfm_exit"
+    """``mpirun`` of the in-place path ended (attempt, exit code)."""
 
 
 class WorkerEvent(_Named):

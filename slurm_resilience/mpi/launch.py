@@ -19,6 +19,7 @@ batch host ``SLURMD_NODENAME``) and replaces itself with ``mpirun``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 from dataclasses import dataclass
@@ -44,6 +45,7 @@ class UlfmLaunch:
             lab; empty: Open MPI chooses). PRRTE's own daemon traffic (oob) skips
             loopback interfaces whenever another one exists (oob_tcp_component.c).
         mca: further ``(name, value)`` MCA settings.
+        export: environment variables handed to every rank (``-x NAME``).
     """
 
     venv: str
@@ -53,6 +55,7 @@ class UlfmLaunch:
     btl: str = "tcp,self"
     tcp_if: str = ""
     mca: tuple[tuple[str, str], ...] = ()
+    export: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.workers:
@@ -85,6 +88,8 @@ def mpirun_argv(launch: UlfmLaunch, command: Sequence[str]) -> list[str]:
         argv += ["--mca", "btl_tcp_if_include", launch.tcp_if]  # while another interface exists
     for name, value in launch.mca:
         argv += ["--mca", name, value]
+    for name in launch.export:
+        argv += ["-x", name]
     return [*argv, *command]
 
 
@@ -117,6 +122,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         launch = from_allocation(os.environ, spare_nodes=args.spare_nodes, per_node=args.per_node,
                                  venv=args.venv, tcp_if=args.tcp_if)
+        launch = dataclasses.replace(launch, export=("SR_ULFM_SPARES",))
         line = mpirun_argv(launch, command)
     except ValueError as exc:
         print(f"slurm_resilience.mpi.launch: {exc}", file=sys.stderr)
@@ -128,7 +134,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"slurm_resilience.mpi.launch: no {line[0]} (run scripts/install-deps.sh or set "
               "SR_ULFM_VENV)", file=sys.stderr)
         return 2
-    env = dict(os.environ)
+    env = dict(os.environ, SR_ULFM_SPARES=str(launch.spare_ranks))  # Session(spares=None) reads it
     if os.geteuid() == 0:  # Open MPI refuses root without both
         env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
     sys.stdout.flush()

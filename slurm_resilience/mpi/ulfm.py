@@ -64,11 +64,13 @@ class Session:
     Args:
         state: name -> numpy array or CPU torch tensor, updated in place by the
             program; copied at every step to the rank's buddy and restored in place.
-        spares: how many of the world's last ranks park as spares.
+        spares: how many of the world's last ranks park as spares; None: ``SR_ULFM_SPARES``
+            (set by the launchers), else 0.
         per_node: ranks per node (buddy distance); default: Open MPI's local size of
             world rank 0.
         events: a directory where each process appends its events
-            (``events-w{world rank}.jsonl``, 0600); None: no events.
+            (``events-w{world rank}.jsonl``, 0600); None: ``SR_ULFM_EVENTS`` (set by
+            ``run --mpi``), else no events.
         observer: called as ``observer(kind, record)`` for every event, after it is
             written (a program's own timeline, or a test's fault injector).
 
@@ -77,13 +79,17 @@ class Session:
         ValueError: ``spares`` leaves no active rank.
     """
 
-    def __init__(self, state: Mapping[str, Any], *, spares: int = 0, per_node: int | None = None,
+    def __init__(self, state: Mapping[str, Any], *, spares: int | None = None, per_node: int | None = None,
                  events: str | None = None, environ: Mapping[str, str] | None = None,
                  observer: Callable[[str, dict[str, Any]], None] | None = None) -> None:
         from mpi4py import MPI
 
         env = os.environ if environ is None else environ
         require_ulfm(env, MPI)
+        if spares is None:
+            spares = int(env.get("SR_ULFM_SPARES", "0") or 0)
+        if events is None:
+            events = env.get("SR_ULFM_EVENTS") or None
         self._MPI = MPI
         self._world = MPI.COMM_WORLD.Dup()
         self._world.Set_errhandler(MPI.ERRORS_RETURN)
