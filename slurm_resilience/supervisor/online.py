@@ -228,8 +228,9 @@ class Supervisor:
     def changed(self, state: SupervisorState) -> None:
         """Persist a change for a re-attach: at once when the job's shape moved (phase,
         generation, workers, recovery, budgets); a recovery's marks and other small
-        changes go with the next status write (≤ 0.5 s). Saving the whole state at every
-        worker event cost O(N) per event, O(N²) per recovery (benchmarks/scale.py)."""
+        changes go with the next status write (``status_interval_s``: 0.5 s up to 2,048
+        workers). Saving the whole state at every worker event cost O(N) per event,
+        O(N²) per recovery (benchmarks/scale.py)."""
         self.state = state
         if _shape(state) != self._saved_shape:
             self._save(state)
@@ -327,7 +328,7 @@ class Supervisor:
 
     def _write_status(self, state: SupervisorState, force: bool = False) -> None:
         now = time.time()
-        if not force and now - self._last_status < 0.5:
+        if not force and now - self._last_status < status_interval_s(len(state.workers)):
             return
         self._last_status = now
         if self._unsaved:
@@ -368,6 +369,13 @@ def checkpoint_notice(event: dict) -> str | None:
         return (f"{who}: removed {len(removed)} checkpoint directory(ies) of ended runs"
                 + (f", {len(failed)} could not be removed" if failed else "") + f": {', '.join(removed)}")
     return None
+
+
+def status_interval_s(workers: int) -> float:
+    """How often the status file (and a pending state save) is written: every 0.5 s up to
+    2,048 workers, then in proportion (2 s at 8,192), so its O(N) cost stays a fixed
+    share of the loop."""
+    return max(0.5, workers / 4096)
 
 
 def _shape(state: SupervisorState) -> tuple:

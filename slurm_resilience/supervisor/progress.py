@@ -239,24 +239,33 @@ class ProgressWatch:
         a recovery is in flight, so a stall is expected: progress clocks restart.
         Returns the changes of verdict ``(worker, old, new, evidence)``."""
         signs: dict[str, Signs] = {}
+        carried = hb_progress or {}
         for wid, t in hb_t.items():
             p = pulses.get(wid)
-            h = (hb_progress or {}).get(wid)
-            reports = []  # (when, progress, phase, step): the pulse's line, the heartbeat's copy
-            if p is not None:
-                reports.append((p.t, p.progress, 1 if p.waiting else 2 if p.busy else 0, p.step))
-            if h is not None:
-                reports.append((t, *h))
-            if not reports:
+            h = carried.get(wid)
+            # (when, progress, phase, step): the pulse's line and the heartbeat's copy of one
+            # counter; the higher progress is the newer report (written out: O(N) per poll).
+            pr = None if p is None else (p.t, p.progress, 1 if p.waiting else 2 if p.busy else 0, p.step)
+            hr = None if h is None else (t, h[0], h[1], h[2])
+            if pr is None and hr is None:
                 signs[wid] = Signs(hb_age=now - t)
                 continue
-            self._note_step(wid, max(r[3] for r in reports), now, paused)
-            value = max(r[1] for r in reports)  # one counter, two copies: the higher is newer
-            showing = [r for r in reports if r[1] == value]
-            newest = max(showing, key=lambda r: r[0])
+            if pr is None or hr is None:
+                newest = pr or hr
+                step, value, first = newest[3], newest[1], newest[0]
+            else:
+                step = pr[3] if pr[3] >= hr[3] else hr[3]
+                if pr[1] != hr[1]:
+                    newest = pr if pr[1] > hr[1] else hr
+                    first = newest[0]
+                else:
+                    newest = pr if pr[0] >= hr[0] else hr
+                    first = pr[0] if pr[0] <= hr[0] else hr[0]
+                value = newest[1]
+            self._note_step(wid, step, now, paused)
             last = self._moved.get(wid)
             if paused or last is None or last[0] != value:
-                self._moved[wid] = last = (value, newest[0] if paused else min(r[0] for r in showing))
+                self._moved[wid] = last = (value, newest[0] if paused else first)
             signs[wid] = Signs(hb_age=now - t, pulse_age=None if p is None else now - p.t,
                                state=None if p is None else p.state, waiting=newest[2] == 1, busy=newest[2] == 2,
                                stalled_s=max(0.0, newest[0] - last[1]), hb_progress=h is not None,

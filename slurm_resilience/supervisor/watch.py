@@ -79,6 +79,8 @@ class Watch:
         self._held: dict[str, dict[str, dict[str, Any]]] = {}  # silent node → its suspects, probe running
         self._verdicts: dict[str, NodeProbed] = {}  # newest probe result per node
         self._beats: dict[str, float] = {}  # newest heartbeat time per worker
+        self._hb_keys: dict[str, str] = {}  # worker → its heartbeat key (built once)
+        self._done_keys: tuple[object, list[str]] = (None, [])  # (table, its ranks' done keys)
 
     def observe(self, state: SupervisorState) -> list[Observation]:
         out: list[Observation] = []
@@ -87,31 +89,43 @@ class Watch:
             return [Preempted(self.cfg.job.preempt_signal_name)]
         suspects: dict[str, dict[str, Any]] = {}
         out += self._drain(state, suspects, 0.02)
-        for wid, h in self.handles.items():
-            if state.watched(wid) and h.exit_code() is not None:
-                suspects.setdefault(wid, {"t": time.time()})["process_exited"] = True
         now = time.time()
-        if now - self._last_hb >= self.cfg.detect.heartbeat_period_s:
+        polled = now - self._last_hb >= self.cfg.detect.heartbeat_period_s
+        if polled:  # the O(N) sources, once a heartbeat period (a death is seen at once by its socket)
             self._last_hb = now
+            for wid, h in self.handles.items():
+                if h.exit_code() is not None and state.watched(wid):
+                    suspects.setdefault(wid, {"t": now})["process_exited"] = True
             out += self._heartbeats(state, suspects, now)
+            out += self._drain(state, suspects, 0.0)  # a socket closed during the O(N) read
         if suspects and self.prober is not None:
             self._hold_silent(state, suspects)
         probed = self._probed(state)
         if suspects or probed:
             out.append(self._probe(state, suspects, probed))
-        out += self.poll_events(state)
-        if state.table.slots and self.store.check([done_key(s.rank) for s in state.table.slots]):
+        marks = self.poll_events(state)
+        out += marks
+        # All done: one ``check`` of every rank's done key, at the heartbeat cadence or when
+        # a rank has just said it is done (never a round trip per rank, nor one per loop turn).
+        ended = any(isinstance(m, WorkerMark) and m.kind is WorkerEvent.DONE for m in marks)
+        if state.table.slots and (polled or ended) and self.store.check(self._all_done_keys(state)):
             out.append(AllDone())
         if now - self._last_return >= self.cfg.detect.node_poll_s:
             self._last_return = now
             out += self._returned(state)
         return out + [Tick()]
 
+    def _all_done_keys(self, state: SupervisorState) -> list[str]:
+        """The done keys of the current table's ranks, built once per table."""
+        if self._done_keys[0] is not state.table:
+            self._done_keys = (state.table, [done_key(s.rank) for s in state.table.slots])
+        return self._done_keys[1]
+
     # -- sources --------------------------------------------------------------------
     def _drain(self, state: SupervisorState, suspects: dict, timeout: float) -> list[Observation]:
         out: list[Observation] = []
         try:
-            seen = self.seen.get(timeout=timeout)
+            seen = self.seen.get(timeout=timeout) if timeout > 0 else self.seen.get_nowait()
         except queue.Empty:
             return out
         while True:
@@ -133,7 +147,11 @@ class Watch:
         live = [wid for wid in state.workers if state.watched(wid) and wid in self.connected_at]
         if not live:
             return []
-        beats = read_heartbeats(self.store, {wid: heartbeat_key(wid) for wid in live})
+        keys = self._hb_keys
+        for wid in live:
+            if wid not in keys:
+                keys[wid] = heartbeat_key(wid)
+        beats = read_heartbeats(self.store, {wid: keys[wid] for wid in live})
         for wid, beat in beats.items():
             if beat is not None:
                 self.steps[wid] = int(beat.get("step", 0))
@@ -225,6 +243,7 @@ class Watch:
                probed: dict[str, tuple[dict[str, Any], NodeProbed | None]] | None = None) -> Suspects:
         items = []
         both = [(wid, o, None) for wid, o in suspects.items()] + [(w, o, r) for w, (o, r) in (probed or {}).items()]
+        reach: dict[str, bool | None] = {}  # one slurmd connect per node, not per rank of it
         for wid, o, res in both:
             w = state.workers[wid]
             slot = state.slot_of(wid)
@@ -232,7 +251,9 @@ class Watch:
             if res is not None and not finished:
                 reachable = res.reachable
             else:
-                reachable = None if finished else self.launcher.node_reachable(w.node, self.cfg.detect.probe_timeout_s)
+                if not finished and w.node not in reach:
+                    reach[w.node] = self.launcher.node_reachable(w.node, self.cfg.detect.probe_timeout_s)
+                reachable = None if finished else reach[w.node]
             h = self.handles.get(wid)
             error = self._program_error(wid) if o.get("process_exited") and slot is not None and not finished else None
             items.append(Suspect(worker_id=wid, t=o["t"], process_exited=o.get("process_exited", False),
