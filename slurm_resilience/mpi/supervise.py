@@ -22,6 +22,7 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from ..config import ResilienceConfig
@@ -29,6 +30,14 @@ from ..events import EventLog
 from ..protocol import EventKind
 from .fallback import ExitAction, after_exit
 from .launch import UlfmLaunch, mpirun_argv
+
+@dataclass(frozen=True)
+class DaemonStep:
+    """``SrunLauncher.kill``'s handle for PRRTE's daemon steps (srun names them ``prted``)."""
+
+    name: str = "prted"
+    process: None = None
+
 
 EXPORTED = ("SR_ULFM_SPARES", "SR_ULFM_EVENTS", "SR_PROGRESS_FILE", "SR_RESTART")
 
@@ -84,6 +93,9 @@ class UlfmSupervisor:
                 self.events.emit(EventKind.JOB_FAILED, path="in-place", reason=plan.reason, exit_code=plan.code)
                 print(f"slurm-resilience: error: {plan.reason}", file=sys.stderr, flush=True)
                 return plan.code
+            # a daemon step whose node died keeps its CPUs until Slurm marks the node down
+            # (docs/mpi-ulfm.md): cancelled, or the next launch waits on "nodes are busy"
+            self.launcher.kill(DaemonStep())
             attempt, retries = attempt + 1, plan.retries
             self.workers, self.spares = plan.workers, plan.spares
             self.events.emit(EventKind.RELAUNCH, path="in-place", attempt=attempt, reason=plan.reason,

@@ -101,7 +101,7 @@ class Session:
         self.per_node = max(1, int(self._world.bcast(local, root=0)))
         self.size = wsize - spares
         self.rank = self.wid if self.wid < self.size else SPARE
-        self._spare_wids = list(range(self.size, wsize))
+        self._spare_ranks = list(range(self.size, wsize))  # parked spares' ranks in self._world
         self._layout = Layout(state)
         sigs = set(self._world.allgather(self._layout.signature()))
         if len(sigs) != 1:
@@ -238,8 +238,8 @@ class Session:
     def _release_spares(self) -> None:
         if self.rank != 0:
             return
-        for wid in self._spare_wids:
-            self._world.send("done", dest=wid, tag=TAG_PARK)
+        for r in self._spare_ranks:
+            self._world.send("done", dest=r, tag=TAG_PARK)
 
     # -- repair ------------------------------------------------------------------------
 
@@ -301,7 +301,8 @@ class Session:
             restored = self._restore(comm, plan, new_rank)
         shrunk.Agree(1)  # raises on every process if one was lost during the repair
         self.comm, self.rank, self.size = comm, new_rank, plan.size
-        self._spare_wids = sorted(m.wid for m in members if plan.rank_of(m.wid) == SPARE)
+        # their ranks in the shrunk world (the gather's row order), not their first world ranks
+        self._spare_ranks = [i for i, m in enumerate(members) if plan.rank_of(m.wid) == SPARE]
         if new_rank == SPARE:
             self.phase = transition(self.phase, Phase.PARKED)
             return plan

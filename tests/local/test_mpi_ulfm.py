@@ -97,3 +97,17 @@ def test_without_ulfm_enabled_the_session_says_so_in_one_line(tmp_path):
     line = [ln for ln in proc.stderr.splitlines() if ln.startswith("mpi_ulfm_train:")]
     assert line and "--with-ft ulfm" in line[0], proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_a_spare_left_parked_after_a_repair_is_released_at_the_end(tmp_path, reference):
+    """Two spares, one failure: the spare left parked is addressed by its rank in the
+    shrunk world (wid 5 is rank 4 there once wid 2 is gone), not its first world rank."""
+    out = tmp_path / "final.npz"
+    proc = mpirun(6, out, "--spares", "2", "--die", "2:8")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    same(reference, out)
+    assert [r["promoted"] for r in repairs(out) if r["wid"] == 0] == [{"4": 2}]
+    recs = []
+    for f in (out.parent / "ev").glob("events-w*.jsonl"):
+        recs += [json.loads(ln) for ln in f.read_text().splitlines()]
+    assert {r["wid"]: r["rank"] for r in recs if r["kind"] == "done"}[5] == -1
