@@ -49,9 +49,15 @@ def loopback_only(addresses: Sequence[str]) -> bool:
 
 def build_launch(*, prefix: str, workers: Sequence[str], spares: Sequence[str], per_node: int,
                  addresses: Sequence[str]) -> UlfmLaunch:
-    """Pure: the launch of one attempt (``-x`` for the variables the ranks need)."""
+    """Pure: the launch of one attempt (``-x`` for the variables the ranks need).
+
+    PRRTE starts its daemons as one srun step; ``plm_slurm_args --overlap`` lets a
+    relaunch's step start while the aborted one (its node dead) still holds the
+    nodes' memory (PRRTE reads ``plm_slurm_args`` from ``--mca``, not from the
+    environment, measured)."""
     return UlfmLaunch(venv=prefix, workers=tuple(workers), spares=tuple(spares), per_node=per_node,
-                      tcp_if="lo" if loopback_only(addresses) else "", export=EXPORTED)
+                      tcp_if="lo" if loopback_only(addresses) else "", export=EXPORTED,
+                      mca=(("plm_slurm_args", "--overlap"),))
 
 
 class UlfmSupervisor:
@@ -80,10 +86,10 @@ class UlfmSupervisor:
                 self._forward(attempt)
                 time.sleep(self.poll_s)
             self._forward(attempt)
-            code = proc.returncode
-            self.events.emit(EventKind.ULFM_EXIT, attempt=attempt, exit_code=code)
-            lost = self._lost(code)
-            plan = after_exit(code, lost=lost, workers=self.workers, spares=self.spares, retries=retries,
+            code, finished = proc.returncode, self._finished
+            self.events.emit(EventKind.ULFM_EXIT, attempt=attempt, exit_code=code, finished=finished)
+            lost = self._lost(code == 0 and finished)
+            plan = after_exit(code, finished=finished, lost=lost, workers=self.workers, spares=self.spares, retries=retries,
                               retry_budget=self.cfg.recovery.fault_retry_times)
             if plan.action is ExitAction.DONE:
                 self.events.emit(EventKind.JOB_DONE, path="in-place", attempts=attempt + 1)
@@ -116,7 +122,7 @@ class UlfmSupervisor:
             env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
         self.events.emit(EventKind.ULFM_LAUNCH, attempt=attempt, workers=list(self.workers),
                          spares=list(self.spares), spare_ranks=launch.spare_ranks, argv=argv)
-        self._repairs = 0
+        self._repairs, self._finished = 0, False
         self.say(f"launch {attempt}: {' '.join(argv[:len(argv) - len(self.command)])} PROGRAM...")
         fd = os.open(os.path.join(self.job_dir, f"step-{attempt:03d}.log"),
                      os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
@@ -124,10 +130,10 @@ class UlfmSupervisor:
             return subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, start_new_session=True)
 
-    def _lost(self, code: int) -> frozenset[str]:
+    def _lost(self, succeeded: bool) -> frozenset[str]:
         """Nodes whose slurmd does not answer (after a failed mpirun, checked twice
         ``settle_s`` apart: a node being killed may still answer the first time)."""
-        if code == 0:
+        if succeeded:
             return frozenset()
         nodes = [*self.workers, *self.spares]
         timeout = self.cfg.detect.probe_timeout_s
@@ -138,9 +144,12 @@ class UlfmSupervisor:
         return frozenset(lost)
 
     def _forward(self, attempt: int) -> None:
-        """The ranks' ``repaired`` records, once per repair, into the job's event log."""
+        """The ranks' ``repaired`` records, once per repair, into the job's event log;
+        rank 0's ``done`` marks the run finished."""
         for path in sorted(glob.glob(os.path.join(self.job_dir, f"ulfm-{attempt:03d}", "events-w*.jsonl"))):
             for rec in self._new_records(path):
+                if rec.get("kind") == "done" and rec.get("rank") == 0:
+                    self._finished = True
                 if rec.get("kind") != "repaired":
                     continue
                 n = self._seen.setdefault(f"{path}#repairs", 0) + 1

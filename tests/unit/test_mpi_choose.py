@@ -103,22 +103,22 @@ WORKERS, SPARES = ("n2", "n3", "n4", "n5"), ("n6",)
 
 
 def test_after_exit_done_and_node_loss_relaunches_with_the_spare_in_place():
-    assert after_exit(0, lost=set(), workers=WORKERS, spares=SPARES, retries=0, retry_budget=3).action \
+    assert after_exit(0, finished=True, lost=set(), workers=WORKERS, spares=SPARES, retries=0, retry_budget=3).action \
         is ExitAction.DONE
-    plan = after_exit(1, lost={"n3"}, workers=WORKERS, spares=SPARES, retries=2, retry_budget=3)
+    plan = after_exit(1, finished=False, lost={"n3"}, workers=WORKERS, spares=SPARES, retries=2, retry_budget=3)
     assert plan.action is ExitAction.RELAUNCH and plan.workers == ("n2", "n6", "n4", "n5")
     assert plan.spares == () and plan.lost == ("n3",) and plan.retries == 2  # a node loss spends no retry
     assert "PRRTE ends a job that loses a daemon" in plan.reason
-    spare_lost = after_exit(1, lost={"n6"}, workers=WORKERS, spares=SPARES, retries=0, retry_budget=3)
+    spare_lost = after_exit(1, finished=False, lost={"n6"}, workers=WORKERS, spares=SPARES, retries=0, retry_budget=3)
     assert spare_lost.action is ExitAction.RELAUNCH and spare_lost.workers == WORKERS and spare_lost.spares == ()
 
 
 def test_after_exit_fails_without_spare_and_past_the_budget():
-    plan = after_exit(137, lost={"n3", "n4"}, workers=WORKERS, spares=SPARES, retries=0, retry_budget=3)
+    plan = after_exit(137, finished=False, lost={"n3", "n4"}, workers=WORKERS, spares=SPARES, retries=0, retry_budget=3)
     assert plan.action is ExitAction.FAIL and plan.code == 137 and "no spare node left to take n4's" in plan.reason
-    again = after_exit(1, lost=set(), workers=WORKERS, spares=SPARES, retries=1, retry_budget=3)
+    again = after_exit(1, finished=False, lost=set(), workers=WORKERS, spares=SPARES, retries=1, retry_budget=3)
     assert again.action is ExitAction.RELAUNCH and again.workers == WORKERS and again.retries == 2
-    spent = after_exit(-9, lost=set(), workers=WORKERS, spares=SPARES, retries=3, retry_budget=3)
+    spent = after_exit(-9, finished=False, lost=set(), workers=WORKERS, spares=SPARES, retries=3, retry_budget=3)
     assert spent.action is ExitAction.FAIL and spent.code == 1 and "retry budget (3" in spent.reason
 
 
@@ -135,3 +135,12 @@ def test_cli_in_place_on_debian_open_mpi_is_one_line(capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("slurm-resilience: error: --mpi-path in-place: ")
     assert "Open MPI v4.1" in err[0] and "has no ULFM" in err[0]
+
+
+def test_exit_0_without_rank_0_finishing_is_a_failure_not_done():
+    """mpirun of PRRTE 3.0.11 ends with 0 after a daemon loss aborted the job (measured)."""
+    plan = after_exit(0, finished=False, lost={"n3"}, workers=WORKERS, spares=SPARES, retries=0, retry_budget=3)
+    assert plan.action is ExitAction.RELAUNCH and plan.workers == ("n2", "n6", "n4", "n5")
+    assert plan.reason.startswith("mpirun ended with 0 but rank 0 never finished the run, node(s) n3 lost")
+    healthy = after_exit(0, finished=False, lost=set(), workers=WORKERS, spares=SPARES, retries=3, retry_budget=3)
+    assert healthy.action is ExitAction.FAIL and healthy.code == 1

@@ -1,0 +1,172 @@
+"""`slurm-resilience run --mpi` on the real local Slurm: the path it chooses, G = 2.
+
+* in place, 2 ranks per node (2 worker nodes x 2 active ranks + 1 spare node x 2
+  spare ranks): a rank SIGKILLed -> a spare rank takes its number, no process started,
+  final state bit-identical to a fault-free 4-rank run;
+* in place, a whole worker node killed (its ranks and its PRRTE daemon): PRRTE 3.0.11
+  ends the job, the supervisor relaunches mpirun with the spare node in the lost
+  node's place, the program resumes from its own snapshot, bit-identical;
+* relaunch: an mpi4py program on Debian's Open MPI (no ULFM) takes the relaunch path
+  and says why.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from slurm_resilience import lab
+from slurm_resilience.events import read_events
+from slurm_resilience.mpi.launch import DEFAULT_VENV
+
+pytestmark = [pytest.mark.slurm, pytest.mark.timeout(150)]
+VENV = os.environ.get("SR_ULFM_VENV", DEFAULT_VENV)
+PYTHON = os.path.join(VENV, "bin", "python")
+EXAMPLE = lab.REPO / "examples" / "mpi_ulfm_train.py"
+STEPS = 40
+ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1", "PYTHONPATH": str(lab.REPO)}
+
+if not os.access(os.path.join(VENV, "bin", "mpirun"), os.X_OK):
+    pytest.fail(f"no ULFM Open MPI in {VENV}: run scripts/install-deps.sh", pytrace=False)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    """Fault-free, 4 active ranks on this host (the same sums in rank order)."""
+    out = tmp_path_factory.mktemp("ulfm-g2-ref") / "final.npz"
+    argv = [os.path.join(VENV, "bin", "mpirun"), "--with-ft", "ulfm", "--oversubscribe", "-n", "4",
+            "--mca", "btl", "tcp,self", "--mca", "btl_tcp_if_include", "lo",
+            PYTHON, str(EXAMPLE), "--spares", "0", "--steps", str(STEPS), "--out", str(out)]
+    proc = subprocess.run(argv, env={**os.environ, **ENV}, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return out
+
+
+def _run(root: Path, *program: str, nodes: int = 2, g: int = 2) -> subprocess.Popen:
+    argv = [sys.executable, "-m", "slurm_resilience.cli", "run", "--wait", "--mpi", "--nodes", str(nodes),
+            "--spares", "1", "--tasks-per-node", str(g), "--job-dir", str(root / "job"), "--", *program]
+    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, **ENV})
+
+
+def _ulfm(root: Path, root_dir: Path, steps_before: int = 10) -> tuple[subprocess.Popen, Path]:
+    out = root / "final.npz"
+    proc = _run(root, PYTHON, str(EXAMPLE), "--steps", str(STEPS), "--step-time", "0.15", "--out", str(out),
+                "--snapshot", str(root / "snap"), "--snapshot-every", "5")
+    return proc, out
+
+
+def _wait(pred, timeout: float, what: str, proc: subprocess.Popen):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        got = pred()
+        if got:
+            return got
+        if proc.poll() is not None:
+            raise AssertionError(f"run ended ({proc.returncode}) before {what}: {proc.stdout.read()}")
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _last_step(progress: Path) -> int:
+    try:
+        lines = progress.read_text().splitlines()
+    except FileNotFoundError:
+        return -1
+    return int(lines[-1].split()[0]) if lines else -1
+
+
+def _rank_events(ev_dir: Path) -> list[dict]:
+    recs = []
+    for f in sorted(ev_dir.glob("events-w*.jsonl")):
+        recs += [json.loads(ln) for ln in f.read_text().splitlines() if ln.strip()]
+    return recs
+
+
+def _finish(proc: subprocess.Popen, job: Path) -> str:
+    try:
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()  # the `run --wait` client this test started
+            out = proc.stdout.read()
+            ids = re.findall(r"submitted job (\d+)", out)
+            if ids:  # and the job it submitted
+                subprocess.run(["scancel", ids[0]], capture_output=True, timeout=30)
+            raise AssertionError(f"run --wait did not end within 120 s: {out}")
+    log = job / "supervisor.log"
+    return proc.stdout.read() + (log.read_text() if log.exists() else "")
+
+
+def _same(a: Path, b: Path) -> None:
+    x, y = np.load(a), np.load(b)
+    assert sorted(x.files) == sorted(y.files)
+    for k in x.files:
+        assert x[k].tobytes() == y[k].tobytes(), f"{k} differs from the fault-free run"
+
+
+def test_g2_rank_killed_is_repaired_in_place(cluster, tmp_path, reference):
+    proc, out = _ulfm(tmp_path, tmp_path)
+    job = tmp_path / "job"
+    _wait(lambda: _last_step(job / "progress-000.log") >= 10, 90, "step 10", proc)
+    starts = {r["wid"]: r for r in _rank_events(job / "ulfm-000") if r["kind"] == "start"}
+    assert len(starts) == 6 and [starts[w]["rank"] for w in range(6)] == [0, 1, 2, 3, -1, -1]
+    assert starts[0]["node"] == starts[1]["node"] != starts[2]["node"] == starts[3]["node"]
+    os.kill(starts[1]["pid"], signal.SIGKILL)  # a rank of the job this test started
+    output = _finish(proc, job)
+    assert proc.returncode == 0, output
+    assert "MPI recovery path: in-place repair (ULFM): mpi4py loads Open MPI 5.0.11" in output
+    events = read_events(str(job / "events.jsonl"))
+    kinds = [e["kind"] for e in events]
+    assert kinds[0] == "mpi_path" and events[0]["path"] == "in-place"
+    assert "relaunch" not in kinds and kinds.count("ulfm_launch") == 1
+    repaired = [e for e in events if e["kind"] == "ulfm_repaired"]
+    assert len(repaired) == 1 and repaired[0]["lost"] == [1] and repaired[0]["promoted"] == {"4": 1}
+    recs = _rank_events(job / "ulfm-000")
+    assert len([r for r in recs if r["kind"] == "start"]) == 6  # no process started
+    exits = {r["wid"]: r for r in recs if r["kind"] == "exit"}
+    assert sorted(exits) == [0, 2, 3, 4, 5] and exits[4]["rank"] == 1 and exits[5]["rank"] == -1
+    _same(reference, out)
+
+
+def test_g2_node_killed_relaunches_on_the_spare_node(cluster, tmp_path, reference):
+    proc, out = _ulfm(tmp_path, tmp_path)
+    job = tmp_path / "job"
+    _wait(lambda: (tmp_path / "snap" / "snapshot.npz").exists() and _last_step(job / "progress-000.log") >= 12,
+          90, "a snapshot and step 12", proc)
+    starts = {r["wid"]: r for r in _rank_events(job / "ulfm-000") if r["kind"] == "start"}
+    victim = starts[2]["node"]  # the second worker node: ranks 2 and 3 and its prted
+    lab.kill_node(victim)
+    output = _finish(proc, job)
+    lab.cluster("revive-node", victim)
+    assert proc.returncode == 0, output
+    events = read_events(str(job / "events.jsonl"))
+    relaunch = [e for e in events if e["kind"] == "relaunch"]
+    assert len(relaunch) == 1 and relaunch[0]["lost"] == [victim] and relaunch[0]["spares"] == []
+    assert "PRRTE ends a job that loses a daemon" in relaunch[0]["reason"]
+    assert victim not in relaunch[0]["workers"] and len(relaunch[0]["workers"]) == 2
+    restarted = _rank_events(job / "ulfm-001")
+    assert {r["node"] for r in restarted if r["kind"] == "start"} == set(relaunch[0]["workers"])
+    _same(reference, out)
+
+
+def test_debian_open_mpi_takes_the_relaunch_path_and_says_why(cluster, tmp_path):
+    proc = _run(tmp_path, sys.executable, str(lab.REPO / "examples" / "mpi_train.py"), "--steps", "3",
+                "--step-time", "0", "--ckpt", str(tmp_path / "ckpt"), "--out", str(tmp_path / "final.npy"),
+                nodes=1, g=1)
+    output = _finish(proc, tmp_path / "job")
+    assert proc.returncode == 0, output
+    line = "MPI recovery path: relaunch of the whole step: "
+    assert f"{line}{sys.executable}'s mpi4py loads Open MPI v4.1" in output, output
+    events = read_events(str(tmp_path / "job" / "events.jsonl"))
+    assert events[0]["kind"] == "mpi_path" and events[0]["path"] == "relaunch"
+    assert "no ULFM" in events[0]["reason"] and (tmp_path / "final.npy").exists()
