@@ -29,6 +29,13 @@ What the callback does, per rank:
                           state from a survivor, not from a shared ``.ckpt``
   before the first batch  on a mid-epoch restore, the sampler skips the samples of
                           the epoch's completed batches (no data is read for them)
+  preemption (``run``)    Collective, after every step: rank 0 looks for the
+                          supervisor's request (``JOBDIR/preempt.request``,
+                          supervisor/relaunch_preempt.py) and broadcasts what it saw;
+                          on a request rank 0 copies the step just completed to the
+                          job directory (``JOBDIR/lightning/JOB``, durable) and every rank
+                          exits (:class:`Persisted`). The requeued job restores the
+                          newest of the nodes' snapshots and that copy.
 
 DDP replicates the model and optimizer on every rank, so any survivor's copy is the
 whole state: a node loss loses no snapshot unless every node is lost.
@@ -52,6 +59,7 @@ import torch.distributed as dist
 from pytorch_lightning import Callback, LightningModule, Trainer
 
 from ..errors import ConfigError
+from ..supervisor.relaunch_preempt import JOB_DIR_VAR, request_path
 
 SNAPSHOT_PREFIX = "step-"
 
@@ -71,6 +79,9 @@ class LightningEnv:
     """``SR_LIGHTNING_DIR``: the snapshot root instead of the default (one folder per
     node under it); lets a run without Slurm (torchrun, tests) keep snapshots."""
     user: str
+    run_job_dir: str | None = None
+    """``SR_RUN_JOB_DIR``: the job directory of a ``slurm-resilience run`` job: its
+    preemption request and the durable copy (``JOBDIR/lightning/JOB``) live there."""
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> "LightningEnv":
@@ -78,7 +89,7 @@ class LightningEnv:
                    node=env.get("SLURMD_NODENAME") or socket.gethostname(),
                    progress_file=env.get("SR_PROGRESS_FILE") or None,
                    root=env.get("SR_LIGHTNING_DIR") or None,
-                   user=getpass.getuser())
+                   user=getpass.getuser(), run_job_dir=env.get(JOB_DIR_VAR) or None)
 
     def default_dir(self) -> Path | None:
         if self.root is not None:
@@ -90,17 +101,23 @@ class LightningEnv:
 
 @dataclasses.dataclass(frozen=True)
 class RestorePlan:
-    """Where the state comes from: ``step`` -1 means a fresh start (no ``source``)."""
+    """Where the state comes from: ``step`` -1 means a fresh start (no ``source``);
+    ``durable``: rank 0 reads the job directory's copy (``source`` is 0)."""
 
     step: int
     source: int | None
+    durable: bool = False
 
 
-def plan_restore(newest: Sequence[int]) -> RestorePlan:
-    """Pure: the newest step any rank holds (-1: none) and the lowest rank holding it."""
+def plan_restore(newest: Sequence[int], durable: int = -1) -> RestorePlan:
+    """Pure: the newest step any rank's node holds (-1: none) and the lowest rank holding
+    it; the job directory's copy (``durable``) only when it is newer than every node's
+    (a node's disk is the faster read)."""
     if not newest:
         raise ValueError("plan_restore needs one entry per rank")
     step = max(newest)
+    if durable > step:
+        return RestorePlan(durable, 0, durable=True)
     return RestorePlan(step, None if step < 0 else list(newest).index(step))
 
 
@@ -152,6 +169,12 @@ class NodeSnapshots:
         return self._path(step).read_bytes()
 
 
+class Persisted(SystemExit):
+    """Raised on every rank after a preemption request was carried out: the step just
+    completed is in the job directory, the process ends (status 0) and the code after
+    ``fit()`` does not run; the requeued job resumes from that step."""
+
+
 class _SkipOnce(torch.utils.data.Sampler):
     """Wraps the epoch's sampler: its first iteration starts ``skip`` samples in."""
 
@@ -188,6 +211,10 @@ class Resilience(Callback):
         self.env = LightningEnv.from_env(os.environ)
         chosen = Path(directory) if directory is not None else self.env.default_dir()
         self.snapshots = NodeSnapshots(chosen, keep) if chosen is not None else None
+        run_dir = self.env.run_job_dir
+        # keyed by the job id too: a job directory used again by another job never restores this one's
+        self.durable = (NodeSnapshots(Path(run_dir) / "lightning" / (self.env.job_id or "local"), keep)
+                        if run_dir is not None else None)
         self.every = every
         self.restored: RestorePlan | None = None
         self._skip = 0
@@ -196,16 +223,18 @@ class Resilience(Callback):
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Collective: every rank calls it (Lightning's hook); a rank missing hangs in gloo."""
         newest = self.snapshots.newest() if self.snapshots is not None else -1
+        durable = self.durable.newest() if self.durable is not None and trainer.global_rank == 0 else -1
         if trainer.world_size > 1:
             gathered: list[Any] = [None] * trainer.world_size
-            dist.all_gather_object(gathered, newest)
+            dist.all_gather_object(gathered, (newest, durable))
         else:
-            gathered = [newest]
-        plan = plan_restore([int(s) for s in gathered])
+            gathered = [(newest, durable)]
+        plan = plan_restore([int(s) for s, _ in gathered], durable=int(gathered[0][1]))
         self.restored = plan
         if plan.source is None:
             return
-        blob = [self.snapshots.read_bytes(plan.step) if trainer.global_rank == plan.source else None]
+        mine = trainer.global_rank == plan.source
+        blob = [(self.durable if plan.durable else self.snapshots).read_bytes(plan.step) if mine else None]
         if trainer.world_size > 1:
             dist.broadcast_object_list(blob, src=plan.source)
         checkpoint = torch.load(io.BytesIO(blob[0]), weights_only=False)
@@ -215,8 +244,9 @@ class Resilience(Callback):
         connector.restore_datamodule()
         connector.restore_callbacks()
         if trainer.global_rank == 0:
-            print(f"slurm_resilience: restored step {plan.step} from rank {plan.source}'s node "
-                  f"(gathered {list(gathered)})", flush=True)
+            where = "the job directory (durable copy)" if plan.durable else f"rank {plan.source}'s node"
+            print(f"slurm_resilience: restored step {plan.step} from {where} "
+                  f"(gathered {[s for s, _ in gathered]}, durable {gathered[0][1]})", flush=True)
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._static_buckets(trainer)
@@ -261,3 +291,19 @@ class Resilience(Callback):
         if trainer.global_rank == 0 and self.env.progress_file:
             with open(self.env.progress_file, "a") as f:
                 f.write(f"{step} {time.time():.6f}\n")
+        if self.durable is not None and self._preempt_requested(trainer):
+            if trainer.global_rank == 0:
+                self.durable.write(step, trainer._checkpoint_connector.dump_checkpoint(weights_only=False))
+                print(f"slurm_resilience: preempted: step {step} persisted to {self.durable.directory}", flush=True)
+            trainer.strategy.barrier("slurm_resilience.persisted")  # no rank ends before the copy is whole
+            raise Persisted(0)
+
+    def _preempt_requested(self, trainer: Trainer) -> bool:
+        """Collective: rank 0's answer (does the supervisor's request exist?) on every rank, so
+        that all stop after the same step. One stat and one 1-element broadcast per step."""
+        asked = trainer.global_rank == 0 and os.path.exists(request_path(self.env.run_job_dir))
+        if trainer.world_size > 1:
+            flag = torch.tensor([int(asked)], device=trainer.strategy.root_device)
+            dist.broadcast(flag, src=0)
+            asked = bool(flag.item())
+        return asked

@@ -10,10 +10,20 @@ layout from parameter order, so its last bits differ from the plain twin's, whic
 re-buckets after its first backward; docs/lightning.md).
 No completed step is redone: the relaunch restores the last step the killed
 generation reported (or a newer one) and its first step is the next one.
+
+Preemption: the same job with ``job.preempt_signal: USR1@90`` gets SIGUSR1 on its batch
+shell (``scancel --signal=USR1 --batch``, what ``--signal=B:USR1@90`` sends); the
+supervisor asks the step to persist, the ranks stop after the step in flight, rank 0
+copies it to the job directory, the job is requeued. The node-local snapshots are removed
+before the requeued job starts (a requeue may land on other nodes): it restores the
+durable copy, trains exactly the remaining steps and ends bit-identical. Both cases
+compare with one fault-free run of the same program (module fixture).
 """
 
+import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -33,15 +43,16 @@ RANKS = 4
 STEPS = 16  # 512 samples / (4 ranks x 16) = 8 steps per epoch, 2 epochs
 
 
-def _run(root: Path, script: str, step_time: float) -> subprocess.Popen:
+def _run(root: Path, script: str, step_time: float, config_extra: str = "",
+         env: dict[str, str] | None = None) -> subprocess.Popen:
     config = root / "config.yaml"
-    config.write_text("run:\n  preload: [pytorch_lightning]\n")
+    config.write_text("run:\n  preload: [pytorch_lightning]\n" + config_extra)
     argv = [sys.executable, "-m", "slurm_resilience.cli", "run", "--wait", "--nodes", "2", "--spares", "1",
             "--tasks-per-node", "2", "--job-dir", str(root / "job"), "--config", str(config),
             "--", sys.executable, str(lab.REPO / "examples" / script), "--epochs", "2", "--batch", "16",
             "--step-time", str(step_time), "--out", str(root / "final-{rank}.pt")]
     return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, **ENV})
+                            env={**os.environ, **ENV, **(env or {})})
 
 
 def _finish(proc: subprocess.Popen, root: Path) -> str:
@@ -60,22 +71,38 @@ def _states(root: Path) -> list[dict]:
     return [torch.load(root / f"final-{r}.pt") for r in range(RANKS)]
 
 
-def test_a_lost_node_resumes_on_the_spare_bit_identical_without_redoing_a_step(cluster, tmp_path):
-    ref = tmp_path / "ref"
-    ref.mkdir()
-    _finish(_run(ref, "lightning_train.py", 0.0), ref)  # the same program, no fault
+def _differ(ref: Path, run: Path) -> list[int]:
+    """Ranks whose final weights differ from the fault-free run's (torch.equal)."""
+    differ = []
+    for r, (a, b) in enumerate(zip(_states(ref), _states(run))):
+        assert a.keys() == b.keys()
+        differ += [r] if not all(torch.equal(a[k], b[k]) for k in a) else []
+    return differ
 
+
+def _wait_step(proc: subprocess.Popen, progress: Path, step: int) -> None:
+    deadline = time.time() + 120
+    while not _steps(progress) or _steps(progress)[-1] < step:
+        assert proc.poll() is None and time.time() < deadline, f"no step {step} within 120 s"
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def reference(slurm_cluster, tmp_path_factory) -> Path:
+    """One fault-free run of the same program, shared by both cases."""
     lab.cluster("reset")
+    ref = tmp_path_factory.mktemp("lightning-ref")
+    _finish(_run(ref, "lightning_train.py", 0.0), ref)
+    return ref
+
+
+def test_a_lost_node_resumes_on_the_spare_bit_identical_without_redoing_a_step(cluster, reference, tmp_path):
+    ref = reference
     faulty = tmp_path / "faulty"
     faulty.mkdir()
     proc = _run(faulty, "lightning_train.py", 0.4)
     first = faulty / "job" / "progress-000.log"
-    deadline = time.time() + 120
-    while not _steps(first) or _steps(first)[-1] < 10:  # epoch 2, batch 2 done
-        assert proc.poll() is None and time.time() < deadline, "no step 10 within 120 s"
-        time.sleep(0.05)
-    import json
-
+    _wait_step(proc, first, 10)  # epoch 2, batch 2 done
     victim = json.loads((faulty / "job" / "status.json").read_text())["nodes"][1]
     lab.kill_node(victim)
     output = _finish(proc, faulty)
@@ -85,8 +112,42 @@ def test_a_lost_node_resumes_on_the_spare_bit_identical_without_redoing_a_step(c
     assert len(restored) == 1, output[-6000:]
     assert restored[0] >= before[-1] and restored[0] < STEPS
     assert after == list(range(restored[0] + 1, STEPS + 1))  # nothing redone, nothing skipped
-    differ = []
-    for r, (a, b) in enumerate(zip(_states(ref), _states(faulty))):
-        assert a.keys() == b.keys()
-        differ += [r] if not all(torch.equal(a[k], b[k]) for k in a) else []
+    differ = _differ(ref, faulty)
     assert not differ, f"ranks {differ}: final weights differ from the fault-free run (torch.equal)"
+
+
+def _events(job: Path) -> list[dict]:
+    path = job / "events.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def test_sigusr1_preemption_persists_the_last_step_requeues_and_ends_bit_identical(cluster, reference, tmp_path):
+    local = tmp_path / "node-local"  # the nodes' snapshots (SR_LIGHTNING_DIR), removed before the requeue runs
+    proc = _run(tmp_path, "lightning_train.py", 0.3, config_extra="job:\n  preempt_signal: USR1@90\n",
+                env={"SR_LIGHTNING_DIR": str(local)})
+    job = tmp_path / "job"
+    progress = job / "progress-000.log"
+    _wait_step(proc, progress, 9)
+    job_id = json.loads((job / "status.json").read_text())["job_id"]
+    signalled = time.time()
+    subprocess.run(["scancel", "--signal=USR1", "--batch", job_id], check=True, timeout=30)
+    deadline = time.time() + 60
+    while not any(e["kind"] == "requeue" for e in _events(job)):  # the step has exited by then
+        assert proc.poll() is None and time.time() < deadline, "no requeue within 60 s of SIGUSR1"
+        time.sleep(0.05)
+    before = _steps(progress)  # the preempted run's steps (the requeued run starts this file anew)
+    shutil.rmtree(local)
+    requeued = time.time()
+    output = _finish(proc, tmp_path)
+
+    persisted = [int(s) for s in re.findall(r"preempted: step (\d+) persisted", output)]
+    restored = re.findall(r"restored step (\d+) from (the job directory|rank \d+'s node)", output)
+    assert persisted == [before[-1]], output[-6000:]  # no completed step lost
+    assert restored == [(str(before[-1]), "the job directory")], output[-6000:]
+    assert before[-1] < STEPS and _steps(progress) == list(range(before[-1] + 1, STEPS + 1))
+    assert subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True,
+                          timeout=30).stdout.count("Restarts=1") == 1
+    differ = _differ(reference, tmp_path)
+    assert not differ, f"ranks {differ}: final weights differ from the fault-free run (torch.equal)"
+    print(f"preempted at step {before[-1]}: requeue event {requeued - signalled:.1f} s after SIGUSR1, "
+          f"job done {time.time() - requeued:.1f} s later")

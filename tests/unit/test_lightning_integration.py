@@ -18,6 +18,13 @@ def test_plan_takes_the_newest_step_from_the_lowest_rank_holding_it():
         plan_restore([])
 
 
+def test_plan_reads_the_job_directory_only_when_its_copy_is_newer_than_every_node():
+    # a requeued job on other nodes: no node holds a snapshot, the preempted step is durable
+    assert plan_restore([-1, -1, -1, -1], durable=10) == RestorePlan(10, 0, durable=True)
+    assert plan_restore([10, 10, -1, -1], durable=10) == RestorePlan(10, 0)  # a tie: the node's disk
+    assert plan_restore([-1, -1, 12, 12], durable=10) == RestorePlan(12, 2)
+
+
 def test_resume_position_mid_epoch_and_at_the_epoch_end():
     assert resume_position(1, 3, 8) == (1, 3)
     assert resume_position(0, 8, 8) == (1, 0)  # the last batch's snapshot: next epoch's start
@@ -47,6 +54,8 @@ def test_environment_is_read_once_and_keys_the_directory():
     assert env.default_dir().parts[-2:] == ("42", "n3") and env.progress_file == "/p"
     assert LightningEnv.from_env({}).default_dir() is None  # no job, no directory: no stale snapshots
     assert LightningEnv.from_env({"SR_LIGHTNING_DIR": "/r", "SLURMD_NODENAME": "n1"}).default_dir().as_posix() == "/r/n1"
+    assert LightningEnv.from_env({"SR_RUN_JOB_DIR": "/j"}).run_job_dir == "/j"  # set by `run` (relaunch_preempt.py)
+    assert LightningEnv.from_env({}).run_job_dir is None  # not under `run`: no preemption check, no collective
 
 
 @pytest.mark.parametrize("bad", [{"every": 0}, {"keep": 0}, {"every": True}, {"every": 1.5}])
