@@ -43,6 +43,11 @@ median, and everything goes to --json (default mttr.json).
                       MTTR = kill → rank 0's first step of the relaunched program,
                       its own snapshot load included
 
+    ulfm-rank / mpi-relaunch-rank   an MPI program with one rank SIGKILLed, through
+                      `slurm-resilience run --mpi`: repaired in place (ULFM, a spare rank)
+                      vs the relaunch path (srun --mpi=pmix, Debian's Open MPI); run them
+                      together (--cases ulfm-rank,mpi-relaunch-rank): benchmarks/mttr_ulfm.py
+
 Needs the cluster: scripts/local-cluster start; eval "$(scripts/local-cluster env)".
 """
 
@@ -62,6 +67,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from mttr_baseline import BASELINES, config_note, run_baseline  # noqa: E402
 from mttr_cases import CASES, run_case  # noqa: E402
 from mttr_run import RUN_CASES, run_relaunch  # noqa: E402
+from mttr_ulfm import MPI_CASES, run_mpi_case  # noqa: E402
 
 
 def stats(values: list[float]) -> dict:
@@ -108,17 +114,18 @@ def main() -> int:
     ap.add_argument("--kill-at", type=int, default=25)
     ap.add_argument("--step-time", type=float, default=0.05, help="emulated compute per step (s), all cases alike")
     ap.add_argument("--cases", default=",".join([*CASES, *BASELINES]),
-                    help=f"comma-separated, of: {', '.join([*CASES, *RUN_CASES, *BASELINES])} "
-                         "(default: all but the run-* cases)")
+                    help=f"comma-separated, of: {', '.join([*CASES, *RUN_CASES, *MPI_CASES, *BASELINES])} "
+                         "(default: all but the run-* and MPI cases)")
     ap.add_argument("--tasks-per-node", type=int, default=1, metavar="G",
                     help="ranks per worker node, for every case alike (G <= the local cluster's CPUs per node)")
     ap.add_argument("--repeats", type=int, default=5, metavar="N", help="runs of every case (interleaved)")
     ap.add_argument("--json", default="mttr.json", help="write the results here (default: %(default)s)")
     args = ap.parse_args()
     names = [n for n in args.cases.split(",") if n]
-    unknown = [n for n in names if n not in CASES and n not in BASELINES and n not in RUN_CASES]
+    known = [*CASES, *RUN_CASES, *MPI_CASES, *BASELINES]
+    unknown = [n for n in names if n not in known]
     if unknown:
-        ap.error(f"unknown case(s) {', '.join(unknown)}: choose from {', '.join([*CASES, *RUN_CASES, *BASELINES])}")
+        ap.error(f"unknown case(s) {', '.join(unknown)}: choose from {', '.join(known)}")
     if args.tasks_per_node < 1 or args.repeats < 1 or not 0 < args.kill_at < args.steps:
         ap.error("need --tasks-per-node >= 1, --repeats >= 1 and 0 < --kill-at < --steps")
     root = Path(tempfile.mkdtemp(prefix="mttr-"))
@@ -131,6 +138,8 @@ def main() -> int:
             try:
                 if name in RUN_CASES:
                     r = run_relaunch(case_root, args, warm=RUN_CASES[name])
+                elif name in MPI_CASES:
+                    r = run_mpi_case(name, case_root, args)
                 else:
                     r = run_baseline(name, case_root, args) if name in BASELINES else run_case(CASES[name], case_root, args)
             except Exception as exc:  # one failed run is reported, the others still run

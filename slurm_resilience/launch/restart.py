@@ -99,7 +99,7 @@ def supervise_restart(cfg: ResilienceConfig, command: Sequence[str], job_dir: st
                             container=for_job(cfg.container, job_id=env.job_id, job_dir=job_dir, cwd=os.getcwd()))
     launcher.clean_containers([*lay.workers, *lay.spares], stale=True)  # what ended jobs left there
     if mpi:
-        code = _supervise_mpi(cfg, command, job_dir, lay, launcher, mpi_path)
+        code = _supervise_mpi(cfg, command, job_dir, lay, launcher, mpi_path, job_id=env.job_id)
         if code is not None:
             return write_result(job_dir, code)
     sup = RelaunchExecutor(config=cfg, command=command, job_dir=job_dir, job_id=env.job_id, layout=lay,
@@ -107,10 +107,11 @@ def supervise_restart(cfg: ResilienceConfig, command: Sequence[str], job_dir: st
     return write_result(job_dir, sup.run())
 
 
-def mpi_choice(cfg: ResilienceConfig, command: Sequence[str], mpi_path: str, *, workers: Sequence[str] = ("worker",),
-               spares: Sequence[str] = ()):
+def mpi_choice(cfg: ResilienceConfig, command: Sequence[str], mpi_path: str, *,
+               workers: Sequence[str] | None = None, spares: Sequence[str] | None = None):
     """Probe the program's MPI on this host and choose its path (``mpi/choose.py``);
-    returns ``(PathChoice, MpiProbe)``.
+    returns ``(PathChoice, MpiProbe)``. Without nodes (at submission) the config's
+    counts stand in for them.
 
     Raises:
         UlfmUnavailableError: ``in-place`` asked for and ruled out; ConfigError: a bad ``mpi_path``.
@@ -124,7 +125,10 @@ def mpi_choice(cfg: ResilienceConfig, command: Sequence[str], mpi_path: str, *, 
     if mpi_path not in REQUESTS:
         raise ConfigError(f"--mpi-path={mpi_path!r}: choose one of {', '.join(REQUESTS)}")
     found = probe(command) if mpi_path != "relaunch" else None
-    launch = build_launch(prefix=(found.prefix if found else "") or "/", workers=workers, spares=spares,
+    if workers is None:
+        workers = [f"worker{i}" for i in range(1, cfg.job.nodes + 1)]
+        spares = [f"spare{i}" for i in range(1, cfg.job.spares + 1)]
+    launch = build_launch(prefix=(found.prefix if found else "") or "/", workers=workers, spares=spares or (),
                           per_node=cfg.job.tasks_per_node, addresses=())
     if found is None:
         from ..mpi.choose import MpiProbe
@@ -135,7 +139,7 @@ def mpi_choice(cfg: ResilienceConfig, command: Sequence[str], mpi_path: str, *, 
 
 
 def _supervise_mpi(cfg: ResilienceConfig, command: Sequence[str], job_dir: str, lay, launcher,
-                   mpi_path: str) -> int | None:
+                   mpi_path: str, *, job_id: str) -> int | None:
     """The MPI path's line and event; runs the in-place path to its end (its exit code),
     or returns None for the relaunch path."""
     from ..events import EventLog
@@ -148,7 +152,7 @@ def _supervise_mpi(cfg: ResilienceConfig, command: Sequence[str], job_dir: str, 
     print(f"[sr] {choice.line()}", flush=True)
     events = EventLog(os.path.join(job_dir, "events.jsonl"))
     try:
-        events.emit(EventKind.MPI_PATH, path=choice.path.value, reason=choice.reason)
+        events.emit(EventKind.MPI_PATH, path=choice.path.value, reason=choice.reason, job_id=job_id)
         if choice.path is not MpiPath.IN_PLACE:
             return None
         events.emit(EventKind.JOB_START, path="in-place", workers=list(lay.workers), spares=list(lay.spares),
