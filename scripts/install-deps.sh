@@ -56,10 +56,10 @@ if ! python3 -c 'import torch' >/dev/null 2>&1; then
     python3 -m pip install -q torch==2.13.0
 fi
 
-# The project itself, editable, with the test, MPI and Lightning extras (mpi4py: a binary
-# wheel on the system Open MPI), into the system python3 (no venv: the Slurm tasks
+# The project itself, editable, with the test, MPI, Lightning and Accelerate extras (mpi4py:
+# a binary wheel on the system Open MPI), into the system python3 (no venv: the Slurm tasks
 # run this same interpreter on every emulated node).
-python3 -m pip install -q -e "$REPO[test,mpi,fast,lightning]"
+python3 -m pip install -q -e "$REPO[test,mpi,fast,lightning,accelerate]"
 
 # The documentation site's toolchain, pinned (mkdocs.yml; tests/unit/test_docs_site.py
 # runs `mkdocs build --strict`). mkdocstrings reads the sources with griffe: building

@@ -45,134 +45,25 @@ Uses three private Lightning attributes (``trainer._checkpoint_connector``,
 
 from __future__ import annotations
 
-import dataclasses
-import getpass
 import io
 import os
-import socket
 import time
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Iterator
 
 import torch
-import torch.distributed as dist
 from pytorch_lightning import Callback, LightningModule, Trainer
 
-from ..errors import ConfigError
-from ..supervisor.relaunch_preempt import JOB_DIR_VAR, request_path
+from ..errors import ConfigError  # noqa: F401 (what __init__ raises, via check_counts)
+from .snapshots import (  # noqa: F401 (re-exported: the callback's pure parts)
+    SNAPSHOT_PREFIX, NodeSnapshots, Persisted, RestorePlan, SnapshotEnv, check_counts, fetch_snapshot, gather_newest,
+    plan_restore, preempt_requested, resume_position)
 
-SNAPSHOT_PREFIX = "step-"
+class LightningEnv(SnapshotEnv):
+    """The callback's environment: snapshots under ``.../lightning/JOB/NODE``, root
+    ``SR_LIGHTNING_DIR``."""
 
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class LightningEnv:
-    """What the callback reads from the environment, once (``from_env``)."""
-
-    job_id: str | None
-    """``SLURM_JOB_ID``: keys the default snapshot directory; without it (and without
-    ``directory``) no snapshots are kept: an old run's could be taken for this one's."""
-    node: str
-    """``SLURMD_NODENAME``, else the host name: the node-local directory's name."""
-    progress_file: str | None
-    """``SR_PROGRESS_FILE``: set by ``slurm-resilience run`` for each relaunch."""
-    root: str | None
-    """``SR_LIGHTNING_DIR``: the snapshot root instead of the default (one folder per
-    node under it); lets a run without Slurm (torchrun, tests) keep snapshots."""
-    user: str
-    run_job_dir: str | None = None
-    """``SR_RUN_JOB_DIR``: the job directory of a ``slurm-resilience run`` job: its
-    preemption request and the durable copy (``JOBDIR/lightning/JOB``) live there."""
-
-    @classmethod
-    def from_env(cls, env: Mapping[str, str]) -> "LightningEnv":
-        return cls(job_id=env.get("SLURM_JOB_ID") or None,
-                   node=env.get("SLURMD_NODENAME") or socket.gethostname(),
-                   progress_file=env.get("SR_PROGRESS_FILE") or None,
-                   root=env.get("SR_LIGHTNING_DIR") or None,
-                   user=getpass.getuser(), run_job_dir=env.get(JOB_DIR_VAR) or None)
-
-    def default_dir(self) -> Path | None:
-        if self.root is not None:
-            return Path(self.root) / self.node
-        if self.job_id is None:
-            return None
-        return Path(f"/tmp/slurm_resilience-{self.user}/lightning/{self.job_id}/{self.node}")
-
-
-@dataclasses.dataclass(frozen=True)
-class RestorePlan:
-    """Where the state comes from: ``step`` -1 means a fresh start (no ``source``);
-    ``durable``: rank 0 reads the job directory's copy (``source`` is 0)."""
-
-    step: int
-    source: int | None
-    durable: bool = False
-
-
-def plan_restore(newest: Sequence[int], durable: int = -1) -> RestorePlan:
-    """Pure: the newest step any rank's node holds (-1: none) and the lowest rank holding
-    it; the job directory's copy (``durable``) only when it is newer than every node's
-    (a node's disk is the faster read)."""
-    if not newest:
-        raise ValueError("plan_restore needs one entry per rank")
-    step = max(newest)
-    if durable > step:
-        return RestorePlan(durable, 0, durable=True)
-    return RestorePlan(step, None if step < 0 else list(newest).index(step))
-
-
-def resume_position(epoch: int, processed: int, num_batches: float) -> tuple[int, int]:
-    """Pure: (sampler epoch, batches to skip) after a restore from ``on_train_batch_end``.
-
-    ``epoch``/``processed``: the fit loop's epoch and the epoch's processed batches in
-    the snapshot. A snapshot of an epoch's last batch resumes at the next epoch's start.
-    """
-    if processed >= num_batches:
-        return epoch + 1, 0
-    return epoch, processed
-
-
-class NodeSnapshots:
-    """Snapshots of one node in a directory: ``step-000000012.pt``, written atomically."""
-
-    def __init__(self, directory: Path, keep: int = 2) -> None:
-        self.directory = Path(directory)
-        self.keep = keep
-
-    def _path(self, step: int) -> Path:
-        return self.directory / f"{SNAPSHOT_PREFIX}{step:09d}.pt"
-
-    def steps(self) -> list[int]:
-        if not self.directory.is_dir():
-            return []
-        found = []
-        for p in self.directory.iterdir():
-            stem = p.name[len(SNAPSHOT_PREFIX):-3]
-            if p.name.startswith(SNAPSHOT_PREFIX) and p.name.endswith(".pt") and stem.isdigit():
-                found.append(int(stem))
-        return sorted(found)
-
-    def newest(self) -> int:
-        found = self.steps()
-        return found[-1] if found else -1
-
-    def write(self, step: int, state: Any) -> None:
-        self.directory.mkdir(parents=True, exist_ok=True)
-        final = self._path(step)
-        tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
-        torch.save(state, tmp)
-        os.replace(tmp, final)
-        for old in self.steps()[:-self.keep]:
-            self._path(old).unlink(missing_ok=True)
-
-    def read_bytes(self, step: int) -> bytes:
-        return self._path(step).read_bytes()
-
-
-class Persisted(SystemExit):
-    """Raised on every rank after a preemption request was carried out: the step just
-    completed is in the job directory, the process ends (status 0) and the code after
-    ``fit()`` does not run; the requeued job resumes from that step."""
+    KIND = "lightning"
 
 
 class _SkipOnce(torch.utils.data.Sampler):
@@ -205,16 +96,12 @@ class Resilience(Callback):
     """
 
     def __init__(self, *, directory: str | os.PathLike | None = None, every: int = 1, keep: int = 2) -> None:
-        for name, value in (("every", every), ("keep", keep)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(f"Resilience({name}={value!r}): must be an integer >= 1")
+        check_counts("Resilience", every=every, keep=keep)
         self.env = LightningEnv.from_env(os.environ)
         chosen = Path(directory) if directory is not None else self.env.default_dir()
         self.snapshots = NodeSnapshots(chosen, keep) if chosen is not None else None
-        run_dir = self.env.run_job_dir
-        # keyed by the job id too: a job directory used again by another job never restores this one's
-        self.durable = (NodeSnapshots(Path(run_dir) / "lightning" / (self.env.job_id or "local"), keep)
-                        if run_dir is not None else None)
+        durable = self.env.durable_dir()
+        self.durable = NodeSnapshots(durable, keep) if durable is not None else None
         self.every = every
         self.restored: RestorePlan | None = None
         self._skip = 0
@@ -222,22 +109,13 @@ class Resilience(Callback):
     # -- restore ---------------------------------------------------------------
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Collective: every rank calls it (Lightning's hook); a rank missing hangs in gloo."""
-        newest = self.snapshots.newest() if self.snapshots is not None else -1
-        durable = self.durable.newest() if self.durable is not None and trainer.global_rank == 0 else -1
-        if trainer.world_size > 1:
-            gathered: list[Any] = [None] * trainer.world_size
-            dist.all_gather_object(gathered, (newest, durable))
-        else:
-            gathered = [(newest, durable)]
-        plan = plan_restore([int(s) for s, _ in gathered], durable=int(gathered[0][1]))
+        where = dict(rank=trainer.global_rank, world_size=trainer.world_size)
+        plan, steps, kept = gather_newest(self.snapshots, self.durable, **where)
         self.restored = plan
         if plan.source is None:
             return
-        mine = trainer.global_rank == plan.source
-        blob = [(self.durable if plan.durable else self.snapshots).read_bytes(plan.step) if mine else None]
-        if trainer.world_size > 1:
-            dist.broadcast_object_list(blob, src=plan.source)
-        checkpoint = torch.load(io.BytesIO(blob[0]), weights_only=False)
+        checkpoint = torch.load(io.BytesIO(fetch_snapshot(plan, self.snapshots, self.durable, **where)),
+                                weights_only=False)
         connector = trainer._checkpoint_connector
         connector._loaded_checkpoint = checkpoint  # restore_training_state() takes loops/optimizers next
         connector.restore_model()
@@ -245,8 +123,8 @@ class Resilience(Callback):
         connector.restore_callbacks()
         if trainer.global_rank == 0:
             where = "the job directory (durable copy)" if plan.durable else f"rank {plan.source}'s node"
-            print(f"slurm_resilience: restored step {plan.step} from {where} "
-                  f"(gathered {[s for s, _ in gathered]}, durable {gathered[0][1]})", flush=True)
+            print(f"slurm_resilience: restored step {plan.step} from {where} (gathered {steps}, durable {kept})",
+                  flush=True)
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._static_buckets(trainer)
@@ -291,19 +169,10 @@ class Resilience(Callback):
         if trainer.global_rank == 0 and self.env.progress_file:
             with open(self.env.progress_file, "a") as f:
                 f.write(f"{step} {time.time():.6f}\n")
-        if self.durable is not None and self._preempt_requested(trainer):
+        if preempt_requested(self.env.run_job_dir, rank=trainer.global_rank, world_size=trainer.world_size,
+                             device=trainer.strategy.root_device):
             if trainer.global_rank == 0:
                 self.durable.write(step, trainer._checkpoint_connector.dump_checkpoint(weights_only=False))
                 print(f"slurm_resilience: preempted: step {step} persisted to {self.durable.directory}", flush=True)
             trainer.strategy.barrier("slurm_resilience.persisted")  # no rank ends before the copy is whole
             raise Persisted(0)
-
-    def _preempt_requested(self, trainer: Trainer) -> bool:
-        """Collective: rank 0's answer (does the supervisor's request exist?) on every rank, so
-        that all stop after the same step. One stat and one 1-element broadcast per step."""
-        asked = trainer.global_rank == 0 and os.path.exists(request_path(self.env.run_job_dir))
-        if trainer.world_size > 1:
-            flag = torch.tensor([int(asked)], device=trainer.strategy.root_device)
-            dist.broadcast(flag, src=0)
-            asked = bool(flag.item())
-        return asked
