@@ -93,3 +93,15 @@ def test_an_interrupted_run_resumes_at_the_next_batch_with_the_same_result(tmp_p
     tail = _train(*again, epochs=2)
     assert head + tail == batches  # every batch once, in the same order
     assert torch.equal(whole[1].weight, again[1].weight) and torch.equal(whole[1].bias, again[1].bias)
+
+
+def test_the_migration_guide_shows_the_current_accelerate_diff():
+    import difflib
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    plain = (root / "examples" / "accelerate_train_plain.py").read_text().splitlines(keepends=True)
+    converted = (root / "examples" / "accelerate_train.py").read_text().splitlines(keepends=True)
+    diff = "".join(list(difflib.unified_diff(plain, converted))[2:])
+    section = (root / "docs" / "migration.md").read_text().split("\n## Hugging Face Accelerate\n", 1)[1]
+    assert section.split("```diff\n", 1)[1].split("```", 1)[0] == diff, "regenerate the Accelerate diff block"
