@@ -3,10 +3,12 @@
 One ``Driver`` thread owns a set of ranks and one store client (its calls counted)
 and runs their timers from a heap. A rank:
 
-* connects its liveness socket with the job's token (``heartbeat.connect_liveness``)
-  and, with ``pulse``, a pulse connection (``pulse._connect``);
-* every ``heartbeat_period_s`` writes ``hb/{worker}`` as ``Heartbeat._beat`` does and
-  sends a pulse line as ``pulse.run`` does (``pulse._send``);
+* connects its liveness socket with the job's token (``heartbeat.connect_liveness``);
+  with ``pulse``, its node has one pulse connection (``pulse._connect``, per node and
+  driver, as the node's one pulse process has);
+* every ``heartbeat_period_s`` writes ``hb/{worker}`` as ``Heartbeat._beat`` does; the
+  node's pulse sends one line for all its ranks a period, as ``pulse.run`` does
+  (``pulse._send``);
 * waits for ``plan/{g}`` polling every ``poll_interval_ms`` (``Membership.await_plan``,
   the shutdown key too), reads it, admits itself as ``membership.admit`` does
   (join / wait / fenced / stop), and on joining emits ``reconnected``, ``restored`` and
@@ -60,10 +62,25 @@ def connect(environ: dict, pulse: bool) -> SimRank:
     Raises OSError when the supervisor cannot be reached."""
     r = SimRank(WorkerEnv.from_environ(environ))
     r.liveness = connect_liveness(r.env)
-    if pulse:
-        hello = {"token": r.env.token, "worker_id": r.env.worker_id, "node": r.env.node, "pid": 0, "pulse": True}
-        r.pulse = pulse_wire._connect(r.env.store_addr, r.env.liveness_port, hello)
+    r.pulsed = pulse
     return r
+
+
+class NodePulse:
+    """The node's pulse process, seen from the supervisor: one connection, one line a
+    period with every live rank of the node (``worker/pulse.py``)."""
+
+    def __init__(self, env: WorkerEnv) -> None:
+        hello = {"token": env.token, "worker_id": f"pulse@{env.node}", "node": env.node, "pid": 0, "agent": True}
+        self.sock = pulse_wire._connect(env.store_addr, env.liveness_port, hello)
+        self.ranks: list[SimRank] = []
+        self.gone: dict[str, int] = {}
+        self.last = 0.0
+
+    def close(self) -> None:
+        if self.sock is not None:
+            self.sock.close()
+        self.sock = None
 
 
 class SimRank:
@@ -78,14 +95,13 @@ class SimRank:
         self.progress = 0
         self.version = 0  # bumped when its timers are replaced: stale heap entries are skipped
         self.liveness: socket.socket | None = None
-        self.pulse: socket.socket | None = None
+        self.pulsed = False
         self.sink: EventSink | None = None
 
     def close(self) -> None:
-        for s in (self.liveness, self.pulse):
-            if s is not None:
-                s.close()
-        self.liveness = self.pulse = None
+        if self.liveness is not None:
+            self.liveness.close()
+        self.liveness = None
         self.phase = Phase.ENDED
 
 
@@ -117,6 +133,7 @@ class Driver(threading.Thread):
         self.late = 0  # heartbeats sent later than one period behind schedule
         self.poll_lag_max = 0.0  # the latest plan poll or safe point, seconds
         self.pulse_drops = 0
+        self.node_pulses: dict[str, NodePulse] = {}
         self.closed_at: dict[str, float] = {}  # node → when its ranks' sockets were closed
         self.stopping = False
 
@@ -171,6 +188,9 @@ class Driver(threading.Thread):
             r = self.ranks.get(msg[1])
             if r is not None and r.phase is not Phase.ENDED:
                 r.close()
+                np_ = self.node_pulses.get(r.env.node)
+                if np_ is not None:
+                    np_.gone[r.env.worker_id] = 0  # the node's pulse saw its pidfd turn readable
             if r is not None:
                 self.exited(msg[1], -9)
         elif what in ("kill_node", "silence_node"):
@@ -181,6 +201,8 @@ class Driver(threading.Thread):
                         r.close()
                     else:
                         r.phase = Phase.SILENT
+            if what == "kill_node" and msg[1] in self.node_pulses:
+                self.node_pulses[msg[1]].close()  # the node's pulse died with it
             self.closed_at[msg[1]] = t
         elif what == "block":
             now = time.monotonic()
@@ -206,6 +228,10 @@ class Driver(threading.Thread):
         r.sink = EventSink(self._prefixed(r.env), worker_id=r.env.worker_id, node=r.env.node,
                            where=lambda r=r: (r.gen, r.rank))
         self.ranks[r.env.worker_id] = r
+        if r.pulsed:
+            if r.env.node not in self.node_pulses:
+                self.node_pulses[r.env.node] = NodePulse(r.env)
+            self.node_pulses[r.env.node].ranks.append(r)
         now = time.monotonic()
         self._beat(r, now, now)  # Heartbeat.start beats once before its thread
         self._at(now, CHECK, r)
@@ -228,10 +254,15 @@ class Driver(threading.Thread):
                 "step": r.step}
         self._prefixed(r.env).set(StoreKey.HEARTBEAT.of(r.env.worker_id),
                                   json.dumps(dict(info, progress=r.progress, phase=waiting, t=time.time())))
-        if r.pulse is not None and not pulse_wire._send(r.pulse, {
-                "progress": r.progress, "waiting": waiting, "step": r.step, "state": "S", "cpu": 0,
-                "t": time.time()}):
-            self.pulse_drops += 1
+        np_ = self.node_pulses.get(r.env.node) if r.pulsed else None
+        if np_ is not None and np_.sock is not None and now - np_.last >= 0.9 * self.period:
+            np_.last = now  # one line for the node's live ranks
+            np_.ranks = [x for x in np_.ranks if x.phase is not Phase.ENDED]
+            live = {x.env.worker_id: [0, x.progress, 0 if x.phase is Phase.RUNNING else 1, x.step, "S", 0]
+                    for x in np_.ranks if x.phase is not Phase.SILENT}
+            if not pulse_wire._send(np_.sock, {"t": time.time(), "ranks": live, "gone": np_.gone}):
+                self.pulse_drops += 1
+            np_.gone = {}
         self._at(max(due + self.period, now), BEAT, r)
 
     def _check(self, r: SimRank, due: float, now: float) -> None:

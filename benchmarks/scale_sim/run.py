@@ -57,7 +57,8 @@ class RunSpec:
 
     def use_pulse(self, fd_limit: int) -> bool:
         workers = self.ranks + self.spares * self.tasks_per_node
-        return self.pulse if self.pulse is not None else 2 * workers + 512 <= fd_limit
+        # one liveness socket per worker, one pulse connection per node (and driver)
+        return self.pulse if self.pulse is not None else workers + 2 * workers // self.tasks_per_node + 512 <= fd_limit
 
 
 class Run:

@@ -3,9 +3,10 @@
 Four sources, fastest first:
 * the liveness socket — a worker's TCP connection closes the moment its process
   dies (the kernel closes it), so a killed rank is seen within milliseconds;
-* the pulse — a small process per rank (``worker/pulse.py``) sends the rank's
-  process state and progress counter over the same socket, whatever the rank's
-  interpreter is doing (the watchdog, ``progress.py``, weighs it);
+* the pulse — one small process per node (``worker/pulse.py``) sends, in one line a
+  period, each of the node's ranks' process state and progress counter over a
+  liveness connection of its own, whatever the ranks' interpreters are doing (the
+  watchdog, ``progress.py``, weighs it): N/G connections and lines, not N;
 * the job step — ``srun`` returns when the step's task ends;
 * heartbeats in the store — stale after ``heartbeat_timeout_s``: hung processes and
   nodes that vanish without closing anything.
@@ -42,7 +43,7 @@ class Observation:
 
 @dataclasses.dataclass(frozen=True)
 class Pulse:
-    """The newest line of a rank's pulse process (``worker/pulse.py``), received at ``t``."""
+    """What the node's pulse (``worker/pulse.py``) last said of one rank, received at ``t``."""
 
     t: float
     progress: int
@@ -55,7 +56,8 @@ class Pulse:
 
 class LivenessServer:
     """Accepts token-checked connections: one per worker, which reports when it closes,
-    and one per rank's pulse process, whose newest line is kept (:meth:`pulses`)."""
+    and one per node's pulse process, whose newest line about each rank is kept
+    (:meth:`pulses`)."""
 
     def __init__(self, host: str, token: str, out: "queue.Queue[Observation]") -> None:
         self._token = token.encode()
@@ -132,7 +134,7 @@ class LivenessServer:
             self._reject(conn, "bad token or malformed hello")
             return
         state["who"] = who
-        if hello.get("pulse"):  # the rank's pulse process (worker/pulse.py): lines follow
+        if hello.get("agent"):  # the node's pulse process (worker/pulse.py): lines follow
             state["pulse"] = True
             self._pulse_lines(state)
             return
@@ -140,25 +142,30 @@ class LivenessServer:
                                   time.time(), state["who"][2]))
 
     def _pulse_lines(self, state: dict) -> None:
-        """Keep the newest pulse of a worker; a pulse saying its rank is gone is a close."""
+        """Keep the newest word on each rank of the node; a rank said gone is a close.
+        Only the newest complete line counts for the progress (older ones are superseded),
+        but every line's ``gone`` does."""
         *lines, state["buf"] = state["buf"].split(b"\n")
-        if len(state["buf"]) > 4096:
+        if len(state["buf"]) > 1 << 20:
             state["buf"] = b""  # never a line this long: drop it
-        wid, node, pid = state["who"]
+        node = state["who"][1]
+        now = time.time()
+        fresh: dict[str, Pulse] = {}
         for line in lines:
             try:
                 msg = json.loads(line)
-                if msg.get("gone"):
-                    self._out.put(Observation("closed", wid, node, time.time(), pid, detail="pulse: process gone"))
-                    continue
-                phase = int(msg["waiting"])  # worker/pulse.py: 0 computing, 1 waiting, 2 busy
-                pulse = Pulse(t=time.time(), progress=int(msg["progress"]), waiting=phase == 1,
-                              step=int(msg["step"]), state=str(msg["state"])[:1], cpu=int(msg["cpu"]),
-                              busy=phase == 2)
+                for wid, pid in dict(msg.get("gone") or {}).items():
+                    fresh.pop(str(wid), None)
+                    self._out.put(Observation("closed", str(wid), node, now, int(pid), detail="pulse: process gone"))
+                for wid, (_pid, progress, phase, step, st, cpu) in dict(msg["ranks"]).items():
+                    phase = int(phase)  # worker/pulse.py: 0 computing, 1 waiting, 2 busy
+                    fresh[str(wid)] = Pulse(t=now, progress=int(progress), waiting=phase == 1, step=int(step),
+                                            state=str(st)[:1], cpu=int(cpu), busy=phase == 2)
             except (ValueError, KeyError, TypeError, AttributeError):
                 continue  # a torn or foreign line: the next one will do
+        if fresh:
             with self._lock:
-                self._pulses[wid] = pulse
+                self._pulses.update(fresh)
 
     def pulses(self) -> dict[str, "Pulse"]:
         """The newest pulse of each worker (a snapshot)."""

@@ -9,9 +9,10 @@ that vanished without closing anything.
 Both need this interpreter to be scheduled, and a thread needs the GIL: a rank
 whose main thread holds it (a long pure-Python section, a GIL-holding extension
 call) or a box with more busy processes than cores delays its beats. So the
-heartbeat also starts the rank's pulse process (``pulse.py``), which reports the
-progress the main thread writes into shared memory (``progress.py``) whatever this
-interpreter is doing; the supervisor's watchdog weighs the three.
+heartbeat also makes sure the node's pulse process runs (``pulse.py``, one per node
+for all its ranks), which reports the progress the main thread writes into shared
+memory (``progress.py``) whatever this interpreter is doing; the supervisor's watchdog
+weighs the three.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from ..protocol import StoreKey, WorkerEnv
-from .progress import ProgressBoard, start_pulse, stop_pulse
+from .progress import ProgressBoard, ensure_pulse, pulse_dir, stop_pulse, tidy_if_unused
 
 
 def open_store(env: WorkerEnv, timeout_s: float = 60.0) -> dist.Store:
@@ -67,12 +68,20 @@ class Heartbeat:
         self._env = env
         self._port = env.liveness_port
         self.liveness = connect_liveness(env)
-        self.progress = ProgressBoard(env.liveness_port)
-        self._pulse = None
+        self._pulse = self._pulse_dir = None
         if pulse:
-            hello = {"token": env.token, "worker_id": env.worker_id, "node": env.node, "pid": os.getpid()}
-            self._pulse = start_pulse(self.progress, host=env.store_addr, period_s=period_s, hello=hello)
+            for attempt in (1, 2):  # the node's last pulse may be removing the directory just now
+                try:
+                    self._pulse_dir = pulse_dir(env.token, env.node)
+                    self.progress = ProgressBoard(env.liveness_port, self._pulse_dir, env.worker_id)
+                    break
+                except FileNotFoundError:
+                    if attempt == 2:
+                        raise
+        else:
+            self.progress = ProgressBoard(env.liveness_port)
         self._period = period_s
+        self._ensure_pulse()
         self._store = open_store(env)
         self._info = {"pid": os.getpid(), "generation": env.generation, "rank": None, "step": 0}
         self._lock = threading.Lock()
@@ -96,9 +105,21 @@ class Heartbeat:
             payload = dict(self._info, progress=progress, phase=phase, t=time.time())
         self._store.set(StoreKey.HEARTBEAT.of(self._env.worker_id), json.dumps(payload))
 
+    def _ensure_pulse(self) -> None:
+        """The node's pulse runs (started here if no rank of the node has one running)."""
+        if self._pulse_dir is None:
+            return
+        stop_pulse(self._pulse)  # reap ours if it ended
+        hello = {"token": self._env.token, "worker_id": f"pulse@{self._env.node}", "node": self._env.node,
+                 "pid": 0}
+        started = ensure_pulse(self._pulse_dir, host=self._env.store_addr, period_s=self._period, hello=hello)
+        if started is not None:
+            self._pulse = started
+
     def _run(self) -> None:
         while not self._stop.wait(self._period):
             try:
+                self._ensure_pulse()
                 self._beat()
                 if _closed(self.liveness):
                     self._reconnect()
@@ -117,5 +138,8 @@ class Heartbeat:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(timeout=2)
+        self.progress.leave()  # the node's pulse drops this rank (and exits once none is left)
         stop_pulse(self._pulse)
+        if self._pulse_dir is not None:
+            tidy_if_unused(self._pulse_dir)
         self.liveness.close()

@@ -1,24 +1,31 @@
-"""The pulse: a tiny process that vouches for one rank while its interpreter cannot.
+"""The node's pulse: one tiny process per node vouches for every rank there while
+their interpreters cannot.
 
-Started by the rank (``progress.start_pulse``) as ``python -I pulse.py``: the standard
-library only, no torch, no package import (~10 MB, ~30 ms to start). It shares one
-page with the rank (``progress.ProgressBoard``, an mmap'ed file descriptor inherited
-with ``pass_fds``) and connects to the supervisor's liveness socket with the job's
-token (read from stdin, never argv). Every ``period`` seconds it sends one JSON line::
+Started by whichever rank of the node first finds none running (``progress.ensure_pulse``,
+an exclusive ``flock`` on ``pulse.lock`` in the node's pulse directory that the pulse
+holds for its life) as ``python -I pulse.py``: the standard library only, no torch, no
+package import (~10 MB, ~30 ms to start). Each rank shares one page with it
+(``progress.ProgressBoard``: ``{worker}.board`` in that directory, mmap'ed by both)
+and announces itself with ``{worker}.rank`` (its pid). Every ``period`` seconds the
+pulse sends the supervisor's liveness socket (connected with the job's token, read
+from stdin, never argv) **one** JSON line for the whole node::
 
-    {"progress": 41, "waiting": 0, "step": 12, "state": "S", "cpu": 1234, "t": 1.7e9}
+    {"t": 1.7e9, "ranks": {"n1.0": [pid, progress, waiting, step, state, cpu], ...},
+     "gone": {"n1.1": pid}}
 
-``progress`` is the counter the rank's main thread bumps at every completed step and
-phase, ``waiting`` says what the main thread is in: 0 the user's code, 1 a bounded
-wait on its peers or on the supervisor's plan, 2 the toolkit's own checkpoint I/O
-(a restore, a final save), ``state`` and ``cpu`` (utime + stime ticks) come from
-``/proc/PID/stat``. Nothing here needs the rank's GIL or its CPU share: a rank whose
-main thread holds the GIL, or whose threads the scheduler starves, still has a
-pulse; a rank whose process is gone is reported at once (``pidfd`` turns readable
-when it exits), a stopped one (``state`` T) within a period.
+so the supervisor reads N/G lines a period from N/G connections, not N from N (the
+control plane at scale: docs/scale.md). ``progress`` is the counter the rank's main
+thread bumps at every completed step and phase, ``waiting`` what the main thread is
+in: 0 the user's code, 1 a bounded wait on its peers or on the supervisor's plan, 2
+the toolkit's own checkpoint I/O; ``state`` and ``cpu`` (utime + stime ticks) come
+from ``/proc/PID/stat``. Nothing here needs a rank's GIL or CPU share: a rank whose
+main thread holds the GIL still has a pulse; a rank whose process is gone is reported
+at once (its ``pidfd`` turns readable), a stopped one (``state`` T) within a period.
+A rank that leaves cleanly removes its ``.rank`` file first and is dropped silently.
 
-When the supervisor restarts, its new liveness port is what the rank's heartbeat
-thread wrote into the shared page; the pulse reconnects there.
+When the supervisor restarts, its new liveness port is what the ranks' heartbeat
+threads write into their pages; the pulse reconnects there. With no rank left for
+``idle_exit_s`` it exits (a rank starting later starts a new one).
 """
 
 from __future__ import annotations
@@ -32,10 +39,11 @@ import struct
 import sys
 import time
 
-# The shared page (little-endian): progress u64, waiting u32, liveness port u32, step u64.
+# A rank's page (little-endian): progress u64, waiting u32, liveness port u32, step u64.
 COMPUTING, WAITING, BUSY = 0, 1, 2  # values of ``waiting``
 LAYOUT = struct.Struct("<QIIQ")
 PAGE = 4096
+BOARD, RANK, LOCK = ".board", ".rank", "pulse.lock"
 
 
 def read_board(page: mmap.mmap) -> tuple[int, int, int, int]:
@@ -52,6 +60,83 @@ def proc_stat(pid: int) -> tuple[str, int] | None:
         return None
     rest = raw[raw.rindex(b")") + 2:].split()  # the command name may hold spaces and parens
     return rest[0].decode(), int(rest[11]) + int(rest[12])
+
+
+class Watched:
+    """One rank of the node: its page and a pidfd that turns readable when it exits."""
+
+    def __init__(self, directory: str, worker_id: str, pid: int) -> None:
+        self.worker_id, self.pid = worker_id, pid
+        self.rank_path = os.path.join(directory, worker_id + RANK)
+        self.board_path = os.path.join(directory, worker_id + BOARD)
+        with open(self.board_path, "r+b") as f:
+            self.page = mmap.mmap(f.fileno(), PAGE)
+        try:
+            self.pidfd: int | None = os.pidfd_open(pid)  # Linux >= 5.3
+        except (AttributeError, OSError):
+            self.pidfd = None
+
+    def close(self) -> None:
+        self.page.close()
+        if self.pidfd is not None:
+            os.close(self.pidfd)
+
+
+def scan(directory: str, ranks: dict[str, Watched]) -> None:
+    """Add the ranks that announced themselves since the last scan."""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return
+    for name in names:
+        wid = name[:-len(RANK)]
+        if not name.endswith(RANK) or not wid or wid in ranks:
+            continue
+        try:
+            with open(os.path.join(directory, name)) as f:
+                pid = int(json.load(f)["pid"])
+            ranks[wid] = Watched(directory, wid, pid)
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # half-announced or already gone: the next scan will tell
+
+
+def fold(ranks: dict[str, Watched], ready: set[int]) -> tuple[dict[str, list], dict[str, int]]:
+    """One look at every rank: (entries of the live ones, pids of those that died).
+    A dead rank's files are removed; one that left cleanly (no ``.rank``) is dropped."""
+    live: dict[str, list] = {}
+    gone: dict[str, int] = {}
+    for wid, r in list(ranks.items()):
+        st = proc_stat(r.pid)
+        announced = os.path.exists(r.rank_path)
+        if r.pidfd in ready or st is None or st[0] in ("Z", "X") or not announced:
+            if announced:
+                gone[wid] = r.pid
+                for path in (r.rank_path, r.board_path):
+                    try:
+                        os.unlink(path)
+                    except OSError:
+                        pass
+            r.close()
+            del ranks[wid]
+            continue
+        progress, waiting, _, step = read_board(r.page)
+        live[wid] = [r.pid, progress, waiting, step, st[0], st[1]]
+    return live, gone
+
+
+def tidy(directory: str) -> bool:
+    """No rank left: remove the node's pulse directory (the lock with it) and say so;
+    False when a rank has just announced itself (the pulse stays)."""
+    try:
+        names = os.listdir(directory)
+        if any(n.endswith(RANK) for n in names):
+            return False
+        for n in names:
+            os.unlink(os.path.join(directory, n))
+        os.rmdir(directory)
+    except OSError:
+        pass  # a rank is arriving (it recreates what it needs) or it is gone already
+    return True
 
 
 def _connect(host: str, port: int, hello: dict) -> socket.socket | None:
@@ -73,38 +158,6 @@ def _closed(sock: socket.socket) -> bool:
         return True
 
 
-def run(*, pid: int, fd: int, host: str, period: float, hello: dict) -> int:
-    page = mmap.mmap(fd, PAGE)
-    try:
-        watch = os.pidfd_open(pid)  # readable when the rank exits (Linux >= 5.3)
-    except (AttributeError, OSError):
-        watch = None
-    port = read_board(page)[2]
-    sock = _connect(host, port, hello)
-    while True:
-        waits = [watch] if watch is not None else []
-        gone = bool(select.select(waits, [], [], period)[0]) if waits else (time.sleep(period) or False)
-        st = proc_stat(pid)
-        if gone or st is None or st[0] in ("Z", "X"):
-            if sock is not None:
-                _send(sock, {"gone": True, "t": time.time()})
-            return 0
-        if sock is None or _closed(sock):
-            new = read_board(page)[2]
-            if sock is not None and new == port:
-                continue  # the supervisor is restarting; its new port is not known yet
-            if sock is not None:
-                sock.close()
-            port, sock = new, _connect(host, new, hello)
-            if sock is None:
-                continue
-        progress, waiting, _, step = read_board(page)
-        if not _send(sock, {"progress": progress, "waiting": waiting, "step": step,
-                            "state": st[0], "cpu": st[1], "t": time.time()}):
-            sock.close()
-            sock = None
-
-
 def _send(sock: socket.socket, msg: dict) -> bool:
     try:
         sock.sendall((json.dumps(msg, separators=(",", ":")) + "\n").encode())
@@ -113,11 +166,54 @@ def _send(sock: socket.socket, msg: dict) -> bool:
         return False
 
 
+def _ports(ranks: dict[str, Watched]) -> list[int]:
+    """The liveness ports the ranks last wrote, newest-looking first (most common)."""
+    seen: dict[int, int] = {}
+    for r in ranks.values():
+        port = read_board(r.page)[2]
+        if port:
+            seen[port] = seen.get(port, 0) + 1
+    return sorted(seen, key=lambda p: -seen[p])
+
+
+def run(*, directory: str, host: str, period: float, hello: dict, idle_exit_s: float = 3.0) -> int:
+    ranks: dict[str, Watched] = {}
+    sock: socket.socket | None = None
+    port = 0
+    idle_since = time.monotonic()
+    while True:
+        scan(directory, ranks)
+        fds = [r.pidfd for r in ranks.values() if r.pidfd is not None]
+        ready = set(select.select(fds, [], [], period)[0]) if fds else (time.sleep(period) or set())
+        scan(directory, ranks)
+        live, gone = fold(ranks, ready)
+        if ranks:
+            idle_since = time.monotonic()
+        elif time.monotonic() - idle_since > idle_exit_s and not gone and tidy(directory):
+            return 0
+        if sock is None or _closed(sock):
+            ports = _ports(ranks)
+            new = next((p for p in ports if p != port), ports[0] if ports else 0)
+            if sock is not None:
+                sock.close()
+                sock = None
+                if new == port:
+                    continue  # the supervisor is restarting; its new port is not known yet
+            if not new:
+                continue
+            port, sock = new, _connect(host, new, hello)
+            if sock is None:
+                continue
+        if not _send(sock, {"t": time.time(), "ranks": live, "gone": gone}):
+            sock.close()
+            sock = None
+
+
 def main() -> int:
     cfg = json.loads(sys.stdin.readline())
     sys.stdin.close()
-    return run(pid=int(cfg["pid"]), fd=int(cfg["fd"]), host=str(cfg["host"]),
-               period=float(cfg["period"]), hello=dict(cfg["hello"]))
+    return run(directory=str(cfg["dir"]), host=str(cfg["host"]), period=float(cfg["period"]),
+               hello=dict(cfg["hello"]), idle_exit_s=float(cfg.get("idle_exit_s", 3.0)))
 
 
 if __name__ == "__main__":

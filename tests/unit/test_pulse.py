@@ -1,5 +1,5 @@
-"""The pulse (worker/pulse.py + progress.py) against the real liveness server (detect.py):
-a real process, a real shared page, real sockets. No torch in the pulse process."""
+"""The node's pulse (worker/pulse.py + progress.py) against the real liveness server
+(detect.py): real processes, real shared pages, real sockets. No torch in the pulse."""
 
 import json
 import os
@@ -18,12 +18,17 @@ TOKEN = "t" * 32
 
 RANK = r"""
 import sys, time
-from slurm_resilience.worker.progress import ProgressBoard, start_pulse
-board = ProgressBoard(int(sys.argv[1]))
-pulse = start_pulse(board, host="127.0.0.1", period_s=0.05,
-                    hello={"token": sys.argv[2], "worker_id": "w1", "node": "n1", "pid": 0})
-print(pulse.pid, flush=True)
-for line in sys.stdin:  # each line: one completed step
+from slurm_resilience.worker.progress import ProgressBoard, ensure_pulse
+port, token, directory, wid = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+board = ProgressBoard(port, directory, wid)
+pulse = ensure_pulse(directory, host="127.0.0.1", period_s=0.05,
+                     hello={"token": token, "worker_id": "pulse@n1", "node": "n1", "pid": 0})
+print(pulse.pid if pulse else 0, flush=True)
+for line in sys.stdin:  # each line: one completed step; "leave": end cleanly
+    if line.strip() == "leave":
+        board.leave()
+        print("left", flush=True)
+        break
     board.bump(step=int(line))
     print("ok", flush=True)
 """
@@ -54,43 +59,70 @@ def _drain(out):
     return seen
 
 
-def test_pulse_reports_progress_state_and_a_dead_rank_at_once(server):
-    srv, out = server
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    rank = subprocess.Popen([sys.executable, "-c", RANK, str(srv.port), TOKEN], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True, env=env)
+def _alive(pid):
     try:
-        pulse_pid = int(rank.stdout.readline())
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
+def _rank(srv, directory, wid):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    return subprocess.Popen([sys.executable, "-c", RANK, str(srv.port), TOKEN, str(directory), wid],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+
+
+def test_one_pulse_per_node_reports_every_rank_its_state_and_a_dead_rank_at_once(server, tmp_path):
+    srv, out = server
+    directory = tmp_path / "node"
+    directory.mkdir(mode=0o700)
+    a = _rank(srv, directory, "w1")
+    b = None
+    try:
+        pulse_pid = int(a.stdout.readline())
+        assert pulse_pid > 0  # the first rank of the node started it
+        b = _rank(srv, directory, "w2")
+        assert int(b.stdout.readline()) == 0  # the second found it running: one per node
         first = _until(lambda: srv.pulses().get("w1"))
         assert first.progress == 0 and first.state in "RS" and not first.waiting
-        rank.stdin.write("7\n")
-        rank.stdin.flush()
-        assert rank.stdout.readline().strip() == "ok"
+        _until(lambda: srv.pulses().get("w2"))
+        a.stdin.write("7\n")
+        a.stdin.flush()
+        assert a.stdout.readline().strip() == "ok"
         moved = _until(lambda: (p := srv.pulses()["w1"]).progress == 1 and p)
         assert moved.step == 7
-        os.kill(rank.pid, signal.SIGSTOP)  # the rank is stopped; its pulse is not
+        os.kill(a.pid, signal.SIGSTOP)  # the rank is stopped; the node's pulse is not
         _until(lambda: srv.pulses()["w1"].state == "T")
-        os.kill(rank.pid, signal.SIGCONT)
+        os.kill(a.pid, signal.SIGCONT)
         _until(lambda: srv.pulses()["w1"].state != "T")
-        assert not [o for o in _drain(out) if o.kind == "closed"]  # a pulse is no "connected" worker
+        assert not [o for o in _drain(out) if o.kind in ("connected", "closed")]  # a pulse is no worker
         t0 = time.time()
-        rank.kill()
-        rank.wait(timeout=10)
+        b.kill()
+        b.wait(timeout=10)
         closed = _until(lambda: [o for o in _drain(out) if o.kind == "closed"])
-        assert closed[0].worker_id == "w1" and closed[0].detail == "pulse: process gone"
-        assert closed[0].time - t0 < 5.0  # pidfd: at once, not after a staleness timeout
-        _until(lambda: not os.path.exists(f"/proc/{pulse_pid}") or open(f"/proc/{pulse_pid}/stat").read().split()[2] == "Z")
+        assert [(o.worker_id, o.node, o.detail) for o in closed] == [("w2", "n1", "pulse: process gone")]
+        assert closed[0].pid == b.pid and closed[0].time - t0 < 5.0  # pidfd: at once
+        assert not (directory / "w2.rank").exists() and not (directory / "w2.board").exists()
+        a.stdin.write("leave\n")  # a clean end: dropped without a "gone"
+        a.stdin.flush()
+        assert a.stdout.readline().strip() == "left"
+        a.wait(timeout=10)
+        _until(lambda: not _alive(pulse_pid), timeout=30)  # no rank left: the pulse exits
+        assert not [o for o in _drain(out) if o.kind == "closed"]
     finally:
-        if rank.poll() is None:
-            rank.kill()
-            rank.wait(timeout=10)
+        for p in (a, b):
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait(timeout=10)
 
 
 def test_a_pulse_with_a_bad_token_is_rejected(server):
     srv, _ = server
     with socket.create_connection(("127.0.0.1", srv.port)) as s:
-        s.sendall(json.dumps({"token": "x", "worker_id": "w9", "node": "n", "pid": 1, "pulse": True}).encode() + b"\n")
-        s.sendall(b'{"progress":1,"waiting":0,"step":1,"state":"S","cpu":0,"t":0}\n')
+        s.sendall(json.dumps({"token": "x", "worker_id": "pulse@n", "node": "n", "pid": 1, "agent": True}).encode()
+                  + b"\n")
+        s.sendall(b'{"t":0,"ranks":{"w9":[1,1,0,1,"S",0]},"gone":{}}\n')
         assert s.recv(16) == b""
     assert "w9" not in srv.pulses() and srv.rejected == 1
 
@@ -98,11 +130,11 @@ def test_a_pulse_with_a_bad_token_is_rejected(server):
 def test_torn_and_foreign_lines_are_skipped(server):
     srv, out = server
     with socket.create_connection(("127.0.0.1", srv.port)) as s:
-        s.sendall(json.dumps({"token": TOKEN, "worker_id": "w2", "node": "n", "pid": 1, "pulse": True}).encode()
-                  + b'\n{"progress":3,"waiting":1,"step":2,"state":"S","cpu":5,"t":0}\nnot json\n{"progress":')
+        s.sendall(json.dumps({"token": TOKEN, "worker_id": "pulse@n", "node": "n", "pid": 1, "agent": True}).encode()
+                  + b'\n{"t":0,"ranks":{"w2":[1,3,1,2,"S",5]},"gone":{}}\nnot json\n{"t":0,"ranks":{"w2":[1,')
         p = _until(lambda: srv.pulses().get("w2"))
         assert (p.progress, p.waiting, p.step, p.cpu) == (3, True, 2, 5)
-        s.sendall(b'4,"waiting":0,"step":3,"state":"R","cpu":6,"t":0}\n')
+        s.sendall(b'4,0,3,"R",6]},"gone":{}}\n')
         _until(lambda: srv.pulses()["w2"].progress == 4)
     time.sleep(0.2)
     assert not [o for o in _drain(out) if o.kind in ("connected", "closed")]
@@ -139,6 +171,7 @@ def test_a_dead_pulse_leaves_the_progress_in_the_heartbeat_and_the_watchdog_find
     from slurm_resilience.worker.heartbeat import Heartbeat
 
     srv, _ = server
+    directory = None
     base = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=10), wait_for_workers=False)
     store = dist.PrefixStore(TOKEN + "/", base)
     env = WorkerEnv(store_addr="127.0.0.1", store_port=base.port, liveness_port=srv.port, token=TOKEN, job_dir="",
@@ -158,6 +191,7 @@ def test_a_dead_pulse_leaves_the_progress_in_the_heartbeat_and_the_watchdog_find
         hb.update(step=3)  # the main thread completed a step
         beat = _until(lambda: (b := read_heartbeats(store, {"w1": heartbeat_key("w1")})["w1"]) and b["step"] == 3 and b)
         assert progress_in(beat) == (1, 0, 3)
+        directory, hb._pulse_dir = hb._pulse_dir, None  # the pulse stays dead (a heartbeat would restart it)
         os.kill(hb._pulse.pid, signal.SIGKILL)  # the pulse process this test's Heartbeat started
         hb._pulse.wait(timeout=10)
         verdict, why = _until(lambda: (v := look())[0] is Verdict.HUNG and v)  # the main thread is stuck
@@ -167,3 +201,38 @@ def test_a_dead_pulse_leaves_the_progress_in_the_heartbeat_and_the_watchdog_find
         assert verdict is Verdict.SUSPECT and "pulse silent" in why, why
     finally:
         hb.stop()
+        from slurm_resilience.worker.progress import tidy_if_unused
+
+        tidy_if_unused(hb._pulse_dir or directory)
+
+
+def test_a_killed_pulse_is_restarted_by_a_rank_of_the_node(server, tmp_path, monkeypatch):
+    """A pulse dies with the job step of the rank that started it; another rank's next
+    heartbeat starts a new one (the lock is free), and the supervisor hears it again."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from slurm_resilience.protocol import Role, WorkerEnv
+    from slurm_resilience.worker import heartbeat as hb_mod
+
+    srv, _ = server
+    monkeypatch.setattr(hb_mod, "pulse_dir", lambda token, node: str(tmp_path))
+    base = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=10), wait_for_workers=False)
+    env = WorkerEnv(store_addr="127.0.0.1", store_port=base.port, liveness_port=srv.port, token=TOKEN, job_dir="",
+                    worker_id="w5", node="n1", role=Role.RANK, generation=0, config_path="", job_id="j",
+                    run_id="0" * 32)
+    hb = hb_mod.Heartbeat(env, 0.05).start()
+    try:
+        first = hb._pulse
+        assert first is not None and (tmp_path / "w5.rank").exists()
+        _until(lambda: srv.pulses().get("w5"))
+        os.kill(first.pid, signal.SIGKILL)
+        first.wait(timeout=10)
+        t_dead = time.time()
+        again = _until(lambda: hb._pulse is not first and hb._pulse)
+        assert again.pid != first.pid
+        _until(lambda: srv.pulses()["w5"].t > t_dead)  # heard again through the new pulse
+    finally:
+        hb.stop()
+    assert not (tmp_path / "w5.rank").exists()
