@@ -144,3 +144,15 @@ def test_exit_0_without_rank_0_finishing_is_a_failure_not_done():
     assert plan.reason.startswith("mpirun ended with 0 but rank 0 never finished the run, node(s) n3 lost")
     healthy = after_exit(0, finished=False, lost=set(), workers=WORKERS, spares=SPARES, retries=3, retry_budget=3)
     assert healthy.action is ExitAction.FAIL and healthy.code == 1
+
+
+def test_the_batch_script_hands_a_forced_path_to_the_supervisor():
+    from slurm_resilience.config import load_config
+    from slurm_resilience.launch.restart import render_restart
+
+    def line(**kw):
+        text = render_restart(load_config(), command=["python", "t.py"], config_path="c", job_dir="d", **kw)
+        return [ln for ln in text.splitlines() if "restart-supervise" in ln][0]
+    assert " --mpi -- " in line(mpi=True) and "--mpi-path" not in line(mpi=True)
+    assert " --mpi --mpi-path in-place -- " in line(mpi=True, mpi_path="in-place")
+    assert "--mpi" not in line(mpi=False, mpi_path="in-place")
