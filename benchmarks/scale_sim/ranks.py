@@ -63,7 +63,15 @@ def connect(environ: dict, pulse: bool) -> SimRank:
     r = SimRank(WorkerEnv.from_environ(environ))
     r.liveness = connect_liveness(r.env)
     r.pulsed = pulse
+    if pulse and not NODE_PULSE:  # an older tree under test: one pulse process per rank
+        hello = {"token": r.env.token, "worker_id": r.env.worker_id, "node": r.env.node, "pid": 0, "pulse": True}
+        r.pulse = pulse_wire._connect(r.env.store_addr, r.env.liveness_port, hello)
     return r
+
+
+# The tree under test (PYTHONPATH) has one pulse per node (worker/pulse.py ``fold``), or,
+# before that, one per rank: the simulator speaks whichever its supervisor expects.
+NODE_PULSE = hasattr(pulse_wire, "fold")
 
 
 class NodePulse:
@@ -95,13 +103,15 @@ class SimRank:
         self.progress = 0
         self.version = 0  # bumped when its timers are replaced: stale heap entries are skipped
         self.liveness: socket.socket | None = None
+        self.pulse: socket.socket | None = None  # its own pulse (an older tree under test)
         self.pulsed = False
         self.sink: EventSink | None = None
 
     def close(self) -> None:
-        if self.liveness is not None:
-            self.liveness.close()
-        self.liveness = None
+        for s in (self.liveness, self.pulse):
+            if s is not None:
+                s.close()
+        self.liveness = self.pulse = None
         self.phase = Phase.ENDED
 
 
@@ -228,7 +238,7 @@ class Driver(threading.Thread):
         r.sink = EventSink(self._prefixed(r.env), worker_id=r.env.worker_id, node=r.env.node,
                            where=lambda r=r: (r.gen, r.rank))
         self.ranks[r.env.worker_id] = r
-        if r.pulsed:
+        if r.pulsed and NODE_PULSE:
             if r.env.node not in self.node_pulses:
                 self.node_pulses[r.env.node] = NodePulse(r.env)
             self.node_pulses[r.env.node].ranks.append(r)
@@ -254,6 +264,10 @@ class Driver(threading.Thread):
                 "step": r.step}
         self._prefixed(r.env).set(StoreKey.HEARTBEAT.of(r.env.worker_id),
                                   json.dumps(dict(info, progress=r.progress, phase=waiting, t=time.time())))
+        if r.pulse is not None and not pulse_wire._send(r.pulse, {
+                "progress": r.progress, "waiting": waiting, "step": r.step, "state": "S", "cpu": 0,
+                "t": time.time()}):
+            self.pulse_drops += 1
         np_ = self.node_pulses.get(r.env.node) if r.pulsed else None
         if np_ is not None and np_.sock is not None and now - np_.last >= 0.9 * self.period:
             np_.last = now  # one line for the node's live ranks

@@ -57,8 +57,9 @@ class RunSpec:
 
     def use_pulse(self, fd_limit: int) -> bool:
         workers = self.ranks + self.spares * self.tasks_per_node
-        # one liveness socket per worker, one pulse connection per node (and driver)
-        return self.pulse if self.pulse is not None else workers + 2 * workers // self.tasks_per_node + 512 <= fd_limit
+        from .ranks import NODE_PULSE  # one pulse connection per node (and driver), or per rank before
+        pulses = 2 * workers // self.tasks_per_node if NODE_PULSE else workers
+        return self.pulse if self.pulse is not None else workers + pulses + 512 <= fd_limit
 
 
 class Run:
