@@ -72,7 +72,8 @@ def _kinds(root: Path) -> list[str]:
 
 def _check_recovered(root: Path, victim: str) -> None:
     events = read_events(str(root / "job" / "events.jsonl"))
-    assert [e["kind"] for e in events if e["kind"] != "isolated"] == [
+    # mpi_path: `run --mpi` says first which path it took (test_mpi_program_... checks it)
+    assert [e["kind"] for e in events if e["kind"] not in ("isolated", "mpi_path")] == [
         "job_start", "fault_detected", "ladder", "recovery_start", "relaunch", "phase", "phase", "phase", "phase",
         "recovery_done", "job_done"]
     _check_recovery_told(root, victim, events)
@@ -190,6 +191,8 @@ def test_mpi_program_node_loss_relaunches_on_spare_identical(cluster, jobs_root,
     victim = _kill_after_first_snapshot(root, "snapshot.npz", index=2)
     assert _finish(proc, root) == 0, proc.output
     _check_recovered(root, victim)
+    first = read_events(str(root / "job" / "events.jsonl"))[0]
+    assert first["kind"] == "mpi_path" and first["path"] == "relaunch" and "no ULFM" in first["reason"]
     assert np.array_equal(np.load(mpi_reference), np.load(out))
 
 
