@@ -8,12 +8,21 @@ collective's algorithm and whichever node a rank is on), every rank applies the 
 update, ``pos`` moves by ``size*batch``. After a scale-in the same positions are
 split among fewer ranks.
 
-Launch (4 active ranks + 1 spare, one per node, inside an allocation)::
+Run it through ``slurm-resilience run --mpi`` (it picks in-place repair, launches
+the bundled ``mpirun --with-ft ulfm`` over the workers then the spare nodes and sets
+``SR_ULFM_SPARES``, ``SR_ULFM_EVENTS``, ``SR_PROGRESS_FILE``)::
+
+    slurm-resilience run --mpi --nodes 4 --spares 1 -- \
+        /opt/slurm-resilience/ulfm/bin/python mpi_ulfm_train.py --snapshot ckpt --out final.npz
+
+or by hand inside an allocation (4 active ranks + 1 spare, one per node)::
 
     mpirun --with-ft ulfm -n 5 --map-by ppr:1:node python mpi_ulfm_train.py \
         --spares 1 --out final.npz
 
-(``slurm-resilience mpirun-line`` prints the full line with its transport options.)
+(``python -m slurm_resilience.mpi.launch --print`` shows the full line with its
+transport options). ``--snapshot`` is the program's own snapshot, for the relaunch
+that follows a node loss (docs/mpi-ulfm.md).
 """
 
 import argparse
