@@ -134,7 +134,8 @@ def load(paths: list[str]) -> dict[str, dict[int, dict]]:
     series: dict[str, dict[int, dict]] = {}
     for path in paths:
         d = json.loads(Path(path).read_text())
-        series.setdefault(d.get("label", path), {}).update({int(n): v for n, v in d["sizes"].items()})
+        for one in d.get("runs", [d]) if "sizes" not in d else [d]:  # a file of several --json results
+            series.setdefault(one.get("label", path), {}).update({int(n): v for n, v in one["sizes"].items()})
     return series
 
 
