@@ -43,7 +43,7 @@ def main() -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     loader = DataLoader(dataset(), batch_size=args.batch, shuffle=True, num_workers=2)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
-    res = Resilience(accelerator)
+    res = Resilience(accelerator, model)
     res.restore()
     for epoch in res.epochs(args.epochs):
         for x, y in res.batches(loader):

@@ -1,6 +1,6 @@
 """Hugging Face Accelerate: job-level recovery for an ``Accelerator`` loop (docs/accelerate.md).
 
-    res = Resilience(accelerator)          # after accelerator.prepare(...)
+    res = Resilience(accelerator, model)   # after accelerator.prepare(...): the DDP model
     res.restore()                          # Collective: the newest snapshot, if any
     for epoch in res.epochs(num_epochs):
         for batch in res.batches(loader):  # the epoch set, the completed batches skipped
@@ -36,9 +36,9 @@ Job level only: Accelerate builds its process group once per process
 (``PartialState``, a singleton) and wraps the model in DDP on that group in
 ``prepare``; it has no supported way to abort a collective stuck on a dead peer and
 re-form the group in a live process, so survivors are relaunched (warm zygotes) and
-resume from the snapshot. DDP's bucket layout is fixed from parameter order before the
-first backward (``worker/rebind.static_buckets``), as for Lightning, so a relaunched
-step sums gradients in the fault-free run's order.
+resume from the snapshot. DDP's bucket layout of the models handed to ``Resilience`` is
+fixed from parameter order before the first backward (``worker/rebind.static_buckets``),
+as for Lightning, so a relaunched step sums gradients in the fault-free run's order.
 """
 
 from __future__ import annotations
@@ -105,22 +105,30 @@ def unpack(files: dict[str, bytes], folder: Path) -> None:
 class Resilience:
     """Per-step node-local snapshots, peer restore and exact data position for an Accelerator.
 
-    accelerator: the ``Accelerator``, after ``prepare`` (its models are DDP-wrapped then).
+    accelerator: the ``Accelerator``, after ``prepare``.
+    models: the models ``prepare`` returned (DDP-wrapped): their bucket layout is fixed now.
+    Accelerate keeps the unwrapped model (``accelerator._models`` on CPU), so the wrapper
+    must be handed over; without it a relaunch ends a few ulps off the fault-free run.
     directory: node-local snapshot directory (default
     ``/tmp/slurm_resilience-USER/accelerate/JOB/NODE`` under Slurm; none otherwise).
     every: snapshot every N optimizer steps (1: no completed step is ever redone).
     keep: snapshots kept per node.
 
     Raises:
-        ConfigError: every or keep below 1, or ``accelerator`` not an ``Accelerator``.
+        ConfigError: every or keep below 1, ``accelerator`` not an ``Accelerator``, a
+            model that is not a ``torch.nn.Module``.
     """
 
-    def __init__(self, accelerator: Accelerator, *, directory: str | os.PathLike | None = None, every: int = 1,
-                 keep: int = 2) -> None:
+    def __init__(self, accelerator: Accelerator, *models: torch.nn.Module,
+                 directory: str | os.PathLike | None = None, every: int = 1, keep: int = 2) -> None:
         check_counts("Resilience", every=every, keep=keep)
         if not isinstance(accelerator, Accelerator):
             raise ConfigError(f"Resilience(accelerator=…): needs an accelerate.Accelerator, got "
                               f"{type(accelerator).__name__}")
+        for model in models:
+            if not isinstance(model, torch.nn.Module):
+                raise ConfigError(f"Resilience(accelerator, model): the model must be the torch.nn.Module that "
+                                  f"accelerator.prepare returned, got {type(model).__name__}")
         self.acc, self.every = accelerator, every
         self.env = AccelerateEnv.from_env(os.environ)
         chosen = Path(directory) if directory is not None else self.env.default_dir()
@@ -132,14 +140,15 @@ class Resilience:
         accelerator.register_for_checkpointing(self.position)
         self.restored: RestorePlan | None = None
         self._num_batches = 0
-        self._static_buckets()
+        self._static_buckets(models)
 
-    def _static_buckets(self) -> None:
+    @staticmethod
+    def _static_buckets(models) -> None:
         from torch.nn.parallel import DistributedDataParallel
 
         from ..worker.rebind import static_buckets
 
-        for model in self.acc._models:  # what prepare() returned, in order
+        for model in models:
             if isinstance(model, DistributedDataParallel):
                 static_buckets(model)
 

@@ -51,9 +51,12 @@ def test_bad_arguments_are_one_line_errors(bad):
         Resilience(Accelerator(cpu=True), **bad)
 
 
-def test_not_an_accelerator_is_a_one_line_error():
+def test_not_an_accelerator_or_not_a_model_is_a_one_line_error():
     with pytest.raises(ConfigError, match=r"^Resilience\(accelerator=…\): needs an accelerate.Accelerator, got Linear$"):
         Resilience(torch.nn.Linear(1, 1))
+    with pytest.raises(ConfigError, match=r"^Resilience\(accelerator, model\): the model must be the torch.nn.Module "
+                                          r"that accelerator.prepare returned, got SGD$"):
+        Resilience(Accelerator(cpu=True), torch.optim.SGD(torch.nn.Linear(1, 1).parameters(), lr=0.1))
 
 
 def _setup(directory):
@@ -65,7 +68,7 @@ def _setup(directory):
                                           torch.randn(24, 2, generator=torch.Generator().manual_seed(2)))
     loader = torch.utils.data.DataLoader(data, batch_size=4, shuffle=True)
     model, opt, loader = acc.prepare(model, opt, loader)
-    return acc, model, opt, loader, Resilience(acc, directory=directory)
+    return acc, model, opt, loader, Resilience(acc, model, directory=directory)
 
 
 def _train(acc, model, opt, loader, res, epochs, stop_at=None):
