@@ -177,6 +177,49 @@ class RankTable:
             raise RankTableError(f"rank table is not valid JSON: {exc}") from None
         return cls.from_dict(doc)
 
+    def to_wire(self) -> dict[str, Any]:
+        """The compact form the plan carries (``protocol.Plan``), every rank reads it: the
+        invariants make rank and local rank implicit, so it holds G, each node once (with
+        its address), and per rank only the worker id — as its number when the id is
+        ``{node}.{n}`` on its own node (the supervisor's ids, ``state.new_id``) — and the
+        device when it is not the default for its local rank. About 6 bytes per rank
+        instead of ~115 (1.9 MB → ~0.1 MB at 16,384 ranks)."""
+        g = self.tasks_per_node
+        nodes = list(self._by_node)
+        workers: list[Any] = []
+        for s in self.slots:
+            head, _, tail = s.worker_id.rpartition(".")
+            workers.append(int(tail) if head == s.node and tail.isdigit() and str(int(tail)) == tail else s.worker_id)
+        base = self.slots[0].device.split(":")[0] if self.slots else "cpu"
+        devices = [s.device for s in self.slots]
+        plain = all(d == (f"{base}:{s.local_rank}" if base == "cuda" else base) for d, s in zip(devices, self.slots))
+        return {"version": RANK_TABLE_VERSION, "generation": self.generation, "g": g, "nodes": nodes,
+                "addresses": [self.slots[self._by_node[n][0]].address for n in nodes], "workers": workers,
+                "device": base, "devices": None if plain else devices}
+
+    @classmethod
+    def from_wire(cls, doc: Any) -> "RankTable":
+        """Inverse of :meth:`to_wire`. Raises RankTableError with a one-line message."""
+        try:
+            if doc.get("version") != RANK_TABLE_VERSION:
+                raise RankTableError(f"unsupported rank table version {doc.get('version')!r}")
+            g, nodes, addresses, workers = int(doc["g"]), list(doc["nodes"]), list(doc["addresses"]), list(doc["workers"])
+            base, devices = str(doc["device"]), doc.get("devices")
+            if len(addresses) != len(nodes) or len(workers) != g * len(nodes) or (devices and len(devices) != len(workers)):
+                raise RankTableError("rank table: nodes, addresses, workers and devices do not match in length")
+            slots = []
+            for i, w in enumerate(workers):
+                node, local = str(nodes[i // g]), i % g
+                device = str(devices[i]) if devices else (f"cuda:{local}" if base == "cuda" else base)
+                wid = f"{node}.{w}" if isinstance(w, int) and not isinstance(w, bool) else str(w)
+                slots.append(RankSlot(rank=i, node=node, worker_id=wid, local_rank=local, device=device,
+                                      address=str(addresses[i // g])))
+            return cls(generation=int(doc["generation"]), slots=tuple(slots))
+        except RankTableError:
+            raise
+        except (AttributeError, KeyError, TypeError, ValueError, ZeroDivisionError) as exc:
+            raise RankTableError(f"malformed rank table on the wire: {exc}") from None
+
     @classmethod
     def from_dict(cls, doc: Any) -> "RankTable":
         """Inverse of ``to_dict``. Raises RankTableError with a one-line message."""

@@ -49,7 +49,7 @@ class Plan:
             {
                 "generation": self.generation,
                 "action": self.action.value,
-                "table": self.table.to_dict(),
+                "table": self.table.to_wire(),  # compact: every rank reads it
                 "joining": list(self.joining),
                 "reason": self.reason,
             },
@@ -62,7 +62,7 @@ class Plan:
         return cls(
             generation=int(d["generation"]),
             action=PlanAction(d["action"]),
-            table=RankTable.from_dict(d["table"]),
+            table=RankTable.from_wire(d["table"]) if "g" in d["table"] else RankTable.from_dict(d["table"]),
             joining=tuple(int(r) for r in d["joining"]),
             reason=str(d.get("reason", "")),
         )
