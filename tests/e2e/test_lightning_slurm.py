@@ -55,8 +55,23 @@ def _run(root: Path, script: str, step_time: float, config_extra: str = "",
                             env={**os.environ, **ENV, **(env or {})})
 
 
+def _cancel(proc: subprocess.Popen, root: Path) -> None:
+    """A run that timed out: end its client and cancel its job (found by its script's path),
+    so that no job of this test stays queued in the shared lab."""
+    proc.kill()
+    jobs = subprocess.run(["squeue", "-h", "-o", "%i %o"], capture_output=True, text=True, timeout=30).stdout
+    for line in jobs.splitlines():
+        job_id, _, command = line.partition(" ")
+        if command.startswith(str(root / "job") + "/"):
+            subprocess.run(["scancel", job_id], timeout=30)
+
+
 def _finish(proc: subprocess.Popen, root: Path) -> str:
-    code = proc.wait(timeout=180)
+    try:
+        code = proc.wait(timeout=180)
+    except subprocess.TimeoutExpired:
+        _cancel(proc, root)
+        raise
     logs = "".join(p.read_text() for p in sorted((root / "job").glob("*.log")))
     output = proc.stdout.read() + logs
     assert code == 0, output[-6000:]
