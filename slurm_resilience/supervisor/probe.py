@@ -24,7 +24,7 @@ import dataclasses
 import queue
 import threading
 import time
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Collection, Mapping, Sequence
 
 __all__ = ["NodeProbed", "NodeProber", "silent_nodes"]
 
@@ -44,14 +44,20 @@ class NodeProbed:
     ended: float
 
 
-def silent_nodes(workers_by_node: Mapping[str, Sequence[str]], suspects: Mapping[str, Mapping[str, Any]]) -> set[str]:
+def silent_nodes(workers_by_node: Mapping[str, Sequence[str]], suspects: Mapping[str, Mapping[str, Any]],
+                 quiet: Collection[str] = ()) -> set[str]:
     """Pure: the nodes whose every watched worker (``workers_by_node``) is a suspect
-    with a stale heartbeat, none seen exiting and no bad Slurm state reported. A node
-    with one healthy worker is not silent: its suspects are process-level."""
+    with a stale heartbeat, or ``quiet`` (silent long enough that its probe has started,
+    not stale yet: a frozen node's ranks beat last at slightly different times, so they
+    turn stale over a period or two, not in one poll), with none seen exiting and no
+    bad Slurm state reported, and at least one stale. A node with one worker that beats
+    is not silent: its suspects are process-level."""
     out = set()
     for node, wids in workers_by_node.items():
-        if wids and all(suspects.get(w, {}).get("heartbeat_stale") and not suspects[w].get("process_exited")
-                        and not suspects[w].get("node_state") for w in wids):
+        stale = [w for w in wids if suspects.get(w, {}).get("heartbeat_stale")]
+        if stale and all((w in quiet and w not in suspects) or (
+                w in stale and not suspects[w].get("process_exited") and not suspects[w].get("node_state"))
+                for w in wids):
             out.add(node)
     return out
 

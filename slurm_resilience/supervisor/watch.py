@@ -197,7 +197,10 @@ class Watch:
             if state.watched(wid) and not local.is_local(state, wid):  # time-out: its ranks decide
                 by_node.setdefault(w.node, []).append(wid)
         touched = {state.workers[wid].node for wid in suspects}
-        for node in silent_nodes({n: by_node.get(n, []) for n in touched}, suspects) | (touched & set(self._held)):
+        d, now = self.cfg.detect, time.time()
+        quiet_for = max(0.0, d.heartbeat_timeout_s - d.slurmd_probe_deadline_s - d.heartbeat_period_s)
+        quiet = {w for n in touched for w in by_node.get(n, []) if now - self._beats.get(w, now) >= quiet_for}
+        for node in silent_nodes({n: by_node.get(n, []) for n in touched}, suspects, quiet) | (touched & set(self._held)):
             held = self._held.setdefault(node, {})
             for wid in [x for x in suspects if state.workers[x].node == node]:
                 o = suspects.pop(wid)

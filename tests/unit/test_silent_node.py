@@ -275,3 +275,15 @@ def test_quiet_ranks_below_the_lead_are_not_probed():
     w._probe_early(state, beats, 100.0)
     time.sleep(0.05)
     assert launcher.asked == [] and w.prober.drain() == []
+
+
+def test_a_frozen_node_whose_ranks_turn_stale_in_different_polls_is_silent():
+    """A frozen node's ranks beat last at slightly different times: in one poll only
+    some are stale, the rest quiet long enough that the probe has started. Held as a
+    silent node (the probe decides), not sent on as process-level hangs."""
+    stale = {"a": {"heartbeat_stale": True}}
+    assert silent_nodes({"n3": ["a", "b"]}, stale, quiet={"a", "b"}) == {"n3"}
+    assert silent_nodes({"n3": ["a", "b"]}, stale, quiet={"a"}) == set()  # b beats: process-level
+    assert silent_nodes({"n3": ["a", "b"]}, {}, quiet={"a", "b"}) == set()  # nothing stale yet
+    exited = {"a": {"heartbeat_stale": True, "process_exited": True}}
+    assert silent_nodes({"n3": ["a", "b"]}, exited, quiet={"a", "b"}) == set()
