@@ -99,3 +99,16 @@ def test_preempted_step_is_asked_to_persist_then_the_job_is_requeued(tmp_path, f
     assert launcher.requeued == 1 and launcher.killed == cancelled
     kinds = [e["kind"] for e in read_events(os.path.join(job_dir, "events.jsonl"))]
     assert kinds.index("requeue_start") < kinds.index("requeue") and "job_done" not in kinds
+
+
+def test_a_warm_rank_gets_the_job_directory_as_a_cold_one_does():
+    from slurm_resilience.launch.zygote_protocol import ForkRequest, decode, encode, warm_env
+
+    req = ForkRequest(rank=1, local_rank=1, node_index=0, step_nodes=("n2",), tasks_per_node=2, step_name="sr-restart-0",
+                      master_addr="127.0.0.1", master_port=20001, restart=0, command=("python", "t.py"), cwd="/",
+                      umask=0o22, log_path="/j/step-000.log", job_dir="/j")
+    assert decode(encode(req)) == req
+    env = warm_env({"PATH": "/bin"}, req, job_nodelist="n2")
+    assert env[relaunch_preempt.JOB_DIR_VAR] == "/j"
+    assert relaunch_preempt.JOB_DIR_VAR not in warm_env({}, ForkRequest(**{**req.__dict__, "job_dir": ""}),
+                                                         job_nodelist="n2")
