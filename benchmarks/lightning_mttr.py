@@ -93,16 +93,19 @@ def main(argv: list[str] | None = None) -> int:
             runs.setdefault(name, []).append(r)
             print(f"{name:<10} run {rep + 1}/{args.repeats} "
                   f"{json.dumps({k: v for k, v in r.items() if k != 'trace'})}", flush=True)
-    results = summarize(runs)
-    print("\n" + table(results))
+            _write(args, argv, started, root, runs)  # after every run: a cut-short benchmark keeps its runs
+    print("\n" + table(summarize(runs)))
+    print(f"\nwrote {args.json}")
+    return 0
+
+
+def _write(args, argv, started: str, root: Path, runs: dict[str, list[dict]]) -> None:
     doc = {"benchmark": "lightning-mttr", "command": "python " + " ".join([sys.argv[0], *(argv or sys.argv[1:])]),
            "started": started, "machine": platform.node(), "cpus": os.cpu_count(),
            "setup": "2 nodes x 2 ranks, gloo on CPU, 1 thread per rank, examples/lightning_train*.py's "
                     "LightningModule/DataModule; MTTR = fault -> rank 0's first completed step after recovery",
-           "args": vars(args), "work_dir": str(root), "results": results}
+           "args": vars(args), "work_dir": str(root), "results": summarize(runs)}
     Path(args.json).write_text(json.dumps(doc, indent=2))
-    print(f"\nwrote {args.json}")
-    return 0
 
 
 if __name__ == "__main__":
