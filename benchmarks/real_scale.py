@@ -55,8 +55,7 @@ def one_run(root: Path, name: str, args, cfg: Path, kill: bool) -> dict:
     if kill:
         st = run.wait_for_step(args.kill_at, timeout=args.wait_s)
         victim = st["ranks"][len(st["ranks"]) // 2]["node"]
-        t_fault = time.time()
-        lab.kill_node(victim)
+        t_fault = lab.kill_node(victim)  # when the lab killed it (its own clock), not when we asked
         out["victim"] = victim
     out["exit_code"] = run.wait(timeout=args.wait_s)
     events = read_events(str(run.job_dir / "events.jsonl"))
