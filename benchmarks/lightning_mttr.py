@@ -44,9 +44,10 @@ def stats(values: list[float]) -> dict:
 
 
 def summarize(runs: dict[str, list[dict]]) -> dict[str, dict]:
-    """Per contender: median/min/max of the MTTR; for each baseline, its median over ours
-    ("the baseline takes N times as long")."""
-    out = {name: {**stats([r["mttr_s"] for r in rs if r.get("mttr_s") is not None]), "runs": rs}
+    """Per contender: median/min/max of the MTTR, and how many runs had no step after the fault
+    (or failed); for each baseline, its median over ours ("the baseline takes N times as long")."""
+    out = {name: {**stats([r["mttr_s"] for r in rs if r.get("mttr_s") is not None]),
+                  "no_recovery": sum(r.get("mttr_s") is None for r in rs), "runs": rs}
            for name, rs in runs.items()}
     ours = out.get(OURS, {}).get("median_s")
     for name, r in out.items():
@@ -58,10 +59,11 @@ def summarize(runs: dict[str, list[dict]]) -> dict[str, dict]:
 def table(results: dict[str, dict]) -> str:
     def f(x):
         return f"{x:.2f}" if isinstance(x, (int, float)) else "-"
-    lines = [f"{'contender':<10}{'median (s)':>11}{'min':>8}{'max':>8}{'n':>3}{'/ ours':>9}"]
+    lines = [f"{'contender':<10}{'median (s)':>11}{'min':>8}{'max':>8}{'n':>3}{'/ ours':>9}{'no recovery':>13}"]
     for name, r in results.items():
         ratio = f"{r['ratio_to_ours']:.1f}x" if "ratio_to_ours" in r else "-"
-        lines.append(f"{name:<10}{f(r['median_s']):>11}{f(r['min_s']):>8}{f(r['max_s']):>8}{r['n']:>3}{ratio:>9}")
+        lines.append(f"{name:<10}{f(r['median_s']):>11}{f(r['min_s']):>8}{f(r['max_s']):>8}{r['n']:>3}{ratio:>9}"
+                     f"{r['no_recovery']:>13}")
     return "\n".join(lines)
 
 
@@ -71,7 +73,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kill-at", type=int, default=10, help="the fault once rank 0 reported this step")
     ap.add_argument("--step-time", type=float, default=0.2, help="emulated compute per step (s)")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--max-restarts", type=int, default=10, help="torchrun's --max-restarts (default %(default)s)")
     ap.add_argument("--contenders", default=",".join(CONTENDERS), help="comma-separated, of: %(default)s")
+    ap.add_argument("--recovery-timeout", type=float, default=90.0,
+                    help="torchrun: no step this long after the kill is reported as not recovered (s)")
     ap.add_argument("--json", default="lightning-mttr.json")
     args = ap.parse_args(argv)
     names = [n for n in args.contenders.split(",") if n]

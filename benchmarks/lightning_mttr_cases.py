@@ -10,7 +10,7 @@ benchmarks/lightning_plain_ckpt.py's ``--progress``, written the same way).
     ours        ``slurm-resilience run`` (2 nodes + 1 spare, warm zygotes with
                 ``run.preload: [pytorch_lightning]``, docs/lightning.md) of
                 examples/lightning_train.py; the node of ranks 2-3 killed (``lab.kill_node``)
-    torchrun    the plain twin under ``torchrun --max-restarts 3`` (c10d rendezvous), one
+    torchrun    the plain twin under ``torchrun --max-restarts N`` (c10d rendezvous), one
                 torchrun agent per node in a plain sbatch job, ModelCheckpoint every step,
                 ``fit(ckpt_path="last")``; the node's two training processes SIGKILLed (its
                 agent lives: a node loss would take the agent too, and a fixed-size c10d
@@ -46,7 +46,7 @@ ENV = {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
 TORCHRUN = """#!/bin/bash
 export GLOO_SOCKET_IFNAME=lo OMP_NUM_THREADS=1
 srun --kill-on-bad-exit=1 {python} -m torch.distributed.run --nnodes 2 --nproc-per-node 2 \\
-  --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:{port} --rdzv-id lmttr-{port} --max-restarts 3 \\
+  --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:{port} --rdzv-id lmttr-{port} --max-restarts {restarts} \\
   {script} {train}
 """
 REQUEUE = """#!/bin/bash
@@ -109,7 +109,7 @@ def _train_args(args, root: Path) -> list[str]:
 
 def _sbatch(root: Path, template: str, port: int, args, options: list[str]) -> str:
     script = root / "job.sbatch"
-    script.write_text(template.format(python=sys.executable, port=port, script=PLAIN,
+    script.write_text(template.format(python=sys.executable, port=port, script=PLAIN, restarts=args.max_restarts,
                                       train=" ".join(_train_args(args, root))))
     return commands.sbatch(str(script), [*options, "--output", str(root / "job-%j.out"), "--open-mode=append"])
 
@@ -168,12 +168,25 @@ def run_torchrun(root: Path, args) -> dict:
         t_fault = time.time()  # ---- the timed window starts here
         for pid in pids:
             os.kill(pid, signal.SIGKILL)  # a process of the job this benchmark started
-        _wait(lambda: first_after(_read(progress), t_fault, 1), "the first step after the restart", 240)
+        try:
+            _wait(lambda: first_after(_read(progress), t_fault, 1), "the first step after the restart",
+                  args.recovery_timeout, lambda: commands.job_state(job) is not None)
+        except (TimeoutError, RuntimeError) as exc:  # no step again: reported as such, the job cancelled
+            commands.run(["scancel", job])
+            return {**_result(_read(progress), t_fault, 1), "recovered": False, "why": str(exc), "job": job,
+                    "restarts": _restarts(root), "max_restarts": args.max_restarts}
         _end(job, 300)
     except BaseException:
         commands.run(["scancel", job])
         raise
-    return _result(_read(progress), t_fault, 1, job=job, level="torchrun --max-restarts, last.ckpt")
+    return _result(_read(progress), t_fault, 1, job=job, recovered=True, restarts=_restarts(root),
+                   max_restarts=args.max_restarts, level="torchrun --max-restarts, last.ckpt")
+
+
+def _restarts(root: Path) -> int | None:
+    """The worker-group restarts torchrun made (the restart count of the attempt that trained)."""
+    rows = _read(root / "progress.txt")
+    return max(a for a, _, _ in rows) if rows else None
 
 
 def run_requeue(root: Path, args) -> dict:
@@ -185,7 +198,8 @@ def run_requeue(root: Path, args) -> dict:
               lambda: commands.job_state(job) is not None)
         victim = commands.hostnames(commands.show_job(job)["NodeList"])[1]  # ranks 2-3 (block distribution)
         t_fault = lab.kill_node(victim)  # ---- the timed window starts here
-        _wait(lambda: first_after(_read(progress), t_fault, 1), "the first step after the requeue", 300)
+        _wait(lambda: first_after(_read(progress), t_fault, 1), "the first step after the requeue", 300,
+              lambda: commands.job_state(job) is not None)
         _end(job, 300)
     except BaseException:
         commands.run(["scancel", job])

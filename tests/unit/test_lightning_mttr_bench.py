@@ -32,6 +32,7 @@ def test_median_min_max_and_ratio_to_ours():
     assert (out["ours"]["median_s"], out["ours"]["min_s"], out["ours"]["max_s"], out["ours"]["n"]) == (2.5, 2.0, 3.0, 3)
     assert out["torchrun"]["ratio_to_ours"] == 10.0 and "ratio_to_ours" not in out["ours"]
     assert out["requeue"]["n"] == 0 and "ratio_to_ours" not in out["requeue"]
+    assert (out["ours"]["no_recovery"], out["requeue"]["no_recovery"], out["torchrun"]["no_recovery"]) == (1, 1, 0)
     assert "10.0x" in lightning_mttr.table(out)
 
 
