@@ -268,3 +268,11 @@ def test_missing_heartbeats_are_found_by_bisection_not_per_key(store):
     assert present_keys(counting, keys) == [k for k in keys if k not in missing]
     assert counting.trips <= 2 * 2 * 10 + 1  # O(missing · log N), not 1024
     assert present_keys(counting, []) == []
+
+
+def test_read_heartbeats_parses_all_at_once_and_survives_a_torn_value(store):
+    store.set(heartbeat_key("ok"), json.dumps({"t": 1.0, "step": 2}))
+    store.set(heartbeat_key("torn"), '{"t": 1.0, "st')
+    store.set(heartbeat_key("two"), '{"t": 1}, {"t": 2}')  # would shift every later value
+    got = read_heartbeats(store, {w: heartbeat_key(w) for w in ("ok", "torn", "two")})
+    assert got == {"ok": {"t": 1.0, "step": 2}, "torn": None, "two": None}
