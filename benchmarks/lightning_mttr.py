@@ -77,6 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--contenders", default=",".join(CONTENDERS), help="comma-separated, of: %(default)s")
     ap.add_argument("--recovery-timeout", type=float, default=90.0,
                     help="torchrun: no step this long after the kill is reported as not recovered (s)")
+    ap.add_argument("--torchrun-kill", choices=("node", "rank"), default="node",
+                    help="torchrun: SIGKILL the node's two training processes, or only its last rank's")
     ap.add_argument("--json", default="lightning-mttr.json")
     args = ap.parse_args(argv)
     names = [n for n in args.contenders.split(",") if n]

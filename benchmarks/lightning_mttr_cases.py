@@ -12,7 +12,8 @@ benchmarks/lightning_plain_ckpt.py's ``--progress``, written the same way).
                 examples/lightning_train.py; the node of ranks 2-3 killed (``lab.kill_node``)
     torchrun    the plain twin under ``torchrun --max-restarts N`` (c10d rendezvous), one
                 torchrun agent per node in a plain sbatch job, ModelCheckpoint every step,
-                ``fit(ckpt_path="last")``; the node's two training processes SIGKILLed (its
+                ``fit(ckpt_path="last")``; the node's two training processes SIGKILLed (or, with
+                ``--torchrun-kill rank``, only rank 3's; its
                 agent lives: a node loss would take the agent too, and a fixed-size c10d
                 rendezvous cannot complete without the node, so this is torchrun's best case)
     requeue     the plain twin under srun in a plain sbatch job (Lightning's SLURMEnvironment,
@@ -164,7 +165,8 @@ def run_torchrun(root: Path, args) -> dict:
     try:
         _wait(lambda: any(s >= args.kill_at for _, s, _ in _read(progress)), f"step {args.kill_at}", 240,
               lambda: commands.job_state(job) is not None)
-        pids = [int((root / "pids" / f"rank-{r}").read_text()) for r in (2, 3)]  # one node's ranks
+        ranks = (2, 3) if args.torchrun_kill == "node" else (3,)  # one node's ranks, or its last rank
+        pids = [int((root / "pids" / f"rank-{r}").read_text()) for r in ranks]
         t_fault = time.time()  # ---- the timed window starts here
         for pid in pids:
             os.kill(pid, signal.SIGKILL)  # a process of the job this benchmark started
@@ -180,7 +182,7 @@ def run_torchrun(root: Path, args) -> dict:
         commands.run(["scancel", job])
         raise
     return _result(_read(progress), t_fault, 1, job=job, recovered=True, restarts=_restarts(root),
-                   max_restarts=args.max_restarts, level="torchrun --max-restarts, last.ckpt")
+                   max_restarts=args.max_restarts, killed_ranks=list(ranks), level="torchrun --max-restarts, last.ckpt")
 
 
 def _restarts(root: Path) -> int | None:
