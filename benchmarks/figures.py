@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import json
 import statistics
+import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from provenance import stamped  # noqa: E402
 
 
 def stats(xs: list[float]) -> dict:
@@ -15,7 +19,7 @@ def stats(xs: list[float]) -> dict:
 
 def emit(out: dict, json_path: str | None) -> None:
     """Print the figures; also write them to ``json_path`` when given."""
-    text = json.dumps(out, indent=2)
+    text = json.dumps(stamped(out), indent=2)
     print(text)
     if json_path:
         Path(json_path).write_text(text)
@@ -35,7 +39,7 @@ def write_run(figures: dict, args, started: str, report: str) -> None:
     figures.update({"started": started, "finished": utc_now(), "machine": platform.node(),
                     "cpus": os.cpu_count(), "args": vars(args)})
     print(report)
-    Path(args.json).write_text(json.dumps(figures, indent=2))
+    Path(args.json).write_text(json.dumps(stamped(figures), indent=2))
     print(f"wrote {args.json}")
 
 

@@ -29,6 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import goodput_inputs as inputs  # noqa: E402
+from provenance import stamped  # noqa: E402
 from slurm_resilience.simulate.goodput import (  # noqa: E402
     DAY_S, PHASE_NAMES, CheckpointSpec, Cluster, FailureModel, PhaseTimes, Strategy,
     in_job_restart, requeue_baseline, simulate, summarize, toolkit_default,
@@ -187,8 +188,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nTarget: toolkit default predicted ETTR >= {100 * TARGET:.0f}%:"
           f" {'met' if ettr >= TARGET else 'NOT met'} ({100 * ettr:.3f}%)")
     if a.json:
-        a.json.write_text(json.dumps({"benchmark": "goodput", "inputs": used, "args": {k: str(v) for k, v in vars(a).items()},
-                                      "main": dict(rows), "sensitivity": dict(sens_rows)}, indent=2))
+        a.json.write_text(json.dumps(stamped({"benchmark": "goodput", "inputs": used, "args": {k: str(v) for k, v in vars(a).items()},
+                                      "main": dict(rows), "sensitivity": dict(sens_rows)}, __file__), indent=2))
     return 0 if ettr >= TARGET else 1
 
 

@@ -55,6 +55,8 @@ from slurm_resilience.simulate.measured import (  # noqa: E402
     mean_phases_ms, observed_ettr, poisson_schedule, productive_step_time, recovery_phases_ms, training_window,
 )
 from slurm_resilience.run_identity import new_run_id  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from provenance import stamped  # noqa: E402
 from slurm_resilience.supervisor.online import Supervisor  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -335,10 +337,10 @@ def main(argv: list[str] | None = None) -> int:
     print("(observed = steps x step ms / training window; step ms from the run's own stretches of training;"
           f" last column with the control's {step_s * 1000:.1f} ms; work dir {root}; {time.monotonic() - t_all:.0f} s)")
     if a.json:
-        a.json.write_text(json.dumps({"control": {"steps": cw.steps, "wall_s": cw.wall_s, "step_s": step_s,
-                                                  "load_avg_1m": control.load},
-                                      "runs": results, "args": {k: str(v) for k, v in vars(a).items()}},
-                                     indent=2))
+        a.json.write_text(json.dumps(stamped({"control": {"steps": cw.steps, "wall_s": cw.wall_s, "step_s": step_s,
+                                                          "load_avg_1m": control.load},
+                                              "runs": results, "args": {k: str(v) for k, v in vars(a).items()}},
+                                             __file__), indent=2))
     return 0
 
 

@@ -40,6 +40,8 @@ from slurm_resilience.checkpoint.shared_read import read_rank_state, verify_rank
 from slurm_resilience.checkpoint.tiers import TierSpec  # noqa: E402
 from slurm_resilience.model import RankSlot, RankTable  # noqa: E402
 from slurm_resilience.worker.reconnect import Generation  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from provenance import stamped  # noqa: E402
 
 
 def make_state(rank: int, size_mb: float, n_tensors: int) -> dict:
@@ -139,7 +141,7 @@ def main() -> int:
     ap.add_argument("--json", default="l2_dedup.json")
     args = ap.parse_args()
     r = run(args)
-    Path(args.json).write_text(json.dumps(r, indent=1) + "\n")
+    Path(args.json).write_text(json.dumps(stamped(r, __file__), indent=1) + "\n")
     for mode in ("full", "dedup"):
         b, t = r[mode]["l2_bytes"], r[mode]["l2_persist_s"]
         print(f"{mode:>5}: L2 bytes/checkpoint median {b['median'] / 2**20:8.1f} MiB "

@@ -32,6 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from lightning_mttr_cases import CONTENDERS  # noqa: E402
+from provenance import stamped  # noqa: E402
 
 OURS = "ours"
 
@@ -79,6 +80,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="torchrun: no step this long after the kill is reported as not recovered (s)")
     ap.add_argument("--torchrun-kill", choices=("node", "rank"), default="node",
                     help="torchrun: SIGKILL the node's two training processes, or only its last rank's")
+    ap.add_argument("--torchrun-store", choices=("fresh", "shared"), default="fresh",
+                    help="torchrun: a fresh c10d store per restart (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1), or the "
+                         "agent's store shared across restarts (torch's default, keeps the dead attempt's keys)")
     ap.add_argument("--json", default="lightning-mttr.json")
     args = ap.parse_args(argv)
     names = [n for n in args.contenders.split(",") if n]
@@ -112,7 +116,7 @@ def _write(args, argv, started: str, root: Path, runs: dict[str, list[dict]]) ->
            "setup": "2 nodes x 2 ranks, gloo on CPU, 1 thread per rank, examples/lightning_train*.py's "
                     "LightningModule/DataModule; MTTR = fault -> rank 0's first completed step after recovery",
            "args": vars(args), "work_dir": str(root), "results": summarize(runs)}
-    Path(args.json).write_text(json.dumps(doc, indent=2))
+    Path(args.json).write_text(json.dumps(stamped(doc, __file__), indent=2))
 
 
 if __name__ == "__main__":

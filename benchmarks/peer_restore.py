@@ -37,6 +37,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from slurm_resilience.worker.restore import CHUNK_BYTES  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from provenance import stamped  # noqa: E402
 
 TENSOR_MIB = 128
 
@@ -168,7 +170,7 @@ def main() -> int:
         print(c, {k: round(v["median"], 2) for k, v in res[c].items()})
     print("before/after (median):", {k: round(v, 2) for k, v in ratios.items()})
     if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2))
+        Path(args.json).write_text(json.dumps(stamped(report, __file__), indent=2))
     return 0
 
 

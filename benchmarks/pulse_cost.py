@@ -30,6 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from slurm_resilience.supervisor.detect import LivenessServer  # noqa: E402
 from slurm_resilience.worker.progress import ProgressBoard  # noqa: E402
 from slurm_resilience.worker.pulse import proc_stat  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from provenance import stamped  # noqa: E402
 
 RANK = r"""
 import sys, time
@@ -119,7 +121,7 @@ def main() -> int:
     print(f"spawn (Popen)   median {result['spawn_ms']['median']:.1f} ms")
     print(f"progress bump   {bump_ns:.0f} ns on the training thread")
     if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2))
+        Path(args.json).write_text(json.dumps(stamped(result, __file__), indent=2))
     return 0
 
 

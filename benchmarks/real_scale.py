@@ -35,6 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from slurm_resilience import lab  # noqa: E402
 from slurm_resilience.events import read_events  # noqa: E402
 from slurm_resilience.protocol import EventKind  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from provenance import stamped  # noqa: E402
 
 # Many torch processes share the box's cores: heartbeats get the time-out the suite's G=2
 # tests use (the check is about where ranks go and what they end with, not detection speed).
@@ -116,7 +118,7 @@ def main() -> int:
         "detect_s": summary([r["detect_s"] for r in runs if r.get("detect_s") is not None]),
         "passed": ref["exit_code"] == 0 and ref["faults_detected"] == 0 and all(r["passed"] for r in runs),
     }
-    Path(args.json).write_text(json.dumps(result, indent=2))
+    Path(args.json).write_text(json.dumps(stamped(result, __file__), indent=2))
     print(json.dumps({k: result[k] for k in ("ranks", "mttr_s", "detect_s", "reference_false_alarms", "passed")}))
     for r in runs:
         print(f"{r['name']}: level {r.get('level')}, mttr {r.get('mttr_s')} s, detect {r.get('detect_s')} s, "

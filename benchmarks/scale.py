@@ -36,6 +36,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from figures import utc_now  # noqa: E402
+from provenance import stamped  # noqa: E402
 from scale_sim.measure import loadavg, summary  # noqa: E402
 from scale_sim.run import Run, RunSpec  # noqa: E402
 
@@ -204,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.plot:
         plot({args.label: sizes}, args.plot)
     if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=2))
+        Path(args.json).write_text(json.dumps(stamped(out, __file__), indent=2))
         print(f"wrote {args.json}")
     if args.markdown:
         print(markdown(sizes))
