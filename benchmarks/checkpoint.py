@@ -11,7 +11,11 @@ committed, before it prunes older steps); reads go into memory allocated before 
 (raw, DCP and ours alike; torch.load cannot) and start from the same cache state for
 all: cold (page cache dropped before every read) where /proc/sys/vm/drop_caches is
 writable, else warm (each contender reads its own file right after writing it).
-Medians, min and max are printed with each ratio next to its target; --json (default
+Every contender that has a thread count writes with --threads threads (default: ours,
+``shard_io.IO_THREADS``): raw, raw O_DIRECT, DCP's ``FileSystemWriter(thread_count=)``
+and ours (its I/O pool set to --threads); torch.save and ``FileSystemReader`` have no
+such knob and run in one thread; the JSON says so under ``threads``. Medians, min and
+max are printed with each ratio next to its target; --json (default
 checkpoint.json) gets every run.
 
     python3 benchmarks/checkpoint.py --size-mb 512 --repeat 3 --cpu
@@ -33,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from checkpoint_contenders import DCP, Ours, Raw, RawDirect, TorchSave  # noqa: E402
 from figures import run_and_write, stats  # noqa: E402
+from slurm_resilience.checkpoint import shard_io  # noqa: E402
 from slurm_resilience.checkpoint.shard_io import CRC32_IMPL, IO_THREADS  # noqa: E402
 
 DROP = "/proc/sys/vm/drop_caches"
@@ -91,7 +96,7 @@ def run(args) -> dict:
     cold = drop_caches()
     contenders = [Raw(state, root, args.threads), RawDirect(state, root, args.threads)]
     if not args.skip_others:
-        contenders += [TorchSave(state, root), DCP(state, root)]
+        contenders += [TorchSave(state, root), DCP(state, root, args.threads)]
     contenders.append(Ours(state, root))
     times: dict[str, list[float]] = {}
     try:
@@ -137,8 +142,17 @@ def run(args) -> dict:
                              "met_in_every_run": all(r >= target for r in per_run)}
     return {"benchmark": "checkpoint", "bytes": sum(t.numel() * t.element_size() for t in state.values()),
             "device": device, "repeat": args.repeat, "reads": "cold (page cache dropped)" if cold else
-            "warm (read right after its own write)", "crc32": CRC32_IMPL, "io_threads": IO_THREADS,
-            "raw_threads": args.threads, "figures": figures, "ratios": ratios}
+            "warm (read right after its own write)", "crc32": CRC32_IMPL, "io_threads": shard_io.IO_THREADS,
+            "raw_threads": args.threads, "threads": threads_used(args.threads, args.skip_others),
+            "figures": figures, "ratios": ratios}
+
+
+def threads_used(threads: int, skip_others: bool) -> dict[str, int]:
+    """The write/read threads of every contender of a run (those without a knob: 1)."""
+    out = {"raw": threads, "raw_direct": threads, "ours": threads}
+    if not skip_others:
+        out.update({"dcp_save": threads, "dcp_load": 1, "torch_save": 1, "torch_load": 1})
+    return out
 
 
 LABELS = {"raw_write": Raw.write_label, "raw_read": Raw.read_label, "raw_direct_write": RawDirect.write_label,
@@ -152,7 +166,7 @@ def report(r: dict) -> str:
     gb = r["bytes"] / 1e9
     lines = [f"state: {gb:.2f} GB on {r['device']}; {r['repeat']} interleaved rounds after the same warm-up "
              "(two writes, one read); "
-             f"reads {r['reads']}; ours: CRC32 from {r['crc32']}, {r['io_threads']} I/O threads",
+             f"reads {r['reads']}; ours: CRC32 from {r['crc32']}; threads {r.get('threads', r['io_threads'])}",
              f"{'what':<44}{'median s':>10}{'min':>8}{'max':>8}{'GB/s':>8}"]
     for key, label in LABELS.items():
         if key in r["figures"]:
@@ -176,13 +190,15 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=3, help="timed rounds of every contender (interleaved)")
     ap.add_argument("--skip-others", action="store_true", help="skip torch.save and DCP")
     ap.add_argument("--tensors", type=int, default=32)
-    ap.add_argument("--threads", type=int, default=IO_THREADS, help="raw write/read threads (default: ours)")
+    ap.add_argument("--threads", type=int, default=IO_THREADS,
+                    help="write/read threads of every contender that has a thread count (default: %(default)s, ours)")
     ap.add_argument("--dir", default=None, help="where to write (default: system temp)")
     ap.add_argument("--cpu", action="store_true", help="keep the state on the CPU even with CUDA")
     ap.add_argument("--json", default="checkpoint.json", help="write every figure here (default: %(default)s)")
     args = ap.parse_args()
-    if args.repeat < 1:
-        ap.error(f"--repeat={args.repeat} must be >= 1")
+    if args.repeat < 1 or args.threads < 1:
+        ap.error(f"--repeat={args.repeat} and --threads={args.threads} must be >= 1")
+    shard_io.IO_THREADS = args.threads  # ours reads its pool size at each call: the same threads for all
     return run_and_write(run, report, args)
 
 

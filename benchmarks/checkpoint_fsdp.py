@@ -15,6 +15,9 @@ and then checkpoint that same state with every contender:
 * ``dcp_save``: ``dcp.save(get_state_dict(...))``: stall = persist = the call;
 * ``dcp_async``: ``dcp.async_save``: stall = the call, persist = its future's result.
 
+DCP writes with ``FileSystemWriter(thread_count=)`` set to ours' I/O threads
+(``shard_io.IO_THREADS``, in the JSON as ``threads``); its reader has no thread count.
+
 Each timed span starts at the state extraction, includes it for every contender, and
 is the slowest rank's (the job is blocked, or durable, when its slowest rank is).
 Restore ends with the state in the live model and optimizer for both: ``ours`` reads
@@ -51,6 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from checkpoint import drop_caches  # noqa: E402
 from figures import run_and_write, stats  # noqa: E402
+from slurm_resilience.checkpoint.shard_io import IO_THREADS  # noqa: E402
 
 WRITERS = ("ours", "dcp_save", "dcp_async")
 # (label, numerator, denominator): ratio = numerator / denominator, > 1: ours is faster
@@ -181,12 +185,14 @@ class DCPSave:
         d = self.root / f"{type(self).__name__}-{i}"
         t0 = time.perf_counter()
         sd = live_state(f.model, f.optimizer)
+        # the writer's threads, as ours (shard_io.IO_THREADS; FileSystemWriter's default is 1)
+        writer = dcp.FileSystemWriter(str(d), thread_count=IO_THREADS)
         if self.asynchronous:
-            fut = dcp.async_save(sd, checkpoint_id=str(d))
+            fut = dcp.async_save(sd, storage_writer=writer)
             stall = time.perf_counter() - t0
             fut.result()
         else:
-            dcp.save(sd, checkpoint_id=str(d))
+            dcp.save(sd, storage_writer=writer)
             stall = time.perf_counter() - t0
         persist = time.perf_counter() - t0
         dist.barrier()
@@ -303,6 +309,7 @@ def run(args) -> dict:
                          "min": min(per_run), "max": max(per_run)}
     return {"benchmark": "checkpoint_fsdp", "bytes": raw["bytes"], "sharded_tensors_per_rank": raw["keys"],
             "world": args.world, "repeat": args.repeat, "torch": torch.__version__,
+            "threads": {"ours": IO_THREADS, "dcp_save": IO_THREADS, "dcp_async": IO_THREADS, "dcp_load": 1},
             "reads": "cold (page cache dropped)" if raw["cold"] else "warm (page cache not droppable)",
             "state": "ours: session.fsdp's own state (RebuiltFSDP.state_of / its load); DCP: get_state_dict",
             "figures": figures, "ratios": ratios}
