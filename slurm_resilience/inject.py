@@ -16,6 +16,18 @@ by name. Node-level faults need the one-machine cluster (``scripts/local-cluster
     fill-disk     fill a directory's filesystem (leave ``keep_mb`` free)
     preempt       the preemption signal to the batch step (scancel --signal --batch)
 
+Network faults on the local cluster, whose nodes each have an address (iptables
+rules in the lab's chain SR_LAB; all of them undone by ``heal`` or ``local-cluster
+reset``):
+
+    partition-node   the rank's node reaches no one, no one reaches it (slurmctld too)
+    partition-peers  the rank's node is cut from the nodes of the other ranks only
+    partition-supervisor  the rank's node is cut from the supervisor's store and
+                  liveness ports only; its peers and slurmctld still reach it
+    flap-node     a partition-node for ``--seconds``, then healed (returns when healed)
+    lossy-node    each packet of the rank's node dropped with ``--probability``
+    heal          remove every network fault: a partitioned node comes back
+
 Each injection is appended to ``JOBDIR/injected.jsonl`` (0600, one JSON line: what
 :func:`inject` returns), so ``slurm-resilience timeline`` can measure a recovery from
 the fault itself rather than from its first sign: for a silent node the first sign
@@ -35,8 +47,9 @@ from typing import Any
 from .errors import ResilienceError
 
 INJECTED = "injected.jsonl"
+NETWORK_FAULTS = ("partition-node", "partition-peers", "partition-supervisor", "flap-node", "lossy-node", "heal")
 FAULTS = ("kill-rank", "kill-node", "freeze-node", "hang-rank", "slow-rank", "kill-spare", "kill-supervisor",
-          "corrupt-checkpoint", "fill-disk", "preempt")
+          "corrupt-checkpoint", "fill-disk", "preempt", *NETWORK_FAULTS)
 
 
 def _status(job_dir: str) -> dict[str, Any]:
@@ -57,11 +70,15 @@ def _rank(st: dict[str, Any], rank: int) -> dict[str, Any]:
 
 
 def inject(fault: str, job_dir: str, *, rank: int = 1, seconds: float = 5.0,
-           duty: float = 0.5, path: str | None = None, keep_mb: int = 1) -> dict[str, Any]:
+           duty: float = 0.5, path: str | None = None, keep_mb: int = 1,
+           probability: float = 0.05) -> dict[str, Any]:
     """Inject ``fault``; returns what was done (with ``at``, the wall time), also
     appended to ``JOBDIR/injected.jsonl`` (``record_error`` instead when that fails:
     the fault is in, the record is not)."""
-    done = _inject(fault, job_dir, rank=rank, seconds=seconds, duty=duty, path=path, keep_mb=keep_mb)
+    if fault in NETWORK_FAULTS:
+        done = network_fault(fault, _status(job_dir), rank=rank, seconds=seconds, probability=probability)
+    else:
+        done = _inject(fault, job_dir, rank=rank, seconds=seconds, duty=duty, path=path, keep_mb=keep_mb)
     try:
         fd = os.open(os.path.join(job_dir, INJECTED), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
         with os.fdopen(fd, "a") as f:
@@ -143,6 +160,52 @@ def _inject(fault: str, job_dir: str, *, rank: int, seconds: float, duty: float,
     sig = "USR2"
     commands.run(["scancel", f"--signal={sig}", "--batch", str(st["job_id"])])
     return {"fault": fault, "job_id": st["job_id"], "signal": sig, "at": at}
+
+
+def network_args(fault: str, st: dict[str, Any], *, rank: int, seconds: float,
+                 probability: float) -> tuple[str, list[str]]:
+    """(the victim node or "", the ``local-cluster`` arguments) for a network fault on
+    the node of ``rank`` of the job whose status is ``st``. Pure."""
+    if fault == "heal":
+        return "", ["heal"]
+    node = _rank(st, rank)["node"]
+    if fault == "partition-node":
+        return node, [fault, node]
+    if fault == "partition-peers":
+        peers = sorted({r["node"] for r in st["ranks"]} - {node})
+        if not peers:
+            raise ResilienceError("partition-peers: every rank is on one node; no peer node to cut it from")
+        return node, [fault, node, "--peers", ",".join(peers)]
+    if fault == "partition-supervisor":
+        ep = st.get("endpoints") or {}
+        if not (ep.get("host") and ep.get("store_port") and ep.get("liveness_port")):
+            raise ResilienceError("partition-supervisor: the status file names no supervisor endpoints")
+        return node, [fault, node, "--supervisor-addr", ep["host"],
+                      "--ports", f"{ep['store_port']},{ep['liveness_port']}"]
+    if fault == "flap-node":
+        if not 0 < seconds <= 600:
+            raise ResilienceError(f"flap-node: --seconds must be in (0, 600], not {seconds}")
+        return node, [fault, node, f"{seconds:g}"]
+    if not 0 < probability < 1:
+        raise ResilienceError(f"lossy-node: --probability must be in (0, 1), not {probability}")
+    return node, [fault, node, f"{probability:g}"]
+
+
+def network_fault(fault: str, st: dict[str, Any], *, rank: int, seconds: float,
+                  probability: float) -> dict[str, Any]:
+    """Make a network fault on the local cluster (``local-cluster`` runs the rules)."""
+    from . import lab
+
+    node, args = network_args(fault, st, rank=rank, seconds=seconds, probability=probability)
+    at = lab.net_fault(*args, timeout=60 + (seconds if fault == "flap-node" else 0))
+    done: dict[str, Any] = {"fault": fault, "at": at}
+    if node:
+        done.update(rank=rank, node=node)
+    if fault == "flap-node":
+        done["seconds"] = seconds
+    if fault == "lossy-node":
+        done["probability"] = probability
+    return done
 
 
 def _duty_cycle(pid: int, seconds: float, duty: float) -> None:

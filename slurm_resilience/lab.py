@@ -104,6 +104,15 @@ def cluster(*args: str, timeout: float = 120) -> str:
     return proc.stdout
 
 
+def net_fault(*args: str, timeout: float = 60) -> float:
+    """A network fault (``local-cluster partition-node NODE``, ``partition-peers``,
+    ``partition-supervisor``, ``lossy-node``, ``flap-node``, ``heal``); returns its wall
+    time (a flap returns once healed: the time it began)."""
+    out = cluster(*args, timeout=timeout)
+    m = re.search(r"\bat=([0-9.]+)", out) or re.search(r"healed_at=([0-9.]+)", out)
+    return float(m.group(1)) if m else time.time()
+
+
 def podman_test_image() -> str:
     """Build (once per machine) the podman image of the container tests and benchmark
     (``containers/test-image.sh``); returns its name."""

@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from ..protocol import StoreKey
 from .parking import ParkingLot
+from .reconnect import gloo_group
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +55,7 @@ def _make(real: str):
             opts = dist.ProcessGroupNCCL.Options()
             opts._timeout = timeout
             return dist.ProcessGroupNCCL(store, rank, world_size, opts)
-        return dist.ProcessGroupGloo(store, rank, world_size, timeout)
+        return gloo_group(store, rank, world_size, timeout)
 
     return create
 

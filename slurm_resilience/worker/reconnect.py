@@ -26,6 +26,9 @@ from ..errors import StepAborted
 from ..model import RankTable
 from ..protocol import StoreKey
 
+NODE_ADDR_ENV = "SR_NODE_ADDR"
+"""The node's own address for gloo pairs (set per node by the local cluster's TaskProlog)."""
+
 log = logging.getLogger(__name__)
 
 
@@ -80,7 +83,7 @@ class Generation:
             self.pg = self._join(lambda: dist.ProcessGroupNCCL(prefixed, rank, self.world_size, opts))
         else:
             self.device = torch.device("cpu")
-            self.pg = self._join(lambda: dist.ProcessGroupGloo(prefixed, rank, self.world_size, timeout))
+            self.pg = self._join(lambda: gloo_group(prefixed, rank, self.world_size, timeout))
 
     def _join(self, build: Callable[[], object]) -> object:
         """Build the group in a thread and wait in slices: a peer that dies while the
@@ -216,6 +219,19 @@ class Parked:
 def _short(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     return text[:200]
+
+
+def gloo_group(store: dist.Store, rank: int, world_size: int, timeout: timedelta) -> object:
+    """A gloo group whose pairs bind the node's own address when ``SR_NODE_ADDR`` names
+    one (the local cluster sets it per node, so traffic between its nodes is traffic
+    between addresses); otherwise gloo's default device (``GLOO_SOCKET_IFNAME``)."""
+    addr = os.environ.get(NODE_ADDR_ENV)
+    if not addr:
+        return dist.ProcessGroupGloo(store, rank, world_size, timeout)
+    opts = dist.ProcessGroupGloo._Options()
+    opts._timeout = timeout
+    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=addr)]
+    return dist.ProcessGroupGloo(store, rank, world_size, opts)
 
 
 def set_gloo_interface(ifname: str | None) -> None:
