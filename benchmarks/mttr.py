@@ -32,8 +32,15 @@ Baselines (benchmarks/mttr_baseline.py): the ordinary torchrun-style script
 examples/train_torchrun.py under a plain sbatch, resubmitted by hand after the kill,
 resuming from its own snapshot; with Slurm's own detection, and with instant detection.
 
-Every case runs --repeats times (interleaved: a slow spell of the box hits all alike);
-median, min and max are printed with the ratio of each baseline's median to the case's
+Baselines of the other faults (a rank SIGKILLed, a rank hung) hit the same plain job
+the same way; a case's ratios are taken only against the baselines of its own fault
+(``Case.fault``; the supervisor and frozen-node cases have none).
+
+Every contender, case or baseline, runs the same --steps and is hit once every rank has
+done --kill-at steps (the standby cases also wait for their standbys, connected well
+before the default --kill-at; each run reports its ``fault_step``). Every case runs
+--repeats times (interleaved: a slow spell of the box hits all alike); median, min and
+max are printed with the ratio of each same-fault baseline's median to the case's
 median, and everything goes to --json (default mttr.json).
 
     run-cold/run-warm `slurm-resilience run` of the unmodified examples/train_torchrun.py
@@ -64,10 +71,11 @@ import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from mttr_baseline import BASELINES, config_note, run_baseline  # noqa: E402
+from mttr_baseline import BASELINES, FAULTS, config_note, run_baseline  # noqa: E402
 from mttr_cases import CASES, run_case  # noqa: E402
 from mttr_run import RUN_CASES, run_relaunch  # noqa: E402
 from mttr_ulfm import MPI_CASES, run_mpi_case  # noqa: E402
+from provenance import stamped  # noqa: E402
 
 
 def stats(values: list[float]) -> dict:
@@ -76,30 +84,41 @@ def stats(values: list[float]) -> dict:
         {"median_s": None, "min_s": None, "max_s": None, "n": 0}
 
 
+def fault_of(name: str) -> str:
+    """The fault a case or baseline suffers (its ratios are only against this fault's baselines)."""
+    if name in FAULTS:
+        return FAULTS[name]
+    if name in CASES:
+        return CASES[name].fault
+    return "rank-kill" if name in MPI_CASES else "node-kill"  # the run-* cases kill a node
+
+
 def summarize(runs: dict[str, list[dict]]) -> dict[str, dict]:
     """Per case: median/min/max of MTTR (and of catch-up for the baselines); the ratio of
-    each baseline's median to the case's median ("baseline takes Nx as long")."""
+    each baseline of the case's own fault to the case's median ("baseline takes Nx as long")."""
     out = {name: {**stats([r["mttr_s"] for r in rs if r.get("mttr_s") is not None]), "runs": rs}
            for name, rs in runs.items()}
     for name in BASELINES:
         if name in out:
             out[name]["catch_up"] = stats([r["catch_up_s"] for r in runs[name] if r.get("catch_up_s") is not None])
     for name, r in out.items():
-        r["ratio"] = {b: round(out[b]["median_s"] / r["median_s"], 2)
-                      for b in BASELINES if b in out and out[b]["median_s"] and r["median_s"]}
+        r["fault"] = fault_of(name)
+        r["fault_steps"] = sorted({x["fault_step"] for x in r["runs"] if x.get("fault_step") is not None})
+        r["ratio"] = {b: round(out[b]["median_s"] / r["median_s"], 2) for b in BASELINES
+                      if b in out and FAULTS[b] == r["fault"] and out[b]["median_s"] and r["median_s"]}
     return out
 
 
 def table(results: dict[str, dict], args) -> str:
     nan = float("nan")
-    lines = [f"{'case':<28}{'median (s)':>11}{'min':>8}{'max':>8}{'n':>3}   "
-             + "   ".join(f"{b.removeprefix('baseline-')} / case" for b in BASELINES)
-             + f"   (G={args.tasks_per_node}, {args.repeats} repeat(s))"]
+    lines = [f"{'case':<34}{'fault':<16}{'median (s)':>11}{'min':>8}{'max':>8}{'n':>3}   "
+             f"same-fault baseline / case   (G={args.tasks_per_node}, {args.repeats} repeat(s))"]
     for name, r in results.items():
-        ratios = "".join(f"{r['ratio'].get(b, nan):>22.1f}x" for b in BASELINES)
-        lines.append(f"{name:<28}{r['median_s'] if r['median_s'] is not None else nan:>11.3f}"
+        ratios = ", ".join(f"{b.removeprefix('baseline-')} {x:.1f}x" for b, x in r["ratio"].items()) or "-"
+        lines.append(f"{name:<34}{r.get('fault', fault_of(name)):<16}"
+                     f"{r['median_s'] if r['median_s'] is not None else nan:>11.3f}"
                      f"{r['min_s'] if r['min_s'] is not None else nan:>8.3f}"
-                     f"{r['max_s'] if r['max_s'] is not None else nan:>8.3f}{r['n']:>3}{ratios}")
+                     f"{r['max_s'] if r['max_s'] is not None else nan:>8.3f}{r['n']:>3}   {ratios}")
     for b in BASELINES:
         if b in results and results[b]["catch_up"]["n"]:
             c = results[b]["catch_up"]
@@ -110,8 +129,10 @@ def table(results: dict[str, dict], args) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=60)
-    ap.add_argument("--kill-at", type=int, default=25)
+    ap.add_argument("--steps", type=int, default=200, help="steps of every contender")
+    ap.add_argument("--kill-at", type=int, default=120,
+                    help="the fault once every rank has done this many steps, for every contender "
+                         "(late enough for the standbys to connect)")
     ap.add_argument("--step-time", type=float, default=0.05, help="emulated compute per step (s), all cases alike")
     ap.add_argument("--cases", default=",".join([*CASES, *BASELINES]),
                     help=f"comma-separated, of: {', '.join([*CASES, *RUN_CASES, *MPI_CASES, *BASELINES])} "
@@ -151,7 +172,7 @@ def main() -> int:
     print("\n" + table(results, args))
     doc = {"benchmark": "mttr", "started": started, "machine": platform.node(), "cpus": _cpus(),
            "args": vars(args), "slurm": config_note(), "work_dir": str(root), "results": results}
-    Path(args.json).write_text(json.dumps(doc, indent=2))
+    Path(args.json).write_text(json.dumps(stamped(doc, __file__), indent=2))
     print(f"\nwrote {args.json}")
     return 0
 

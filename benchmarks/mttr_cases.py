@@ -39,13 +39,15 @@ class Case:
     cleanup: Callable[[Status], None] | None = None
     measure: str = "recovery"
     expect: str | None = None  # the ladder level this case must reach (checked, reported)
-    # the fault waits until every worker node's warm standby (recovery.local_standbys, started
-    # at the job's first step) is connected; the job gets STANDBY_STEPS more steps for that
+    # the fault also waits until every worker node's warm standby (recovery.local_standbys,
+    # started at the job's first step) is connected; every contender runs the same --steps
+    # and is hit at --kill-at, whose default leaves the standbys time to connect first (a run
+    # whose standbys were late reports the later ``fault_step``)
     standbys: bool = False
     args: Callable[[Path], tuple[str, ...]] | None = None  # more training-script arguments, given the job dir
-
-
-STANDBY_STEPS = 150
+    # the fault, for the ratios: a case is compared only with the baselines of its own fault
+    # (benchmarks/mttr_baseline.py FAULTS); one without such a baseline gets no ratio
+    fault: str = "node-kill"
 
 
 CASES: dict[str, Case] = {}
@@ -85,15 +87,16 @@ def _block_main(st: Status) -> float:
 
 register(Case("kill-node", inject=lambda st: lab.kill_node(st["ranks"][1]["node"]), expect="node-replacement"))
 register(Case("rank0-node", inject=lambda st: lab.kill_node(st["ranks"][0]["node"]), expect="node-replacement"))
-register(Case("kill-rank", inject=lambda st: _kill_pid(_last(st)["pid"]), expect="online", standbys=True))
+register(Case("kill-rank", inject=lambda st: _kill_pid(_last(st)["pid"]), expect="online", standbys=True,
+              fault="rank-kill"))
 # the same without recovery.local_standbys: the restart in place starts a new process (cold import)
 register(Case("kill-rank-cold", inject=lambda st: _kill_pid(_last(st)["pid"]), expect="online",
-              config="recovery:\n  local_standbys: false\n", standbys=True))
+              config="recovery:\n  local_standbys: false\n", standbys=True, fault="rank-kill"))
 register(Case("hang-rank", inject=lambda st: _kill_pid(_last(st)["pid"], signal.SIGSTOP),
-              cleanup=lambda st: _reap(_last(st)["pid"]), standbys=True))
+              cleanup=lambda st: _reap(_last(st)["pid"]), standbys=True, fault="rank-hang"))
 # a main thread stuck while the heartbeat thread beats on: the blocking timeout (docs/timeouts.md)
 register(Case("hang-main", inject=_block_main, args=lambda job_dir: ("--block-file", str(job_dir / "block")),
-              expect="online", standbys=True))
+              expect="online", standbys=True, fault="rank-hang"))
 # the ladder's other levels, each forced by its configuration
 register(Case("scale-in", inject=lambda st: lab.kill_node(st["ranks"][1]["node"]), spares=0, expect="scale-in"))
 register(Case("process-restart", inject=lambda st: lab.kill_node(st["ranks"][1]["node"]),
@@ -113,7 +116,8 @@ register(Case("requeue", inject=lambda st: lab.kill_node(st["ranks"][1]["node"])
 register(Case("requeue-resubmit", inject=lambda st: lab.kill_node(st["ranks"][1]["node"]), spares=0,
               config="recovery:\n  scale_in: false\n  max_requeues: 1\n  requeue_by: resubmit\n", measure="restart",
               standbys=True))
-register(Case("supervisor", inject=lambda st: _kill_pid(st["supervisor_pid"]), measure="reattach"))
+register(Case("supervisor", inject=lambda st: _kill_pid(st["supervisor_pid"]), measure="reattach",
+              fault="supervisor-kill"))
 
 
 def _podman_config() -> str:
@@ -129,7 +133,8 @@ register(Case("kill-node-podman", inject=lambda st: lab.kill_node(st["ranks"][1]
 # The silent node loss: slurmd and the node's job cgroups stopped, nothing closes; the
 # node is thawed and revived after the job (outside the window).
 register(Case("freeze-node", inject=lambda st: lab.freeze_node(st["ranks"][1]["node"]),
-              cleanup=lambda st: lab.thaw_and_revive(st["ranks"][1]["node"]), expect="node-replacement"))
+              cleanup=lambda st: lab.thaw_and_revive(st["ranks"][1]["node"]), expect="node-replacement",
+              fault="node-freeze"))
 
 
 def _standbys_connected(run, status: Status, timeout_s: float = 120.0) -> Status:
@@ -161,14 +166,14 @@ def run_case(case: Case, root: Path, args) -> dict:
     cfg = root / f"{case.name}.yaml"
     cfg.write_text(lab.LOCAL_CONFIG.read_text() + (case.config() if callable(case.config) else case.config))
     lab.cluster("reset")
-    steps = args.steps + (STANDBY_STEPS if case.standbys else 0)  # the cold twins alike
-    run = lab.submit(root / case.name, spares=case.spares, tasks_per_node=args.tasks_per_node, steps=steps,
+    run = lab.submit(root / case.name, spares=case.spares, tasks_per_node=args.tasks_per_node, steps=args.steps,
                      step_time=args.step_time, config=cfg,
                      extra_args=case.args(root / case.name) if case.args else ())
     status = run.wait_for_step(args.kill_at)
     if case.standbys and "local_standbys: false" not in cfg.read_text():
         status = _standbys_connected(run, status)
     status = {**status, "job_dir": str(run.job_dir)}
+    fault_step = min((r.get("step") for r in status["ranks"] if r.get("step") is not None), default=None)
     t_fault = case.inject(status)  # ---- the timed window starts here
     try:
         code = run.wait()
@@ -177,7 +182,8 @@ def run_case(case: Case, root: Path, args) -> dict:
             case.cleanup(status)
     events = read_events(str(run.job_dir / "events.jsonl"))
     done = [e for e in events if e["kind"] == EventKind.RECOVERY_DONE]
-    out: dict[str, Any] = {"exit_code": code, "tasks_per_node": args.tasks_per_node, "recoveries": len(done)}
+    out: dict[str, Any] = {"exit_code": code, "tasks_per_node": args.tasks_per_node, "recoveries": len(done),
+                           "fault": case.fault, "fault_step": fault_step}
     t_end = None
     if case.measure == "reattach":
         back = [e for e in events if e["kind"] == EventKind.SUPERVISOR_REATTACHED]

@@ -69,3 +69,16 @@ def test_goodput_inputs_come_from_the_benchmarks_json():
 
     with pytest.raises(ValueError, match="kill-node"):
         gi.phases_ms({"results": {}})
+
+
+def test_ratios_only_against_baselines_of_the_same_fault():
+    runs = {"kill-rank": [{"mttr_s": 0.5, "fault_step": 120}], "kill-node": [{"mttr_s": 0.2}],
+            "supervisor": [{"mttr_s": 0.1}],
+            "baseline-instant-detection": [{"mttr_s": 4.0}], "baseline-rank-kill": [{"mttr_s": 3.0}]}
+    out = mttr.summarize(runs)
+    assert out["kill-rank"]["ratio"] == {"baseline-rank-kill": 6.0}  # not the node-kill baseline
+    assert out["kill-node"]["ratio"] == {"baseline-instant-detection": 20.0}
+    assert out["supervisor"]["ratio"] == {} and out["supervisor"]["fault"] == "supervisor-kill"
+    assert out["kill-rank"]["fault_steps"] == [120]
+    assert {mttr.fault_of(n) for n in ("hang-rank", "hang-main", "baseline-hang-instant-detection")} == {"rank-hang"}
+
