@@ -10,8 +10,15 @@ Inputs come from what was measured (benchmarks/goodput_inputs.py): --mttr-json (
 JSON benchmarks/mttr.py writes: online phases from the kill-node case, process and
 hang downtimes from kill-rank and hang-rank, the silent-loss downtime from
 freeze-node) and --checkpoint-json (benchmarks/checkpoint.py: the toolkit's stall and
-torch.save's synchronous write, scaled to --state-gb-per-rank). Without them the
-built-in defaults are used and the output says so. The toolkit is reported twice:
+torch.save's synchronous write, scaled to --state-gb-per-rank). The requeue and
+in-job restart downtimes come from --peers-json (benchmarks/peers.py: the fastest
+peer's requeue, the fastest torchrun/NVRx restart after a killed rank) and from
+--mttr-json (our own no-spare requeue; the plain sbatch + resubmit where peers.json has
+no requeue); a figure neither has falls back to the old assumption (600 s requeue,
+300 s in-job restart), and the output and the JSON name the source of each. These are
+lab figures (a tiny model on one machine), not a 16,384-GPU job's restart: they favour
+every restart path alike. Without the JSONs the built-in defaults are used and the
+output says so. The toolkit is reported twice:
 with the kill MTTR for node faults, and with the silent-loss MTTR (a node that loses
 power or hangs sends nothing; --silent-mttr-s when mttr.json has no freeze-node case).
 
@@ -36,6 +43,7 @@ from slurm_resilience.simulate.goodput import (  # noqa: E402
 )
 
 TARGET = 0.98
+PEERS_JSON = Path(__file__).resolve().parents[1] / "docs" / "results" / "peers.json"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -52,9 +60,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--toolkit-ckpt-cost-s", type=float, default=1.0, help="blocking part (async tiers)")
     p.add_argument("--baseline-ckpt-interval-s", type=float, default=1800.0)
     p.add_argument("--baseline-ckpt-cost-s", type=float, default=30.0, help="synchronous persistent write")
-    p.add_argument("--requeue-s", type=float, default=600.0, help="requeue: detect + relaunch + init + load")
+    p.add_argument("--requeue-s", type=float, default=None,
+                   help="the baselines' requeue: detect + relaunch + init + load (default: measured, see --peers-json)")
+    p.add_argument("--toolkit-requeue-s", type=float, default=None,
+                   help="the toolkit's requeue without a spare (default: --mttr-json's requeue-resubmit)")
     p.add_argument("--queue-wait-s", type=float, default=0.0)
-    p.add_argument("--in-job-restart-s", type=float, default=300.0)
+    p.add_argument("--in-job-restart-s", type=float, default=None,
+                   help="in-job restart of every rank (default: --peers-json's fastest torchrun/NVRx kill-rank)")
+    p.add_argument("--peers-json", type=Path, default=PEERS_JSON if PEERS_JSON.exists() else None,
+                   help="the JSON benchmarks/peers.py wrote (default: docs/results/peers.json when present)")
     p.add_argument("--phase-json", type=Path, help="measured toolkit phase times in ms ({phase: ms})")
     p.add_argument("--mttr-json", type=Path, help="the JSON benchmarks/mttr.py wrote")
     p.add_argument("--checkpoint-json", type=Path, help="the JSON benchmarks/checkpoint.py wrote")
@@ -69,7 +83,7 @@ def strategies(a: argparse.Namespace, phases: PhaseTimes) -> list[Strategy]:
     base_ckpt = CheckpointSpec(interval_s=a.baseline_ckpt_interval_s, cost_s=a.baseline_ckpt_cost_s)
     return [
         toolkit_default(phases=phases, step_time_s=a.step_time_s, spare_nodes=a.spares,
-                        repair_s=a.repair_h * 3600, requeue_s=a.requeue_s, queue_wait_s=a.queue_wait_s,
+                        repair_s=a.repair_h * 3600, requeue_s=a.toolkit_requeue_s, queue_wait_s=a.queue_wait_s,
                         checkpoint=CheckpointSpec(interval_s=a.toolkit_ckpt_interval_s, cost_s=a.toolkit_ckpt_cost_s)),
         requeue_baseline(step_time_s=a.step_time_s, checkpoint=base_ckpt, requeue_s=a.requeue_s,
                          queue_wait_s=a.queue_wait_s),
@@ -117,6 +131,15 @@ def measured(a: argparse.Namespace) -> tuple[PhaseTimes, dict]:
             used[case] = inputs.case_mttr_s(mttr, case)
     if a.silent_mttr_s is not None:
         used["freeze-node"] = a.silent_mttr_s
+    peers = json.loads(a.peers_json.read_text()) if a.peers_json else None
+    measured_s = inputs.downtimes(mttr, peers, {"mttr": str(a.mttr_json), "peers": str(a.peers_json)})
+    for key, arg in (("baseline_requeue", "requeue_s"), ("in_job_restart", "in_job_restart_s"),
+                     ("toolkit_requeue", "toolkit_requeue_s")):
+        if getattr(a, arg) is None:
+            setattr(a, arg, measured_s[key][0])
+            used[key] = {"s": measured_s[key][0], "from": measured_s[key][1]}
+        else:
+            used[key] = {"s": getattr(a, arg), "from": f"--{arg.replace('_', '-')}"}
     if a.checkpoint_json:
         c = inputs.checkpoint_costs(json.loads(a.checkpoint_json.read_text()), a.state_gb_per_rank)
         a.toolkit_ckpt_cost_s = c["toolkit_s"]
@@ -154,7 +177,10 @@ def main(argv: list[str] | None = None) -> int:
           f" linear in GPUs: expected {model.expected_failures(cluster.gpus, horizon):.1f} in {a.days:g} days;"
           " node faults need a new node, software bug/dependency are process faults, NCCL watchdog a hang")
     print(f"  step {a.step_time_s:g} s; a failure during a recovery restarts it; requeue = {a.queue_wait_s:g} s queue"
-          f" + {a.requeue_s:g} s restart, from the last persistent checkpoint")
+          f" + {a.requeue_s:g} s restart (toolkit without a spare: {a.toolkit_requeue_s:g} s), from the last"
+          f" persistent checkpoint; in-job restart {a.in_job_restart_s:g} s")
+    for key in ("baseline_requeue", "in_job_restart", "toolkit_requeue"):
+        print(f"    {key}: {used[key]['s']:g} s from {used[key]['from']}")
     print(f"  inputs: {json.dumps(used)}")
     if not silent:
         print("  silent node loss: NOT modelled (no freeze-node case in --mttr-json and no --silent-mttr-s)")
@@ -172,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
 
     tk = strats[0]
     at_scale = toolkit_default(phases=replace(phases, reconnect=60.0, restore=30.0), step_time_s=a.step_time_s,
-                               spare_nodes=a.spares, repair_s=a.repair_h * 3600, requeue_s=a.requeue_s,
+                               spare_nodes=a.spares, repair_s=a.repair_h * 3600, requeue_s=a.toolkit_requeue_s,
                                checkpoint=tk.checkpoint)
     sens = [
         ("toolkit, reconnect 60 s + restore 30 s", at_scale),

@@ -82,3 +82,25 @@ def test_ratios_only_against_baselines_of_the_same_fault():
     assert out["kill-rank"]["fault_steps"] == [120]
     assert {mttr.fault_of(n) for n in ("hang-rank", "hang-main", "baseline-hang-instant-detection")} == {"rank-hang"}
 
+
+
+def test_goodput_downtimes_come_from_peers_then_our_json_then_a_labelled_assumption():
+    import goodput_inputs as gi
+
+    names = {"mttr": "m.json", "peers": "p.json"}
+    mttr_doc = {"results": {"requeue-resubmit": {"runs": [{"mttr_s": 4.0}]},
+                            "baseline-instant-detection": {"runs": [{"mttr_s": 9.0}]}}}
+    peers = {"results": {"requeue": {"ours": {"median_s": 5.0}, "lightning": {"median_s": 30.0},
+                                     "torchrun": {"median_s": 20.0}},
+                         "kill-rank": {"ours": {"median_s": 1.0}, "torchrun": {"median_s": 15.0},
+                                       "nvrx": {"median_s": 12.0}, "torchft": {"median_s": 5.0},
+                                       "lightning": {"cannot": "no in-job restart"}}}}
+    d = gi.downtimes(mttr_doc, peers, names)
+    assert d["baseline_requeue"][0] == 20.0 and "torchrun" in d["baseline_requeue"][1]
+    assert d["in_job_restart"][0] == 12.0 and "nvrx" in d["in_job_restart"][1]  # torchft is no in-job restart
+    assert d["toolkit_requeue"] == (4.0, "m.json: requeue-resubmit (no spare)")
+    d = gi.downtimes(mttr_doc, None, names)  # no peers.json yet
+    assert d["baseline_requeue"][0] == 9.0 and "baseline-instant-detection" in d["baseline_requeue"][1]
+    assert d["in_job_restart"][0] == gi.ASSUMED_IN_JOB_RESTART_S and d["in_job_restart"][1].startswith("assumed")
+    d = gi.downtimes(None, None, names)
+    assert all(v[1].startswith("assumed") for v in d.values())
