@@ -24,13 +24,13 @@ from pathlib import Path
 from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from slurm_resilience.supervisor.ranktable import Replacement, initial_table, regenerate  # noqa: E402
+from slurm_resilience.supervisor.decide.ranktable import Replacement, initial_table, regenerate  # noqa: E402
 from slurm_resilience.config import load_config  # noqa: E402
 from slurm_resilience.lifecycle import JobPhase  # noqa: E402
 from slurm_resilience.model import RankTable  # noqa: E402
-from slurm_resilience.supervisor import messages as m  # noqa: E402
-from slurm_resilience.supervisor.decide import decide  # noqa: E402
-from slurm_resilience.supervisor.state import Mode, Policy, SupervisorState  # noqa: E402
+from slurm_resilience.supervisor.decide import messages as m  # noqa: E402
+from slurm_resilience.supervisor.decide.decide import decide  # noqa: E402
+from slurm_resilience.supervisor.decide.state import Mode, Policy, SupervisorState  # noqa: E402
 
 TARGET_MS = 50.0
 

@@ -57,7 +57,7 @@ from slurm_resilience.simulate.measured import (  # noqa: E402
 from slurm_resilience.run_identity import new_run_id  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from provenance import stamped  # noqa: E402
-from slurm_resilience.supervisor.online import Supervisor  # noqa: E402
+from slurm_resilience.supervisor.executors.online import Supervisor  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 TRAIN = REPO / "examples" / "train_mlp.py"

@@ -44,7 +44,7 @@ from slurm_resilience.config import load_config  # noqa: E402
 from slurm_resilience.events import read_events  # noqa: E402
 from slurm_resilience.launch.localhost import LocalLauncher  # noqa: E402
 from slurm_resilience.run_identity import new_run_id  # noqa: E402
-from slurm_resilience.supervisor.online import Supervisor  # noqa: E402
+from slurm_resilience.supervisor.executors.online import Supervisor  # noqa: E402
 
 TRAIN = REPO / "examples" / "train_mlp.py"
 CONTENDERS = {"block": {}, "hard": {"progress_block_s": 20.0}}

@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from slurm_resilience.supervisor.detect import LivenessServer  # noqa: E402
+from slurm_resilience.supervisor.observe.detect import LivenessServer  # noqa: E402
 from slurm_resilience.worker.progress import ProgressBoard  # noqa: E402
 from slurm_resilience.worker.pulse import proc_stat  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))

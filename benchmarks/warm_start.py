@@ -5,7 +5,7 @@ The part of a `slurm-resilience run` relaunch that the zygotes change: from "sta
 ranks" to rank 0's first completed step, its own snapshot load and gloo rendezvous
 included. examples/train_torchrun.py, 3 ranks on localhost, resuming from its step-10
 snapshot for one step. Cold: 3 new `python` processes (each imports torch), as the
-relaunch step's tasks. Warm: 3 ranks forked by one zygote (`supervisor/warm.py`
+relaunch step's tasks. Warm: 3 ranks forked by one zygote (`supervisor/adapters/warm.py`
 ZygotePool, the zygote started as a plain process with a one-task step's SLURM_*
 variables, as tests/local/test_zygote_local.py does). Interleaved repeats; median/min/max.
 
@@ -27,7 +27,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 from figures import emit, stats  # noqa: E402
-from slurm_resilience.supervisor.warm import ZygotePool  # noqa: E402
+from slurm_resilience.supervisor.adapters.warm import ZygotePool  # noqa: E402
 
 EXAMPLE = REPO / "examples" / "train_torchrun.py"
 WORLD = 3

@@ -76,7 +76,7 @@ def _load(args):
     site = _site_overrides(cfg, args)
     if site:
         cfg = load_config(args.config, {"job": {**job, **site}})
-    from .config_timeouts import nccl_environ
+    from .config.timeouts import nccl_environ
 
     nccl_environ(cfg.reconnect, os.environ)  # a user-set NCCL watchdog out of order: refused here, not in the job
     if cfg.checkpoint.init_from:  # not a DCP checkpoint: refused here, not at the job's first state sync
@@ -122,7 +122,7 @@ def cmd_supervise(args) -> int:
     waits on this one's end (``exits.py``)."""
     from .exits import exit_now
     from .launch.allocation import keep_allocation, supervise_allocation
-    from .supervisor.keeper import read_store_address
+    from .supervisor.executors.keeper import read_store_address
 
     cfg, command = _load(args)
     if not args.child:
@@ -142,9 +142,9 @@ def cmd_local(args) -> int:
     """No Slurm: workers are local processes on named pseudo-nodes (for development)."""
     from .launch.allocation import write_result
     from .launch.localhost import LocalLauncher
-    from .supervisor.online import Supervisor
+    from .supervisor.executors.online import Supervisor
 
-    from .supervisor.keeper import keep_supervisor, read_store_address
+    from .supervisor.executors.keeper import keep_supervisor, read_store_address
 
     cfg, command = _load(args)
     if cfg.container.runtime != "none":

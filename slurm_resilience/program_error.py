@@ -3,7 +3,7 @@
 A rank whose training program raises (anything but the toolkit's own control flow)
 writes one :class:`ProgramError` to the store (``StoreKey.ERROR``) before its process
 ends; the supervisor reads it with the rank's death and ``decide`` tells a program's
-bug from a node's fault (``supervisor/blame.py``): the same error on ranks of several
+bug from a node's fault (``supervisor/decide/blame.py``): the same error on ranks of several
 nodes, or at the same point again after a recovery, is the program's — the job fails
 once with this error, and no node is isolated.
 

@@ -18,7 +18,7 @@ program's checkpoints. So every run also carries a random 128-bit **run id**:
   job that merely finds a ``run.json`` (a job id repeated, hence the same default
   job directory) is not a resumption: it draws its own.
 
-The batch step (``supervisor/keeper.py``) settles it once per start
+The batch step (``supervisor/executors/keeper.py``) settles it once per start
 (:func:`establish`), records it 0600 in ``JOBDIR/run.json`` and exports
 ``SR_RUN_ID``; the supervisor hands it to every worker (``protocol.WorkerEnv``), and
 the checkpoint engine writes it into every manifest and restores only its own run's

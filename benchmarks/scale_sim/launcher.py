@@ -1,5 +1,5 @@
 """The supervisor's launcher adapter over simulated nodes (the ``Launcher`` contract of
-``slurm_resilience/supervisor/launcher.py``).
+``slurm_resilience/supervisor/adapters/launcher.py``).
 
 ``launch`` hands the worker's environment to the rank host that holds its node, which
 starts a simulated rank there; ``kill`` ends it. Node probes answer by the node's fate,

@@ -23,7 +23,7 @@ from .launcher import SimLauncher, node_name
 
 def build(spec: dict, out):
     from slurm_resilience.config import load_config
-    from slurm_resilience.supervisor.online import Supervisor
+    from slurm_resilience.supervisor.executors.online import Supervisor
 
     class CountedSupervisor(Supervisor):
         """The real supervisor; only its store client is wrapped to count the calls."""

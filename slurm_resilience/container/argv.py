@@ -25,7 +25,7 @@ import dataclasses
 import sys
 from typing import Iterable, Sequence
 
-from ..config_container import ContainerConfig, Runtime, parse_mount
+from ..config.container import ContainerConfig, Runtime, parse_mount
 
 ENTER = "slurm_resilience.container.enter"
 

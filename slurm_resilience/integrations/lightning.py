@@ -31,7 +31,7 @@ What the callback does, per rank:
                           the epoch's completed batches (no data is read for them)
   preemption (``run``)    Collective, after every step: rank 0 looks for the
                           supervisor's request (``JOBDIR/preempt.request``,
-                          supervisor/relaunch_preempt.py) and broadcasts what it saw;
+                          supervisor/executors/relaunch_preempt.py) and broadcasts what it saw;
                           on a request rank 0 copies the step just completed to the
                           job directory (``JOBDIR/lightning/JOB``, durable) and every rank
                           exits (:class:`Persisted`). The requeued job restores the

@@ -5,7 +5,7 @@ A snapshot is one file per step and node, ``step-000000012.pt``, written atomica
 one rank per node: under DDP every rank holds the whole state, so any surviving node's
 copy restores everyone (a spare's ranks get it over the process group). Under
 ``slurm-resilience run`` the job directory also holds the **durable** copy that a
-preemption writes (``JOBDIR/KIND/JOB``, supervisor/relaunch_preempt.py): a requeued job
+preemption writes (``JOBDIR/KIND/JOB``, supervisor/executors/relaunch_preempt.py): a requeued job
 may land on nodes that hold nothing.
 """
 
@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import ConfigError
-from ..supervisor.relaunch_preempt import JOB_DIR_VAR, request_path
+from ..supervisor.executors.relaunch_preempt import JOB_DIR_VAR, request_path
 
 SNAPSHOT_PREFIX = "step-"
 

@@ -68,7 +68,7 @@ def supervise_allocation(cfg: ResilienceConfig, command: Sequence[str], job_dir:
     from ..container.argv import for_job
     from ..slurm.options import srun_args
     from ..slurm.parse import SlurmEnv
-    from ..supervisor.online import Supervisor
+    from ..supervisor.executors.online import Supervisor
 
     env = SlurmEnv.from_environ(environ)
     if env.job_id is None:
@@ -108,7 +108,7 @@ def keep_allocation(cfg: ResilienceConfig, command: Sequence[str], job_dir: str 
                     environ: Mapping[str, str] = os.environ, *, started: float | None = None,
                     run_id: str | None = None) -> int:
     """The batch step of the sbatch and submitit paths: host the store, run the
-    supervisor as a child and restart it if it is killed (``supervisor/keeper.py``).
+    supervisor as a child and restart it if it is killed (``supervisor/executors/keeper.py``).
     ``run_id``: the submitter's (submitit path), else ``SR_RUN_ID`` from ``job.sbatch``;
     without either a requeue keeps the recorded one (``run_identity``).
 
@@ -118,7 +118,7 @@ def keep_allocation(cfg: ResilienceConfig, command: Sequence[str], job_dir: str 
     """
     from ..run_identity import RUN_ID_ENV
     from ..slurm.parse import SlurmEnv
-    from ..supervisor.keeper import keep_supervisor
+    from ..supervisor.executors.keeper import keep_supervisor
 
     job_dir, host = allocation_job_dir(cfg, job_dir, environ)
     env = SlurmEnv.from_environ(environ)

@@ -19,7 +19,7 @@ compressed list like ``2(x3)`` or ``3,2(x2)``), read at this node's index: the j
 SLURM_TASKS_PER_NODE / SLURM_NTASKS_PER_NODE are inherited from the batch step and
 describe the allocation, not this step.
 The supervisor picks MASTER_ADDR (NodeAddr of the step's first node, which Slurm
-gives task 0) and MASTER_PORT (``supervisor.relaunch.master_port``).
+gives task 0) and MASTER_PORT (``supervisor.executors.relaunch.master_port``).
 """
 
 from __future__ import annotations

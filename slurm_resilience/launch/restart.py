@@ -2,7 +2,7 @@
 
 ``slurm-resilience run`` renders ``slurm_resilience/templates/restart.sbatch.tmpl`` and
 submits it; the batch host then runs ``slurm-resilience restart-supervise``, which
-is ``supervise_restart`` below (``supervisor/relaunch.py`` carries out ``supervisor/decide.py``'s decisions).
+is ``supervise_restart`` below (``supervisor/executors/relaunch.py`` carries out ``supervisor/decide/decide.py``'s decisions).
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ def supervise_restart(cfg: ResilienceConfig, command: Sequence[str], job_dir: st
     from ..container.argv import for_job
     from ..slurm.parse import SlurmEnv
     from ..slurm.steps import SrunLauncher
-    from ..supervisor.relaunch import RelaunchExecutor, layout
+    from ..supervisor.executors.relaunch import RelaunchExecutor, layout
 
     env = SlurmEnv.from_environ(environ)
     if env.job_id is None:

@@ -3,7 +3,7 @@
     python -m slurm_resilience.launch.zygote --job-dir D --node N --addr A [--preload numpy,...]
 
 Started by the relaunch supervisor as its own one-task ``srun`` step on every worker
-and spare node (``supervisor/warm.py``), before it is needed. It imports torch (with ``torch._dynamo``) and
+and spare node (``supervisor/adapters/warm.py``), before it is needed. It imports torch (with ``torch._dynamo``) and
 the ``run.preload`` modules, listens on ``A:<free port>`` for connections that pass
 the ``multiprocessing.connection`` challenge with the per-job key (``job_dir/
 zygote.key``, 0600; no unauthenticated request is ever read), and writes

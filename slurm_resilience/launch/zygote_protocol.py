@@ -92,7 +92,7 @@ class ForkRequest:
     umask: int
     log_path: str
     progress_file: str = ""  # the step's SR_PROGRESS_FILE, as a cold task of the step has it
-    job_dir: str = ""  # SR_RUN_JOB_DIR (supervisor/relaunch_preempt.py), as a cold task has it
+    job_dir: str = ""  # SR_RUN_JOB_DIR (supervisor/executors/relaunch_preempt.py), as a cold task has it
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -6,7 +6,7 @@ Two paths exist for an MPI program:
                park in the world and a lost rank is repaired in place
                (``mpi/ulfm.py``, docs/mpi-ulfm.md)
     RELAUNCH   the whole step is relaunched through ``srun --mpi=pmix`` after a
-               fault (any MPI; ``supervisor/relaunch.py``)
+               fault (any MPI; ``supervisor/executors/relaunch.py``)
 
 In-place repair is only trusted when every fact says it works, because mpi4py
 degrades silently on an MPI without ULFM (Shrink becomes Dup, Agree an Allreduce):

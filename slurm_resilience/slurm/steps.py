@@ -279,7 +279,7 @@ class SrunLauncher:
         return self._slurm_config
 
     def slurm_timeouts(self) -> tuple[float | None, float | None]:
-        """(SlurmdTimeout, KillWait) in seconds (None: not known); see ``config_timeouts``.
+        """(SlurmdTimeout, KillWait) in seconds (None: not known); see ``config.timeouts``.
 
         Raises:
             SlurmCommandError: ``scontrol show config`` failed.

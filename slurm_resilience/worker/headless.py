@@ -1,6 +1,6 @@
 """A rank that lost the batch host: persist the newest state, requeue the job.
 
-In the single-allocation layout the batch step (``supervisor/keeper.py``) hosts the
+In the single-allocation layout the batch step (``supervisor/executors/keeper.py``) hosts the
 job's store and runs the supervisor. When its node is lost, Slurm (``--no-kill``)
 keeps the job RUNNING and the worker steps training, headless, until the time limit.
 The ranks notice it themselves: every request to the store fails (a closed or reset

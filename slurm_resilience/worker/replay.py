@@ -35,7 +35,7 @@ def is_replay(index: int, high: int) -> bool:
 
 def logger_rank(world_size: int) -> int:
     """Pure: the rank that logs. Rank 0: survivors keep their rank in every new rank
-    table (``supervisor/ranktable.regenerate``), so rank 0 is the same process unless
+    table (``supervisor/decide/ranktable.regenerate``), so rank 0 is the same process unless
     that process is lost."""
     if world_size < 1:
         raise ValueError(f"world_size={world_size} must be >= 1")

@@ -1,7 +1,7 @@
 """End to end on the real local Slurm: warm relaunches of unmodified programs (the zygotes).
 
 1. Equivalence: the same unmodified probe script runs as the relaunch executor's cold
-   srun step and forked by the zygotes (``supervisor/warm.py``) in one allocation, 2
+   srun step and forked by the zygotes (``supervisor/adapters/warm.py``) in one allocation, 2
    ranks per node, three endings (exit 0, exit 3, an uncaught exception); what each
    rank observes must be equal but for the variables listed in :data:`DIFFERS`.
 2. A node lost under ``slurm-resilience run`` with the zygotes up: every generation is

@@ -2,8 +2,8 @@
 
     python zygote_equiv_driver.py OUT_DIR
 
-Cold: the relaunch executor's own srun step (``supervisor.relaunch.step_argv``, 2 ranks
-per node). Warm: the same step forked by the zygotes (``supervisor.warm.ZygotePool``).
+Cold: the relaunch executor's own srun step (``supervisor.executors.relaunch.step_argv``, 2 ranks
+per node). Warm: the same step forked by the zygotes (``supervisor.adapters.warm.ZygotePool``).
 Same step name, attempt, master address and port for both; three endings each (exit 0,
 exit 3, an uncaught exception). Writes OUT_DIR/codes.json: {"cold-ok": code, ...}.
 """
@@ -16,8 +16,8 @@ import time
 
 from slurm_resilience.slurm.parse import SlurmEnv
 from slurm_resilience.slurm.steps import SrunLauncher
-from slurm_resilience.supervisor.relaunch import master_node, master_port, step_argv
-from slurm_resilience.supervisor.warm import ZygotePool
+from slurm_resilience.supervisor.executors.relaunch import master_node, master_port, step_argv
+from slurm_resilience.supervisor.adapters.warm import ZygotePool
 
 out = os.path.abspath(sys.argv[1])
 probe = os.path.join(os.path.dirname(os.path.abspath(__file__)), "observe_probe.py")

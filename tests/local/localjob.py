@@ -15,7 +15,7 @@ from slurm_resilience.checkpoint.hdf5_format import shard_crc32
 from slurm_resilience.config import load_config
 from slurm_resilience.launch.localhost import LocalLauncher
 from slurm_resilience.run_identity import establish
-from slurm_resilience.supervisor.online import Supervisor
+from slurm_resilience.supervisor.executors.online import Supervisor
 
 TRAIN = Path(__file__).resolve().parents[2] / "examples" / "train_mlp.py"
 ZERO = TRAIN.with_name("train_zero.py")  # sharded (ZeRO-1-style) optimizer state

@@ -16,7 +16,7 @@ import pytest
 from slurm_resilience.checkpoint import manifest as mf
 from slurm_resilience.inject import corrupt_newest
 
-from slurm_resilience.supervisor.decide import EXIT_REQUEUED
+from slurm_resilience.supervisor.decide.decide import EXIT_REQUEUED
 
 from .localjob import INJECT_AFTER, STEPS, LocalJob, assert_same_training, final_state
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from slurm_resilience.supervisor.warm import ZygotePool
+from slurm_resilience.supervisor.adapters.warm import ZygotePool
 
 HERE = Path(__file__).resolve().parent
 DATA = HERE / "zygote_data"

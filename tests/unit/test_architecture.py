@@ -198,17 +198,17 @@ def test_find_cycles_accepts_a_dag():
 
 def test_targets_resolve_relative_and_absolute_imports():
     known = {"slurm_resilience", "slurm_resilience.config", "slurm_resilience.supervisor",
-             "slurm_resilience.supervisor.loop", "slurm_resilience.supervisor.detect"}
-    mod = "slurm_resilience.supervisor.loop"
+             "slurm_resilience.supervisor.executors.loop", "slurm_resilience.supervisor.observe.detect"}
+    mod = "slurm_resilience.supervisor.executors.loop"
 
     def targets(src: str, module: str = mod, is_package: bool = False) -> list[str]:
         return _targets(ast.parse(src).body[0], module, is_package, known)
 
-    assert targets("from ..config import load_config") == ["slurm_resilience.config"]
-    assert targets("from . import detect") == ["slurm_resilience.supervisor.detect"]
-    assert targets("from .detect import Fault") == ["slurm_resilience.supervisor.detect"]
-    assert targets("from . import detect", "slurm_resilience.supervisor", True) == [
-        "slurm_resilience.supervisor.detect"]
+    assert targets("from ...config import load_config") == ["slurm_resilience.config"]
+    assert targets("from ..observe import detect") == ["slurm_resilience.supervisor.observe.detect"]
+    assert targets("from ..observe.detect import Fault") == ["slurm_resilience.supervisor.observe.detect"]
+    assert targets("from .observe import detect", "slurm_resilience.supervisor", True) == [
+        "slurm_resilience.supervisor.observe.detect"]
     assert targets("import slurm_resilience.config as c") == ["slurm_resilience.config"]
     assert targets("from slurm_resilience import nothing_here") == ["slurm_resilience"]
     assert targets("import torch") == []

@@ -9,7 +9,7 @@ import pytest
 import torch.distributed as dist
 
 from slurm_resilience.errors import ConfigError, ResilienceError
-from slurm_resilience.supervisor.ranktable import Replacement, initial_table, regenerate, shrink
+from slurm_resilience.supervisor.decide.ranktable import Replacement, initial_table, regenerate, shrink
 from slurm_resilience.worker import replay
 from slurm_resilience.worker.rebind import GenerationHooks
 from slurm_resilience.worker.unsupervised import FallbackEnv, fallback_environ, supervised

@@ -216,7 +216,7 @@ def test_the_engine_cleans_at_its_first_generation_from_the_root_s_owner(tmp_pat
 
 
 def test_the_supervisor_log_says_what_was_ignored_and_removed():
-    from slurm_resilience.supervisor.online import checkpoint_notice
+    from slurm_resilience.supervisor.executors.online import checkpoint_notice
 
     line = checkpoint_notice({"kind": "rank_checkpoint_foreign", "rank": 0, "node": "n2", "found": [
         found_entry("L2", "/j/checkpoints", {20: A, 10: A})]})

@@ -4,7 +4,7 @@ import pytest
 
 from slurm_resilience.errors import RecoveryError
 from slurm_resilience.model import FaultKind
-from slurm_resilience.supervisor.classify import classify_fault, is_node_fault
+from slurm_resilience.supervisor.decide.classify import classify_fault, is_node_fault
 
 L, U, D, H = FaultKind.NODE_LOST, FaultKind.NODE_UNHEALTHY, FaultKind.PROCESS_DIED, FaultKind.PROCESS_HUNG
 BAD_STATES = ["DOWN", "DOWN*", "IDLE+DRAIN", "ALLOCATED+DRAIN", "MIXED*", "FAIL", "IDLE+NOT_RESPONDING", "ALLOCATED+FAILING"]

@@ -18,7 +18,7 @@ from slurm_resilience.container.argv import (
     cleanup_argv, container_name, for_job, node_prefix, srun_options, stale_cleanup_argv, wrap)
 from slurm_resilience.errors import ConfigError
 from slurm_resilience.slurm.steps import srun_argv
-from slurm_resilience.supervisor.relaunch import step_argv
+from slurm_resilience.supervisor.executors.relaunch import step_argv
 
 GOLDEN = Path(__file__).parent / "golden" / "container-steps.txt"
 SECTION = {"image": "IMAGE", "mounts": ["/shared/data:/data:ro", "/scratch"], "env": ["HF_HOME"],

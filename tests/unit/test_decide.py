@@ -8,10 +8,10 @@ from slurm_resilience.config import load_config
 from slurm_resilience.lifecycle import JobPhase
 from slurm_resilience.model import Fault, FaultKind, RankTable
 from slurm_resilience.protocol import EventKind, Plan, PlanAction, Role, WorkerEvent
-from slurm_resilience.supervisor import messages as m
-from slurm_resilience.supervisor.decide import EXIT_FAILED, EXIT_OK, EXIT_REQUEUED, decide
-from slurm_resilience.supervisor.reattach import adopt_plans
-from slurm_resilience.supervisor.state import Mode, Policy, SupervisorState
+from slurm_resilience.supervisor.decide import messages as m
+from slurm_resilience.supervisor.decide.decide import EXIT_FAILED, EXIT_OK, EXIT_REQUEUED, decide
+from slurm_resilience.supervisor.executors.reattach import adopt_plans
+from slurm_resilience.supervisor.decide.state import Mode, Policy, SupervisorState
 
 WORKERS, SPARES = ("n2", "n3", "n4"), ("n5",)
 
@@ -273,7 +273,7 @@ def test_straggler_is_migrated_only_when_configured():
 
 def test_illegal_phase_transition_is_a_bug_not_silence():
     from slurm_resilience.errors import RecoveryError
-    from slurm_resilience.supervisor.decide import move
+    from slurm_resilience.supervisor.decide.decide import move
 
     with pytest.raises(RecoveryError):
         move(fresh(), JobPhase.SUCCEEDED, "skipping ahead")

@@ -10,7 +10,7 @@ from datetime import timedelta
 import pytest
 
 from slurm_resilience.protocol import heartbeat_key
-from slurm_resilience.supervisor.detect import LivenessServer, Observation, read_heartbeats, stale_workers
+from slurm_resilience.supervisor.observe.detect import LivenessServer, Observation, read_heartbeats, stale_workers
 
 TOKEN = "0123456789abcdef0123456789abcdef"
 
@@ -257,7 +257,7 @@ def test_a_poll_of_many_workers_costs_two_round_trips_once_all_beat(store):
 
 
 def test_missing_heartbeats_are_found_by_bisection_not_per_key(store):
-    from slurm_resilience.supervisor.detect import present_keys
+    from slurm_resilience.supervisor.observe.detect import present_keys
 
     keys = [heartbeat_key(f"w{i}") for i in range(1024)]
     missing = {keys[3], keys[700]}

@@ -13,7 +13,7 @@ from slurm_resilience.protocol import EventKind
 from slurm_resilience.slurm import commands
 from slurm_resilience.slurm.rights import operator_verdict, parse_show_config, slurm_user_id
 from slurm_resilience.slurm.steps import SrunLauncher
-from slurm_resilience.supervisor.isolate import Isolator, node_state_for
+from slurm_resilience.supervisor.adapters.isolate import Isolator, node_state_for
 
 CONFIG = """Configuration data as of 2026-11-26T07:47:37
 AccountingStorageType   = accounting_storage/none

@@ -5,7 +5,7 @@ import itertools
 import pytest
 
 from slurm_resilience.model import FaultKind
-from slurm_resilience.supervisor.ladder import (
+from slurm_resilience.supervisor.decide.ladder import (
     FaultCase, LadderInput, LadderPolicy, Level, choose_level, plan_recovery,
 )
 
@@ -116,7 +116,7 @@ def test_after_a_time_out_only_relaunching_levels_remain():
 
 def test_shrink_then_grow_keeps_survivor_order():
     from slurm_resilience.model import RankSlot, RankTable
-    from slurm_resilience.supervisor.ranktable import grow, shrink
+    from slurm_resilience.supervisor.decide.ranktable import grow, shrink
 
     t = RankTable(generation=3, slots=tuple(RankSlot(rank=i, node=f"n{i}", worker_id=f"w{i}") for i in range(4)))
     s = shrink(t, [1])

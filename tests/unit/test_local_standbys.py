@@ -1,4 +1,4 @@
-"""recovery.local_standbys (supervisor/local.py): one warm standby per worker node takes
+"""recovery.local_standbys (supervisor/decide/local.py): one warm standby per worker node takes
 the slot of a rank restarted in place; pure decisions only (no Slurm, torch or files).
 K standbys per node (``local_standbys_per_node``) and a spare's extra ones:
 tests/unit/test_local_standbys_count.py."""
@@ -10,12 +10,12 @@ from slurm_resilience.errors import ConfigError
 from slurm_resilience.lifecycle import JobPhase
 from slurm_resilience.model import RankTable
 from slurm_resilience.protocol import EventKind, Role, WorkerEvent
-from slurm_resilience.supervisor import local
-from slurm_resilience.supervisor import messages as m
-from slurm_resilience.supervisor.decide import decide
-from slurm_resilience.supervisor.reattach import adopt_plans
-from slurm_resilience.supervisor.report import status_dict
-from slurm_resilience.supervisor.state import Mode, Policy, SupervisorState
+from slurm_resilience.supervisor.decide import local
+from slurm_resilience.supervisor.decide import messages as m
+from slurm_resilience.supervisor.decide.decide import decide
+from slurm_resilience.supervisor.executors.reattach import adopt_plans
+from slurm_resilience.supervisor.decide.report import status_dict
+from slurm_resilience.supervisor.decide.state import Mode, Policy, SupervisorState
 
 import pytest
 

@@ -1,4 +1,4 @@
-"""recovery.local_standbys_per_node (supervisor/local.py): K standbys per node, and the K
+"""recovery.local_standbys_per_node (supervisor/decide/local.py): K standbys per node, and the K
 extra ones every spare node keeps, so that a process restart right after a node
 replacement finds every slot warm. Pure decisions only (no Slurm, torch or files)."""
 
@@ -9,11 +9,11 @@ import pytest
 from slurm_resilience.config import load_config
 from slurm_resilience.errors import ConfigError
 from slurm_resilience.protocol import EventKind, Role
-from slurm_resilience.supervisor import local
-from slurm_resilience.supervisor import messages as m
-from slurm_resilience.supervisor.decide import decide
-from slurm_resilience.supervisor.reattach import adopt_plans
-from slurm_resilience.supervisor.state import SupervisorState
+from slurm_resilience.supervisor.decide import local
+from slurm_resilience.supervisor.decide import messages as m
+from slurm_resilience.supervisor.decide.decide import decide
+from slurm_resilience.supervisor.executors.reattach import adopt_plans
+from slurm_resilience.supervisor.decide.state import SupervisorState
 
 from test_local_standbys import SPARES, WORKERS, finish, kinds, killed, of, policy, started, timed_out
 

@@ -6,7 +6,7 @@ import pytest
 
 from slurm_resilience.model import RankSlot, RankTable, RankTableError
 from slurm_resilience.protocol import Plan, PlanAction
-from slurm_resilience.supervisor.ranktable import initial_table
+from slurm_resilience.supervisor.decide.ranktable import initial_table
 
 
 def _table(nodes=4, g=2, device="cpu"):

@@ -1,15 +1,15 @@
 """Issue 22: a program's own error is not a node fault — decided in ``decide()``.
 
-The three rules of ``supervisor/blame.py`` driven through ``decide`` with the
+The three rules of ``supervisor/decide/blame.py`` driven through ``decide`` with the
 observations the executor makes (pure: no Slurm, torch or files), plus the records
 the ranks send (``program_error``)."""
 
 import pytest
 
 from slurm_resilience.program_error import ProgramError, ProgramPhase, from_exception, signature_digest
-from slurm_resilience.supervisor import blame
-from slurm_resilience.supervisor import messages as m
-from slurm_resilience.supervisor.decide import EXIT_FAILED, decide
+from slurm_resilience.supervisor.decide import blame
+from slurm_resilience.supervisor.decide import messages as m
+from slurm_resilience.supervisor.decide.decide import EXIT_FAILED, decide
 from slurm_resilience.lifecycle import JobPhase
 from slurm_resilience.protocol import EventKind, PlanAction
 
@@ -110,7 +110,7 @@ def test_past_the_budget_a_death_on_a_healthy_node_fails_without_taking_the_node
 
 
 def test_the_failure_and_the_errors_survive_a_state_round_trip():
-    from slurm_resilience.supervisor.state import SupervisorState
+    from slurm_resilience.supervisor.decide.state import SupervisorState
     p = policy()
     state, _ = started(p)
     state, _ = decide(state, m.Suspects(tuple(died(state, r, error()) for r in range(3))), 1.1, p)

@@ -1,14 +1,14 @@
-"""The step-progress watchdog (supervisor/progress.py) is pure: every row of its table,
+"""The step-progress watchdog (supervisor/observe/progress.py) is pure: every row of its table,
 the cross-rank culprit rule, derived timeouts, and what decide() makes of a verdict."""
 
 import pytest
 
 from slurm_resilience.model import FaultKind
 from slurm_resilience.protocol import EventKind
-from slurm_resilience.supervisor import messages as m
-from slurm_resilience.supervisor.decide import decide
-from slurm_resilience.supervisor.detect import Pulse
-from slurm_resilience.supervisor.progress import (
+from slurm_resilience.supervisor.decide import messages as m
+from slurm_resilience.supervisor.decide.decide import decide
+from slurm_resilience.supervisor.observe.detect import Pulse
+from slurm_resilience.supervisor.observe.progress import (
     ProgressWatch, Signs, Timeouts, Verdict, assess, derive_timeouts, progress_in,
 )
 

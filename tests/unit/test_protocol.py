@@ -11,7 +11,7 @@ from slurm_resilience.protocol import (
     TOKEN_FILE, EventKind, Plan, PlanAction, RecoveryPhase, Role, StoreKey, WorkerEnv, WorkerEvent,
     done_key, event_key, heartbeat_key, pg_prefix, plan_key, read_token, write_token,
 )
-from slurm_resilience.supervisor.ranktable import initial_table
+from slurm_resilience.supervisor.decide.ranktable import initial_table
 
 ADDR = {f"n{i}": f"10.0.0.{i}" for i in range(8)}
 

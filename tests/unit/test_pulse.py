@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from slurm_resilience.supervisor.detect import LivenessServer
+from slurm_resilience.supervisor.observe.detect import LivenessServer
 
 TOKEN = "t" * 32
 
@@ -166,8 +166,8 @@ def test_a_dead_pulse_leaves_the_progress_in_the_heartbeat_and_the_watchdog_find
     import torch.distributed as dist
 
     from slurm_resilience.protocol import Role, WorkerEnv, heartbeat_key
-    from slurm_resilience.supervisor.detect import read_heartbeats
-    from slurm_resilience.supervisor.progress import ProgressWatch, Verdict, progress_in
+    from slurm_resilience.supervisor.observe.detect import read_heartbeats
+    from slurm_resilience.supervisor.observe.progress import ProgressWatch, Verdict, progress_in
     from slurm_resilience.worker.heartbeat import Heartbeat
 
     srv, _ = server

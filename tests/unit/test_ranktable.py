@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from slurm_resilience.errors import RankTableError
-from slurm_resilience.supervisor.ranktable import Replacement, initial_table, regenerate, write_table
+from slurm_resilience.supervisor.decide.ranktable import Replacement, initial_table, regenerate, write_table
 
 ADDR = {f"n{i}": f"10.0.0.{i}" for i in range(40)}
 
@@ -139,7 +139,7 @@ def node_scenario(draw):
 def test_node_moves_restarts_and_shrinks_keep_the_node_invariants(sc):
     """Every slot filled once, survivors keep their rank and worker, a node's G ranks stay
     together with local ranks 0..G-1, no node holds ranks of two node slots."""
-    from slurm_resilience.supervisor.ranktable import shrink
+    from slurm_resilience.supervisor.decide.ranktable import shrink
 
     table, events = sc
     g = table.tasks_per_node
@@ -179,7 +179,7 @@ def test_a_node_must_move_whole():
     t = initial_table(["n0", "n1"], ["a", "b", "c", "d"], ADDR, tasks_per_node=2)
     with pytest.raises(RankTableError):  # only local rank 1 of n1 moves: n9 would start at local rank 1
         regenerate(t, [Replacement(rank=3, old_node="n1", new_node="n9", new_worker_id="x")], ADDR)
-    from slurm_resilience.supervisor.ranktable import shrink
+    from slurm_resilience.supervisor.decide.ranktable import shrink
 
     with pytest.raises(RankTableError):
         shrink(t, [2])  # half a node

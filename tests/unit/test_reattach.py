@@ -11,9 +11,9 @@ import pytest
 from slurm_resilience.errors import ResilienceError
 from slurm_resilience.lifecycle import JobPhase
 from slurm_resilience.protocol import EVENT_COUNTER, Plan, PlanAction, event_key
-from slurm_resilience.supervisor import reattach
-from slurm_resilience.supervisor.keeper import EXIT_SUPERVISOR_LOST, _with_reattach, keep
-from slurm_resilience.supervisor.ranktable import initial_table
+from slurm_resilience.supervisor.executors import reattach
+from slurm_resilience.supervisor.executors.keeper import EXIT_SUPERVISOR_LOST, _with_reattach, keep
+from slurm_resilience.supervisor.decide.ranktable import initial_table
 from slurm_resilience.worker.heartbeat import _closed
 
 
@@ -86,7 +86,7 @@ class _Store:
 
 
 def test_state_file_round_trip_is_private_and_keeps_the_event_position(tmp_path):
-    from slurm_resilience.supervisor.state import SupervisorState, WorkerRecord
+    from slurm_resilience.supervisor.decide.state import SupervisorState, WorkerRecord
     from slurm_resilience.protocol import Role
 
     table = initial_table(["n1", "n2", "n3"], ["n1.1", "n2.2", "n3.3"], {n: "127.0.0.1" for n in ["n1", "n2", "n3"]})
@@ -152,8 +152,8 @@ def test_an_event_whose_writer_died_does_not_hold_up_the_later_ones(tmp_path, mo
     """A worker killed between counting an event and writing it leaves a hole; the
     supervisor skips it after EVENT_HOLE_S and still takes it if it comes late."""
     from slurm_resilience.config import load_config
-    from slurm_resilience.supervisor import watch
-    from slurm_resilience.supervisor.state import SupervisorState
+    from slurm_resilience.supervisor.observe import watch
+    from slurm_resilience.supervisor.decide.state import SupervisorState
 
     monkeypatch.setattr(watch, "EVENT_HOLE_S", 0.0)
     store, seen = _Store(), []

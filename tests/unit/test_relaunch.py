@@ -15,8 +15,8 @@ from slurm_resilience.errors import ResilienceError
 from slurm_resilience.events import read_events
 from slurm_resilience.launch.rankenv import rank_env
 from slurm_resilience.model import FaultKind
-from slurm_resilience.supervisor.classify import find_faults
-from slurm_resilience.supervisor.relaunch import RelaunchExecutor, layout, master_node, master_port, step_argv
+from slurm_resilience.supervisor.decide.classify import find_faults
+from slurm_resilience.supervisor.executors.relaunch import RelaunchExecutor, layout, master_node, master_port, step_argv
 
 ALLOC = ["n1", "n2", "n3", "n4", "n5", "n6"]
 

@@ -1,4 +1,4 @@
-"""Preemption of a `run` job (supervisor/relaunch_preempt.py): the request, the wait, the
+"""Preemption of a `run` job (supervisor/executors/relaunch_preempt.py): the request, the wait, the
 requeue — the pure parts, then the relaunch loop against a fake srun and launcher."""
 
 import os
@@ -9,8 +9,8 @@ import pytest
 
 from slurm_resilience.config import load_config
 from slurm_resilience.events import read_events
-from slurm_resilience.supervisor import relaunch_preempt
-from slurm_resilience.supervisor.relaunch import RelaunchExecutor, layout
+from slurm_resilience.supervisor.executors import relaunch_preempt
+from slurm_resilience.supervisor.executors.relaunch import RelaunchExecutor, layout
 
 # The step's program: "persist" waits for the request and exits 0 (what the Lightning
 # callback does after its last step); "ignore" never looks (an unmodified program).

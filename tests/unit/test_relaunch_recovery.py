@@ -12,11 +12,11 @@ from slurm_resilience.config import load_config
 from slurm_resilience.events import format_timeline
 from slurm_resilience.lifecycle import JobPhase
 from slurm_resilience.model import Fault, FaultKind, RankTable
-from slurm_resilience.supervisor import messages as m
-from slurm_resilience.supervisor import relaunch_recovery
-from slurm_resilience.supervisor.decide import EXIT_OK, decide
-from slurm_resilience.supervisor.relaunch import first_progress, step_in_output
-from slurm_resilience.supervisor.state import Mode, Policy, SupervisorState
+from slurm_resilience.supervisor.decide import messages as m
+from slurm_resilience.supervisor.decide import relaunch_recovery
+from slurm_resilience.supervisor.decide.decide import EXIT_OK, decide
+from slurm_resilience.supervisor.executors.relaunch import first_progress, step_in_output
+from slurm_resilience.supervisor.decide.state import Mode, Policy, SupervisorState
 
 WORKERS = ("n2", "n3", "n4")
 P = Policy.from_config(load_config({"recovery": {"local_standbys": False}}), mode=Mode.RELAUNCH, can_requeue=False)

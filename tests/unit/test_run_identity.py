@@ -15,7 +15,7 @@ from slurm_resilience.errors import CheckpointError, ConfigError
 from slurm_resilience.launch.sbatch import render
 from slurm_resilience.run_identity import (RUN_FILE, RUN_ID_ENV, RunIdentity, check_run_id, choose, establish,
                                            from_environ, new_run_id, read_recorded)
-from slurm_resilience.supervisor.keeper import keep
+from slurm_resilience.supervisor.executors.keeper import keep
 
 A, B = "a" * 32, "b" * 32
 

@@ -198,7 +198,7 @@ def test_an_aborted_rank_without_a_group_is_named_by_its_own_slot_not_its_nodes_
     import types
 
     from slurm_resilience.protocol import Plan, PlanAction
-    from slurm_resilience.supervisor.ranktable import initial_table
+    from slurm_resilience.supervisor.decide.ranktable import initial_table
 
     table = initial_table(["n1", "n2"], ["n1.a", "n1.b", "n2.a", "n2.b"], {"n1": "x", "n2": "y"}, tasks_per_node=2)
     plan = Plan(generation=0, action=PlanAction.RUN, table=table)

@@ -358,7 +358,7 @@ def test_membership_joins_a_world_of_one_and_parks_the_group_on_leave():
 
 
 def test_torchrun_environ_for_two_ranks_per_node():
-    from slurm_resilience.supervisor.ranktable import initial_table
+    from slurm_resilience.supervisor.decide.ranktable import initial_table
     from slurm_resilience.worker.membership import torchrun_environ
 
     t = initial_table(["a", "b"], ["w0", "w1", "w2", "w3"], {"a": "1", "b": "2"}, device="cuda", tasks_per_node=2)

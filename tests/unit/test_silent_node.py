@@ -14,11 +14,11 @@ from slurm_resilience.model import FaultKind
 from slurm_resilience.protocol import EventKind, Role
 from slurm_resilience.slurm import commands
 from slurm_resilience.slurm.steps import SrunLauncher
-from slurm_resilience.supervisor import messages as m
-from slurm_resilience.supervisor.classify import classify_fault
-from slurm_resilience.supervisor.decide import decide
-from slurm_resilience.supervisor.probe import NodeProber, silent_nodes
-from slurm_resilience.supervisor.watch import Watch
+from slurm_resilience.supervisor.decide import messages as m
+from slurm_resilience.supervisor.decide.classify import classify_fault
+from slurm_resilience.supervisor.decide.decide import decide
+from slurm_resilience.supervisor.observe.probe import NodeProber, silent_nodes
+from slurm_resilience.supervisor.observe.watch import Watch
 
 from test_decide import of, policy, started
 
@@ -118,7 +118,7 @@ def test_prober_runs_one_probe_per_node_and_knows_when_it_is_overdue(monkeypatch
     p = _prober(slow, deadline=0.01)
     assert p.start("n3", []) and not p.start("n3", [])
     assert not p.overdue("n4")
-    monkeypatch.setattr("slurm_resilience.supervisor.probe.HOLD_GRACE_S", 0.0)
+    monkeypatch.setattr("slurm_resilience.supervisor.observe.probe.HOLD_GRACE_S", 0.0)
     time.sleep(0.05)
     assert p.overdue("n3")
     release.set()

@@ -14,7 +14,7 @@ from slurm_resilience.launch.restart import render_restart
 from slurm_resilience.launch.sbatch import render
 from slurm_resilience.slurm import options as opts
 from slurm_resilience.slurm.steps import srun_argv
-from slurm_resilience.supervisor.relaunch import step_argv
+from slurm_resilience.supervisor.executors.relaunch import step_argv
 
 GOLDEN = Path(__file__).parent / "golden"
 

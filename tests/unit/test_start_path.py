@@ -11,8 +11,8 @@ import torch.distributed as dist
 
 from slurm_resilience.config import load_config
 from slurm_resilience.protocol import StoreKey
-from slurm_resilience.supervisor.keeper import STORE_FILE, bind_store, host_store, read_store_address
-from slurm_resilience.supervisor.online import StoreLink, Supervisor
+from slurm_resilience.supervisor.executors.keeper import STORE_FILE, bind_store, host_store, read_store_address
+from slurm_resilience.supervisor.executors.online import StoreLink, Supervisor
 
 
 def test_the_store_port_is_written_before_the_store_serves_and_an_early_client_is_served(tmp_path):

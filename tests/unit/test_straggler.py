@@ -1,6 +1,6 @@
 from hypothesis import given, strategies as st
 
-from slurm_resilience.supervisor.straggler import StragglerPolicy, StragglerWatch, slow_ranks
+from slurm_resilience.supervisor.observe.straggler import StragglerPolicy, StragglerWatch, slow_ranks
 
 P = StragglerPolicy(threshold=1.5, window=3, min_ms=1.0)
 

@@ -1,10 +1,10 @@
-"""The timeout hierarchy (config_timeouts.py): each rule refuses its broken order with one
+"""The timeout hierarchy (config/timeouts.py): each rule refuses its broken order with one
 line naming both values; NCCL's watchdog variables; Slurm's timeouts."""
 
 import pytest
 
 from slurm_resilience.config import ReconnectConfig, load_config
-from slurm_resilience.config_timeouts import nccl_environ, rules, slurm_warnings
+from slurm_resilience.config.timeouts import nccl_environ, rules, slurm_warnings
 from slurm_resilience.errors import ConfigError
 
 

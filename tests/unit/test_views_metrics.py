@@ -1,6 +1,6 @@
 import json
 
-from slurm_resilience.supervisor.metrics import Metrics
+from slurm_resilience.supervisor.observe.metrics import Metrics
 from slurm_resilience.timeline_plot import plot_timeline
 from slurm_resilience.views import render_status
 

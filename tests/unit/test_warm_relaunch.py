@@ -12,9 +12,9 @@ from test_relaunch import RECOVERED, FakeLauncher, _kinds, fake_srun  # noqa: F4
 
 from slurm_resilience.config import load_config
 from slurm_resilience.events import read_events
-from slurm_resilience.supervisor import relaunch
-from slurm_resilience.supervisor.relaunch import RelaunchExecutor, layout
-from slurm_resilience.supervisor.warm import WarmStep
+from slurm_resilience.supervisor.executors import relaunch
+from slurm_resilience.supervisor.executors.relaunch import RelaunchExecutor, layout
+from slurm_resilience.supervisor.adapters.warm import WarmStep
 
 
 class FakeWarmStep(WarmStep):

@@ -1,0 +1,1 @@
+"""Adapters: thin wrappers over Slurm steps, node states, zygotes and the store."""

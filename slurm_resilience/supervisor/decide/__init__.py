@@ -1,0 +1,1 @@
+"""Pure decisions: ``decide(state, observation, now, policy) -> (state, actions)``."""

@@ -1,0 +1,1 @@
+"""Executors: carry ``decide``'s actions out (online ``Supervisor``, ``RelaunchExecutor``)."""

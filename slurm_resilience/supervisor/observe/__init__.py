@@ -1,0 +1,1 @@
+"""Observe: sockets, the store and Slurm turned into observations for ``decide``."""
