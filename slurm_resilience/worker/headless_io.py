@@ -24,6 +24,7 @@ from ..files import write_private
 from ..slurm import commands
 from ..slurm.steps import deferred
 from ..slurm.parse import parse_scontrol_jobs, validate_node_name
+from .fence import ask_slurm
 from .headless import (SETTLE_S, STAGGER_S, RequeueStep, batch_host_mark, exclusion, manifest_ranks, requeue_step,
                        requeue_turn, should_requeue)
 
@@ -180,13 +181,22 @@ def _mark(job_id: str, host: str, isolate_state: str, probe_timeout_s: float) ->
 
 
 def end_headless(*, state, checkpoints, rank: int | None, world_size: int | None, job_id: str,
-                 job_dir: str, config=None, out=sys.stderr) -> None:
+                 job_dir: str, config=None, out=sys.stderr, node: str | None = None) -> None:
     """This rank's headless ending: persist (when it holds state), mark, requeue in turn.
+
+    First Slurm is asked whether this rank is still the job's (``fence.ask_slurm``;
+    ``node``: this rank's node, by default ``SLURMD_NODENAME``): a rank whose own node
+    was cut off and replaced is fenced and writes nothing, requeues nothing.
 
     Returns when this rank's part is over (Slurm's SIGTERM for the requeue usually ends
     the process first)."""
     if rank is None or world_size is None or not (state.live and state.objects):
         print("slurm_resilience: the job's store is gone; no state held here, exiting", file=out)
+        return
+    fenced = ask_slurm(job_id, node if node is not None else os.environ.get("SLURMD_NODENAME"))
+    if fenced:
+        print(f"slurm_resilience: rank {rank} lost the job's store and is fenced: {fenced}; "
+              f"nothing written, nothing requeued", file=out, flush=True)
         return
     restarts = int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
     try:
