@@ -80,6 +80,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="torchrun: no step this long after the kill is reported as not recovered (s)")
     ap.add_argument("--torchrun-kill", choices=("node", "rank"), default="node",
                     help="torchrun: SIGKILL the node's two training processes, or only its last rank's")
+    ap.add_argument("--torchrun-store", choices=("fresh", "shared"), default="fresh",
+                    help="torchrun: a fresh c10d store per restart (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1), or the "
+                         "agent's store shared across restarts (torch's default, keeps the dead attempt's keys)")
     ap.add_argument("--json", default="lightning-mttr.json")
     args = ap.parse_args(argv)
     names = [n for n in args.contenders.split(",") if n]

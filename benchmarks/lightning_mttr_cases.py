@@ -12,7 +12,13 @@ benchmarks/lightning_plain_ckpt.py's ``--progress``, written the same way).
                 examples/lightning_train.py; the node of ranks 2-3 killed (``lab.kill_node``)
     torchrun    the plain twin under ``torchrun --max-restarts N`` (c10d rendezvous), one
                 torchrun agent per node in a plain sbatch job, ModelCheckpoint every step,
-                ``fit(ckpt_path="last")``; the node's two training processes SIGKILLed (or, with
+                ``fit(ckpt_path="last")``, a fresh c10d store for every restart
+                (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``; ``--torchrun-store shared`` keeps torch's
+                default: the agent's store lives across restarts with the dead attempt's gloo
+                addresses in it, and a restarted rank connects to a dead one (``connectFullMesh``
+                refused) or waits forever for a peer that connected elsewhere
+                (``Pair::waitUntilConnected``); no step within 90 s in 4/4 runs that way);
+                the node's two training processes SIGKILLed (or, with
                 ``--torchrun-kill rank``, only rank 3's; its
                 agent lives: a node loss would take the agent too, and a fixed-size c10d
                 rendezvous cannot complete without the node, so this is torchrun's best case)
@@ -45,7 +51,7 @@ ENV = {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
 
 # The lab's nodes all sit on 127.0.0.1 (MASTER_ADDR, rendezvous and gloo on loopback).
 TORCHRUN = """#!/bin/bash
-export GLOO_SOCKET_IFNAME=lo OMP_NUM_THREADS=1
+export GLOO_SOCKET_IFNAME=lo OMP_NUM_THREADS=1 TORCH_DISABLE_SHARE_RDZV_TCP_STORE={unshared} LOGLEVEL=INFO
 srun --kill-on-bad-exit=1 {python} -m torch.distributed.run --nnodes 2 --nproc-per-node 2 \\
   --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:{port} --rdzv-id lmttr-{port} --max-restarts {restarts} \\
   {script} {train}
@@ -110,7 +116,9 @@ def _train_args(args, root: Path) -> list[str]:
 
 def _sbatch(root: Path, template: str, port: int, args, options: list[str]) -> str:
     script = root / "job.sbatch"
+    unshared = int(args.torchrun_store == "fresh")
     script.write_text(template.format(python=sys.executable, port=port, script=PLAIN, restarts=args.max_restarts,
+                                      unshared=unshared,
                                       train=" ".join(_train_args(args, root))))
     return commands.sbatch(str(script), [*options, "--output", str(root / "job-%j.out"), "--open-mode=append"])
 

@@ -8,7 +8,8 @@ Under torchrun it names ``TorchElasticEnvironment`` (Lightning would pick it fir
 under srun Lightning's own ``SLURMEnvironment`` (with its SIGUSR1 auto-requeue) is used.
 
 For the benchmark's timing only: rank 0 appends ``ATTEMPT STEP UNIX_TIME`` to
-``--progress`` after every step (ATTEMPT: torchrun's restart count, or Slurm's), and every
+``--progress`` after every step (ATTEMPT: Slurm's restart count, or under torchrun the count of
+rank-0 processes before this one), and every
 rank writes its PID to ``--pids/rank-R`` (the fault is injected by PID).
 """
 
@@ -26,7 +27,15 @@ from pytorch_lightning.plugins.environments import TorchElasticEnvironment
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from lightning_train_plain import MLP, Regression  # noqa: E402
 
-ATTEMPT = int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or os.environ.get("SLURM_RESTART_COUNT") or 0)
+
+def attempt(progress: Path) -> int:
+    """Rank 0's attempt: Slurm's restart count under srun; under torchrun one more than the
+    progress file's last attempt (``TORCHELASTIC_RESTART_COUNT`` counts only the restarts of
+    the local agent: on the node whose workers did not fail it stays 0)."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return int(os.environ.get("SLURM_RESTART_COUNT") or 0)
+    lines = progress.read_text().split() if progress.exists() else []
+    return int(lines[-3]) + 1 if len(lines) >= 3 else 0
 
 
 class Progress(pl.Callback):
@@ -35,11 +44,14 @@ class Progress(pl.Callback):
 
     def __init__(self, path: str) -> None:
         self.path = path
+        self.attempt: int | None = None
 
     def on_train_batch_end(self, trainer, *args) -> None:
         if trainer.global_rank == 0:
+            if self.attempt is None:
+                self.attempt = attempt(Path(self.path))
             with open(self.path, "a") as f:
-                f.write(f"{ATTEMPT} {trainer.global_step} {time.time():.6f}\n")
+                f.write(f"{self.attempt} {trainer.global_step} {time.time():.6f}\n")
 
 
 def main() -> None:
