@@ -98,8 +98,10 @@ def run_cell(system: str, fault: str | None, root: Path, args) -> dict:
     victim, t_fault = None, None
     try:
         if fault:
-            _wait(lambda: any(r.step >= args.kill_at for r in _rows(run)), f"step {args.kill_at}", args.start_timeout,
-                  run.alive)
+            last = run.root / "pids" / f"rank-{args.nodes * args.g - 1}"  # an elastic start may form a smaller world
+            _wait(lambda: last.exists() and any(r.step >= args.kill_at and r.start > last.stat().st_mtime
+                                                for r in _rows(run)),
+                  f"step {args.kill_at} with all {args.nodes * args.g} ranks", args.start_timeout, run.alive)
             t_fault, victim = inject(fault, run, args)
             try:
                 _wait(lambda: steplog.recovery(_rows(run), t_fault)["mttr_s"] is not None,
@@ -182,7 +184,8 @@ def parse_args(argv):
     ap.add_argument("--detect", type=float, default=2.0, help="detection budget for all (s): our heartbeat "
                     "timeout, the gloo timeout of the plain script and torchft's (default %(default)s)")
     ap.add_argument("--max-restarts", type=int, default=3)
-    ap.add_argument("--last-call", type=int, default=2, help="torchrun/NVRx rendezvous last_call_timeout (s)")
+    ap.add_argument("--last-call", type=int, default=5, help="torchrun/NVRx rendezvous last_call_timeout (s): "
+                    "the wait for more nodes once --nnodes MIN is there; less and the start may form a smaller world")
     ap.add_argument("--join-ms", type=float, default=10000, help="torchft lighthouse --join_timeout_ms")
     ap.add_argument("--port", type=int, default=29600 + os.getpid() % 200 * 50, help="base TCP port")
     ap.add_argument("--prefix", default=str(DEFAULT_PREFIX), help="the venvs of setup.sh (default %(default)s)")
@@ -190,6 +193,8 @@ def parse_args(argv):
     ap.add_argument("--recovery-timeout", type=float, default=90.0)
     ap.add_argument("--no-reference", action="store_true", help="skip the fault-free runs (no digest check)")
     ap.add_argument("--json", default="peers.json")
+    ap.add_argument("--add-to", help="a JSON this script wrote: keep its runs and references, add this run's "
+                    "(the same settings; the commands of both are listed)")
     args = ap.parse_args(argv)
     args.systems = [s for s in args.systems.split(",") if s]
     args.faults = [s for s in args.faults.split(",") if s]
@@ -199,7 +204,7 @@ def parse_args(argv):
                  f"faults: {', '.join(systems.FAULTS)})")
     if args.repeats < 1 or not 0 < args.kill_at < args.steps or (args.g != 1 and "torchft" in args.systems):
         ap.error("need --repeats >= 1, 0 < --kill-at < --steps, and --g 1 with torchft (one rank per replica group)")
-    peers = [s for s in args.systems if s in ("nvrx", "torchft")]
+    peers = [s for s in args.systems if s in ("nvrx", "torchft", "lightning")]
     missing = [s for s in peers if not (Path(args.prefix) / s / "bin" / "python").exists()]
     if missing:
         ap.error(f"no venv for {', '.join(missing)} under {args.prefix}: run benchmarks/peers/setup.sh")
@@ -214,9 +219,8 @@ def main(argv: list[str] | None = None) -> int:
                   for f in args.faults}
     refs: dict[str, str | None] = {}
     loads: list[str] = []
-    n = 0
-    for system in ([] if args.no_reference else args.systems):
-        n += 1
+    earlier = _load(args, runs, refs, loads) if args.add_to else []
+    for system in ([] if args.no_reference else [s for s in args.systems if not refs.get(s)]):
         r = _safe(system, None, root / f"ref-{system}", args)
         refs[system] = r.get("digest")
         print(f"reference {system:<9} {json.dumps(r)}", flush=True)
@@ -230,8 +234,8 @@ def main(argv: list[str] | None = None) -> int:
                 r = _safe(system, fault, root / f"r{rep}-{fault}-{system}", args)
                 runs[fault][system].append(r)
                 print(f"{fault:<12}{system:<9} {rep + 1}/{args.repeats} {json.dumps(r)}", flush=True)
-                _write(args, argv, started, root, runs, refs, loads)
-    _write(args, argv, started, root, runs, refs, loads)
+                _write(args, argv, started, root, runs, refs, loads, earlier)
+    _write(args, argv, started, root, runs, refs, loads, earlier)
     print("\n" + table(summarize(runs, refs)) + f"\n\nwrote {args.json}")
     return 0
 
@@ -244,15 +248,29 @@ def _safe(system: str, fault: str | None, root: Path, args) -> dict:
         return {"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc(limit=3), "recovered": False}
 
 
-def _write(args, argv, started, root, runs, refs, loads) -> None:
+def _load(args, runs: dict, refs: dict, loads: list) -> list[dict]:
+    """Take the runs, references and loads of ``--add-to``'s JSON into this run's; returns
+    the earlier commands."""
+    doc = json.loads(Path(args.add_to).read_text())
+    for fault, cells in doc["results"].items():
+        for system, cell in cells.items():
+            if "runs" in cell:
+                runs.setdefault(fault, {}).setdefault(system, [])
+                if not isinstance(runs[fault][system], str):
+                    runs[fault][system][:0] = cell["runs"]
+    refs.update({k: v for k, v in doc.get("reference_digests", {}).items() if v})
+    loads.extend(doc.get("loadavg_1min_at_each_run", []))
+    return [*doc.get("earlier", []), {k: doc[k] for k in ("command", "started", "work_dir") if k in doc}]
+
+
+def _write(args, argv, started, root, runs, refs, loads, earlier=()) -> None:
     plain = systems.TRAIN.read_text()
-    changed = {s: steplog.lines_changed(plain, systems.TRAIN_TORCHFT.read_text() if s == "torchft" else plain)
-               for s in args.systems}
+    changed = {s: steplog.lines_changed(plain, systems.SCRIPTS[s].read_text()) for s in args.systems}
     doc = {"benchmark": "peers", "command": "python " + " ".join([sys.argv[0], *(argv or sys.argv[1:])]),
            "started": started, "machine": platform.node(), "cpus": os.cpu_count(),
            "loadavg_1min_at_each_run": loads, "versions": _versions(args), "args": {**vars(args)},
            "work_dir": str(root), "script_lines_changed": changed, "reference_digests": refs,
-           "results": summarize(runs, refs)}
+           "earlier": list(earlier), "results": summarize(runs, refs)}
     Path(args.json).write_text(json.dumps(doc, indent=2, default=str))
 
 

@@ -25,7 +25,9 @@ from slurm_resilience.slurm import commands  # noqa: E402
 
 TRAIN = HERE / "train.py"
 TRAIN_TORCHFT = HERE / "train_torchft.py"
-SYSTEMS = ("ours", "torchrun", "nvrx", "torchft")
+TRAIN_LIGHTNING = HERE / "train_lightning.py"
+SCRIPTS = {"ours": TRAIN, "torchrun": TRAIN, "nvrx": TRAIN, "torchft": TRAIN_TORCHFT, "lightning": TRAIN_LIGHTNING}
+SYSTEMS = ("ours", "torchrun", "nvrx", "torchft", "lightning")
 FAULTS = ("kill-rank", "kill-node", "freeze-node", "requeue")
 
 # Why a system has no row for a fault (tried, or by construction).
@@ -42,13 +44,13 @@ port=$(( {port} + 10 * ${{SLURM_RESTART_COUNT:-0}} ))
 # timeouts are the tightest its docs allow that still start on this box. Workers get a
 # fresh store per round (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1): with the agent's shared
 # store a restarted worker may read its peer's address of the round before (gloo: connection
-# refused; seen here).
+# refused; seen here). The first node's agent hosts the rendezvous store (is_host: on the
+# loopback lab every node's address is local, and the store must not sit on the node killed).
 AGENTS = HEAD + """export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 {env}
-srun --no-kill --kill-on-bad-exit=0 {launcher} --nnodes {nnodes} --nproc-per-node {g} \\
-  --rdzv-backend c10d --rdzv-endpoint "$addr:$port" --rdzv-id peers-$SLURM_JOB_ID --max-restarts {restarts} \\
-  --rdzv-conf join_timeout=120,last_call_timeout={last_call},close_timeout=2,keep_alive_interval=1,keep_alive_max_attempt={ka} \
-  --monitor-interval 0.1 {extra} \\
-  {train}
+srun --no-kill --kill-on-bad-exit=0 bash -c 'exec {launcher} --nnodes {nnodes} --nproc-per-node {g} \\
+  --rdzv-backend c10d --rdzv-endpoint '"$addr:$port"' --rdzv-id peers-$SLURM_JOB_ID --max-restarts {restarts} \\
+  --rdzv-conf join_timeout=120,last_call_timeout={last_call},close_timeout=2,keep_alive_interval=1,\\
+keep_alive_max_attempt={ka},is_host=$(( SLURM_NODEID == 0 )) --monitor-interval 0.1 {extra} {train}'
 """
 # torchft: the lighthouse on the first node, one replica group (a torchrun of G ranks) per node.
 TORCHFT = HEAD + """{bin}/torchft_lighthouse --bind "$addr:$port" --min_replicas 1 --quorum_tick_ms 100 \\
@@ -82,22 +84,24 @@ class Launched:
         return int((self.root / "pids" / f"rank-{rank}").read_text())
 
 
-def train_args(root: Path, args, *, torchft: bool = False) -> list[str]:
-    return [str(TRAIN_TORCHFT if torchft else TRAIN), "--steps", str(args.steps), "--step-time", str(args.step_time),
+def train_args(root: Path, args, script: Path = TRAIN) -> list[str]:
+    return [str(script), "--steps", str(args.steps), "--step-time", str(args.step_time),
             "--snapshot-every", str(args.snapshot_every), "--pg-timeout", str(args.detect),
             "--ckpt", str(root / "ckpt"), "--steplog", str(root / "steps.txt"), "--digest", str(root / "digest.txt"),
             "--pids", str(root / "pids")]
 
 
-def _sbatch(root: Path, text: str, args, fault: str) -> Launched:
+def _sbatch(root: Path, text: str, args, requeue: bool, tasks_per_node: int = 1) -> Launched:
+    """Submit a plain batch job: ``requeue``: Slurm requeues it when a node fails (or on
+    ``scontrol requeue``); else ``--no-kill``: a lost node leaves the job to its survivors."""
     script = root / "job.sbatch"
     script.write_text(text)
     script.chmod(0o700)
-    options = ["--job-name", f"peers-{root.name}", "--nodes", str(args.nodes), "--ntasks-per-node", "1",
-               "--cpus-per-task", str(args.g), "--output", str(root / "job-%j.out"), "--open-mode=append",
-               "--requeue" if fault == "requeue" else "--no-requeue"]
-    if fault != "requeue":
-        options.append("--no-kill")  # a lost node leaves the job running: the survivors carry on
+    options = ["--job-name", f"peers-{root.name}", "--nodes", str(args.nodes), "--ntasks-per-node",
+               str(tasks_per_node), "--cpus-per-task", str(args.g // tasks_per_node), "--output",
+               str(root / "job-%j.out"), "--open-mode=append", "--requeue" if requeue else "--no-requeue"]
+    if not requeue:
+        options.append("--no-kill")
     job = commands.sbatch(str(script), options)
 
     def nodes() -> list[str]:
@@ -121,9 +125,8 @@ def launch_ours(root: Path, args, fault: str) -> Launched:
     job_dir = root / "job"
     config = root / "config.yaml"
     config.write_text(f"detect:\n  heartbeat_timeout_s: {args.detect}\n")
-    spares = "0" if fault == "requeue" else "1"
     argv = [sys.executable, "-m", "slurm_resilience.cli", "run", "--wait", "--config", str(config),
-            "--nodes", str(args.nodes), "--spares", spares, "--tasks-per-node", str(args.g), "--job-dir",
+            "--nodes", str(args.nodes), "--spares", "1", "--tasks-per-node", str(args.g), "--job-dir",
             str(job_dir), "--", sys.executable, *train_args(root, args)]
     with open(root / "run.out", "w") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
@@ -159,7 +162,7 @@ def launch_torchrun(root: Path, args, fault: str) -> Launched:
     text = AGENTS.format(port=args.port, launcher=f"{sys.executable} -m torch.distributed.run", g=args.g,
                          nnodes=_nnodes(args, fault), restarts=args.max_restarts, last_call=args.last_call, extra="", ka=max(1, round(args.detect)), env="",
                          train=" ".join(train_args(root, args)))
-    return _sbatch(root, text, args, fault)
+    return _sbatch(root, text, args, fault == "requeue")
 
 
 def launch_nvrx(root: Path, args, fault: str) -> Launched:
@@ -169,15 +172,34 @@ def launch_nvrx(root: Path, args, fault: str) -> Launched:
                          extra="--ft-ignore-missing-cfg",
                          # the lab's nodes all call themselves localhost: NVRx would take them for one node
                          env="NVRX_ENABLE_MULTI_LAUNCHERS_PER_NODE=1", train=" ".join(train_args(root, args)))
-    return _sbatch(root, text, args, fault)
+    return _sbatch(root, text, args, fault == "requeue")
 
 
 def launch_torchft(root: Path, args, fault: str) -> Launched:
     bin_dir = Path(args.prefix) / "torchft" / "bin"
     text = TORCHFT.format(port=args.port, bin=bin_dir, g=args.g, restarts=args.max_restarts,
-                          join_ms=int(args.join_ms), hb_ms=int(args.detect * 1000), train=" ".join(train_args(root, args, torchft=True)))
-    return _sbatch(root, text, args, fault)
+                          join_ms=int(args.join_ms), hb_ms=int(args.detect * 1000), train=" ".join(train_args(root, args, TRAIN_TORCHFT)))
+    return _sbatch(root, text, args, fault == "requeue")
+
+
+# Lightning on Slurm without torchrun: srun starts every rank, SLURMEnvironment, the job
+# requeued by Slurm when a node fails (JobRequeue, --requeue) and resumed from last.ckpt.
+LIGHTNING_SRUN = HEAD + """export MASTER_ADDR=$addr MASTER_PORT=$port
+srun {python} {train}
+"""
+
+
+def launch_lightning(root: Path, args, fault: str) -> Launched:
+    python = Path(args.prefix) / "lightning" / "bin" / "python"
+    train = " ".join(train_args(root, args, TRAIN_LIGHTNING))
+    if fault in ("kill-rank", "none"):  # Lightning's in-job restart is torchrun's (--max-restarts)
+        text = AGENTS.format(port=args.port, launcher=f"{python} -m torch.distributed.run", g=args.g,
+                             nnodes=str(args.nodes), restarts=args.max_restarts, last_call=args.last_call,
+                             ka=max(1, round(args.detect)), env="", extra="", train=train)
+        return _sbatch(root, text, args, False)
+    return _sbatch(root, LIGHTNING_SRUN.format(port=args.port, python=python, train=train), args, True, args.g)
 
 
 LAUNCHERS: dict[str, Callable[[Path, object, str], Launched]] = {
-    "ours": launch_ours, "torchrun": launch_torchrun, "nvrx": launch_nvrx, "torchft": launch_torchft}
+    "ours": launch_ours, "torchrun": launch_torchrun, "nvrx": launch_nvrx, "torchft": launch_torchft,
+    "lightning": launch_lightning}
