@@ -4,7 +4,8 @@ shows the diff).
 
 A LightningModule (a tiny MLP) and a LightningDataModule whose DataLoader has 2
 workers, trained by ``Trainer(strategy="ddp")`` on CPU with gloo. Deterministic:
-``seed_everything``, Lightning's DistributedSampler (seed 0), no dropout. Runs under
+``seed_everything``, Lightning's DistributedSampler (seed 0); dropout draws from
+every rank's torch generator. Runs under
 torchrun or srun (``devices``/``num_nodes`` from the launcher's variables); with
 ``--out final-{rank}.pt`` every rank writes its final weights.
 """
@@ -38,7 +39,7 @@ class Regression(pl.LightningDataModule):
 class MLP(pl.LightningModule):
     def __init__(self, step_time: float):
         super().__init__()
-        self.net = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 4))
+        self.net = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Dropout(0.1), nn.Linear(64, 4))
         self.step_time = step_time
 
     def training_step(self, batch, batch_idx):

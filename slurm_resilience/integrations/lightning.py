@@ -8,7 +8,7 @@
   before the restore (``on_fit_start``) and before the first batch
   (``on_train_start``). A user already passes ``callbacks=[...]``.
 - ClusterEnvironment: not needed. Under ``slurm-resilience run`` every rank has the
-  srun task variables and ``MASTER_ADDR``/``MASTER_PORT`` (launch/rankenv.py), so
+  srun task variables and ``MASTER_ADDR``/``MASTER_PORT`` (rankenv.py), so
   Lightning's own ``SLURMEnvironment`` is detected and is right after a relaunch.
 - Strategy: replacing ``strategy="ddp"`` would tie us to one strategy (DDP vs FSDP)
   and has no per-step end hook.
@@ -17,18 +17,26 @@
 
 What the callback does, per rank:
 
-  every ``every`` steps   local rank 0 of each node writes Lightning's full
+  every ``every`` steps   Collective: the ranks all-gather their generators (``rng.py``);
+                          local rank 0 of each node writes Lightning's full
                           checkpoint dict (model, optimizers, schedulers, fit-loop
-                          progress, callbacks, datamodule) to a node-local directory
-                          (atomic; newest ``keep`` kept); rank 0 appends
-                          ``STEP UNIX_TIME`` to ``SR_PROGRESS_FILE``
+                          progress, callbacks, datamodule) with every rank's generators
+                          to a node-local directory (atomic; newest ``keep`` kept);
+                          rank 0 appends ``STEP UNIX_TIME`` to ``SR_PROGRESS_FILE``.
+                          Optimizer steps only: with ``accumulate_grad_batches`` a
+                          window's first micro-batches are not snapshots (their grads
+                          are not in Lightning's dict); a restore replays the window
   at fit start            Collective: every rank says the newest step its node holds;
                           the plan (``plan_restore``, pure) picks the newest and the
                           lowest rank holding it, which broadcasts it over the
                           process group: a spare that replaced a lost node gets the
                           state from a survivor, not from a shared ``.ckpt``
   before the first batch  on a mid-epoch restore, the sampler skips the samples of
-                          the epoch's completed batches (no data is read for them)
+                          the epoch's completed batches (no data is read for them); the
+                          loader iterator is remade from the generators as they were
+                          before the epoch's iterator (its workers' base seed is the
+                          fault-free run's), then each rank's generators are set to
+                          its own entry of the snapshot
   preemption (``run``)    Collective, after every step: rank 0 looks for the
                           supervisor's request (``JOBDIR/preempt.request``,
                           supervisor/executors/relaunch_preempt.py) and broadcasts what it saw;
@@ -38,7 +46,8 @@ What the callback does, per rank:
                           newest of the nodes' snapshots and that copy.
 
 DDP replicates the model and optimizer on every rank, so any survivor's copy is the
-whole state: a node loss loses no snapshot unless every node is lost.
+whole state: a node loss loses no snapshot unless every node is lost. Strategies that
+shard it (FSDP, ModelParallel, DeepSpeed) are refused at ``setup`` (``check_strategy``).
 Uses three private Lightning attributes (``trainer._checkpoint_connector``,
 ``fit_loop._combined_loader``, ``fit_loop._data_fetcher``); tested with 2.6.
 """
@@ -54,7 +63,8 @@ from typing import Any, Iterator
 import torch
 from pytorch_lightning import Callback, LightningModule, Trainer
 
-from ..errors import ConfigError  # noqa: F401 (what __init__ raises, via check_counts)
+from ..errors import ConfigError
+from . import rng
 from .snapshots import (  # noqa: F401 (re-exported: the callback's pure parts)
     SNAPSHOT_PREFIX, NodeSnapshots, Persisted, RestorePlan, SnapshotEnv, check_counts, fetch_snapshot, gather_newest,
     plan_restore, preempt_requested, resume_position)
@@ -86,6 +96,17 @@ class _SkipOnce(torch.utils.data.Sampler):
             self.inner.set_epoch(epoch)
 
 
+def check_strategy(strategy: Any) -> None:
+    """Raises ``ConfigError`` (one line) for a strategy whose ranks do not each hold the whole
+    state: a node's snapshot is one rank's ``dump_checkpoint``, complete only under DDP (or
+    one device). FSDP/ModelParallel shard it, DeepSpeed (a ``DDPStrategy`` subclass) too."""
+    from pytorch_lightning.strategies import DDPStrategy, DeepSpeedStrategy, SingleDeviceStrategy
+
+    if isinstance(strategy, DeepSpeedStrategy) or not isinstance(strategy, (DDPStrategy, SingleDeviceStrategy)):
+        raise ConfigError(f"Resilience(): strategy {type(strategy).__name__} is not supported: its ranks hold "
+                          f"shards, a node's snapshot would miss the others; use strategy=\"ddp\"")
+
+
 class Resilience(Callback):
     """Per-step node-local snapshots, peer restore and exact batch position for a Trainer.
 
@@ -105,6 +126,13 @@ class Resilience(Callback):
         self.every = every
         self.restored: RestorePlan | None = None
         self._skip = 0
+        self._epoch_rng: dict[str, Any] | None = None  # the generators before this epoch's loader iterator
+        self._resume_rng: dict[str, Any] | None = None  # this rank's entry of the restored snapshot
+        self._position = (0, 0)  # the restored snapshot's epoch and its completed batches
+        self._stepped = 0  # the optimizer step last seen (a micro-batch of an accumulation window leaves it)
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        check_strategy(trainer.strategy)
 
     # -- restore ---------------------------------------------------------------
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -113,9 +141,14 @@ class Resilience(Callback):
         plan, steps, kept = gather_newest(self.snapshots, self.durable, **where)
         self.restored = plan
         if plan.source is None:
+            self._epoch_rng = rng.capture()  # the first epoch's loader iterator draws its seed next
             return
         checkpoint = torch.load(io.BytesIO(fetch_snapshot(plan, self.snapshots, self.durable, **where)),
                                 weights_only=False)
+        self._resume_rng = rng.own(checkpoint.pop(rng.RNG_KEY, None), **where)
+        fit = checkpoint["loops"]["fit_loop"]  # the position as the snapshot's step left it (Lightning's
+        self._position = (fit["epoch_progress"]["current"]["processed"],  # reset() advances an epoch
+                          fit["epoch_loop.batch_progress"]["current"]["processed"])  # whose last batch is done)
         connector = trainer._checkpoint_connector
         connector._loaded_checkpoint = checkpoint  # restore_training_state() takes loops/optimizers next
         connector.restore_model()
@@ -128,12 +161,15 @@ class Resilience(Callback):
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._static_buckets(trainer)
+        self._stepped = trainer.global_step
         if self.restored is None or self.restored.source is None or trainer.fit_loop._combined_loader is None:
             return
         loop = trainer.fit_loop
-        epoch, skip = resume_position(loop.epoch_progress.current.processed,
-                                      loop.epoch_loop.batch_progress.current.processed,
-                                      trainer.num_training_batches)
+        epoch, skip = resume_position(*self._position, trainer.num_training_batches)
+        saved = self._resume_rng
+        if saved is not None:  # the iterator below draws its workers' seed as the epoch's first one did
+            self._epoch_rng = saved["step"] if skip == 0 else saved["epoch"]
+            rng.apply(self._epoch_rng)
         # The iterator Lightning made before the restore reads the epoch's start, in the
         # sampler's default epoch: remake it at the exact sample.
         for loader in loop._combined_loader.flattened:
@@ -144,6 +180,13 @@ class Resilience(Callback):
             batches.sampler = _SkipOnce(inner, skip * batches.batch_size)
         iter(loop._data_fetcher)
         self._skip = skip
+        if saved is not None and skip:  # mid-epoch: as the snapshot's step left them (at an epoch's
+            rng.apply(saved["step"])    # start the iterator's draw just made is the fault-free run's)
+
+    def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        loop = trainer.fit_loop
+        if trainer.current_epoch > 0 and not loop.is_resuming and not loop.epoch_loop.restarting:
+            self._epoch_rng = rng.capture()  # Lightning makes the epoch's loader iterator next
 
     @staticmethod
     def _static_buckets(trainer: Trainer) -> None:
@@ -164,15 +207,33 @@ class Resilience(Callback):
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         step = trainer.global_step
-        if self.snapshots is not None and step % self.every == 0 and trainer.local_rank == 0:
-            self.snapshots.write(step, trainer._checkpoint_connector.dump_checkpoint(weights_only=False))
+        if step == self._stepped:
+            return  # inside an accumulation window: no optimizer step yet, nothing to snapshot or report
+        self._stepped = step
+        state = None
+        if self.snapshots is not None and step % self.every == 0:
+            state = self._state(trainer)
+            if trainer.local_rank == 0:
+                self.snapshots.write(step, state)
         if trainer.global_rank == 0 and self.env.progress_file:
             with open(self.env.progress_file, "a") as f:
                 f.write(f"{step} {time.time():.6f}\n")
         if preempt_requested(self.env.run_job_dir, rank=trainer.global_rank, world_size=trainer.world_size,
                              device=trainer.strategy.root_device):
+            state = state if state is not None else self._state(trainer)
             if trainer.global_rank == 0:
-                self.durable.write(step, trainer._checkpoint_connector.dump_checkpoint(weights_only=False))
+                self.durable.write(step, state)
                 print(f"slurm_resilience: preempted: step {step} persisted to {self.durable.directory}", flush=True)
             trainer.strategy.barrier("slurm_resilience.persisted")  # no rank ends before the copy is whole
             raise Persisted(0)
+
+    def _state(self, trainer: Trainer) -> dict[str, Any] | None:
+        """Collective: every rank's generators (now, and before this epoch's loader iterator),
+        gathered; on local rank 0 Lightning's checkpoint dict with them (others None)."""
+        states = rng.gather({"step": rng.capture(), "epoch": self._epoch_rng}, rank=trainer.global_rank,
+                            world_size=trainer.world_size)
+        if trainer.local_rank != 0:
+            return None
+        checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+        checkpoint[rng.RNG_KEY] = states
+        return checkpoint

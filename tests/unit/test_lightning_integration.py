@@ -62,3 +62,33 @@ def test_environment_is_read_once_and_keys_the_directory():
 def test_bad_arguments_are_one_line_errors(bad):
     with pytest.raises(ConfigError, match=r"^Resilience\(\w+=.*must be an integer >= 1$"):
         Resilience(**bad)
+
+
+def test_strategies_whose_ranks_hold_shards_are_one_line_errors():
+    from pytorch_lightning.strategies import (DDPStrategy, DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy,
+                                              SingleDeviceStrategy)
+
+    from slurm_resilience.integrations.lightning import check_strategy
+
+    check_strategy(DDPStrategy())
+    check_strategy(SingleDeviceStrategy(torch.device("cpu")))
+    for strategy in (FSDPStrategy(), ModelParallelStrategy(), DeepSpeedStrategy.__new__(DeepSpeedStrategy)):
+        with pytest.raises(ConfigError, match=rf"^Resilience\(\): strategy {type(strategy).__name__} is not supported"):
+            check_strategy(strategy)
+
+
+def test_rng_capture_apply_round_trip_and_own_entry():
+    import random
+
+    import numpy
+
+    from slurm_resilience.integrations import rng
+
+    state = rng.capture()
+    first = (torch.rand(3), random.random(), numpy.random.rand())
+    rng.apply(state)
+    again = (torch.rand(3), random.random(), numpy.random.rand())
+    assert torch.equal(first[0], again[0]) and first[1:] == again[1:]
+    assert rng.own(["a", "b", "c"], rank=2, world_size=3) == "c"
+    assert rng.own(["a", "b"], rank=1, world_size=3) is None  # taken at another world size: left alone
+    assert rng.own(None, rank=0, world_size=1) is None
