@@ -320,3 +320,15 @@ def write_token(job_dir: str, token: str) -> None:
 def read_token(job_dir: str) -> str:
     with open(os.path.join(job_dir, TOKEN_FILE)) as f:
         return f.read().strip()
+
+
+# Preemption of a ``run`` job (``supervisor/executors/relaunch_preempt.py``): every rank
+# finds the job directory in this variable, and the supervisor's request to persist
+# and exit is this file there (read by ``integrations/snapshots.py``).
+RUN_JOB_DIR_VAR = "SR_RUN_JOB_DIR"
+PREEMPT_REQUEST_FILE = "preempt.request"
+
+
+def preempt_request_path(job_dir: str) -> str:
+    """Pure: where the supervisor asks the running step to persist and exit."""
+    return os.path.join(job_dir, PREEMPT_REQUEST_FILE)

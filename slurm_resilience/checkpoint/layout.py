@@ -32,12 +32,9 @@ from __future__ import annotations
 import os
 import pwd
 import re
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Protocol, Sequence
 
 from ..errors import ConfigError
-
-if TYPE_CHECKING:
-    from .tiers import TierSpec
 
 __all__ = [
     "MANIFEST",
@@ -74,7 +71,15 @@ _STEP_RE = re.compile(r"step-(\d{8,})")
 # --------------------------------------------------------------------------- roots
 
 
-def expand_path(spec: "TierSpec", **values: Any) -> str:
+
+class TierPath(Protocol):
+    """What the path functions read of a tier (``tiers.TierSpec`` has it)."""
+
+    name: str
+    storage: str
+    path: str | None
+
+def expand_path(spec: TierPath, **values: Any) -> str:
     """The tier root: ``spec.path`` with its placeholders (job_id, node, rank, job_dir) filled in.
 
     Raises:
@@ -99,7 +104,7 @@ def current_user() -> str:
         return str(uid)
 
 
-def root_owners(spec: "TierSpec", nodes: Sequence[str], **values: Any) -> tuple[int, ...]:
+def root_owners(spec: TierPath, nodes: Sequence[str], **values: Any) -> tuple[int, ...]:
     """Pure: for every rank, the lowest rank whose tier root of ``spec`` is the same directory.
 
     ``nodes[r]`` is rank r's node; ``values`` the other placeholders (job_id, job_dir).

@@ -20,6 +20,7 @@ from slurm_resilience.config.job import JobConfig
 from slurm_resilience.config.reconnect import ReconnectConfig
 from slurm_resilience.config.recovery import RecoveryConfig
 from slurm_resilience.config.run import RunConfig
+from slurm_resilience.config.timeouts import check_hierarchy
 from slurm_resilience.errors import ConfigError
 
 __all__ = ["ResilienceConfig", "RENAMED", "load_config", "config_to_dict"]
@@ -38,8 +39,6 @@ class ResilienceConfig:
     run: RunConfig = field(default_factory=RunConfig)
 
     def __post_init__(self) -> None:
-        from .timeouts import check_hierarchy
-
         check_hierarchy(self)  # the order the timeouts must have (docs/timeouts.md)
 
 

@@ -11,21 +11,35 @@ toolkit cannot change (read from ``scontrol show config``).
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Mapping
+from typing import Mapping, Protocol
 
+from slurm_resilience.config.detect import DetectConfig
+from slurm_resilience.config.reconnect import ReconnectConfig
+from slurm_resilience.config.recovery import RecoveryConfig
 from slurm_resilience.errors import ConfigError
 
-if TYPE_CHECKING:
-    from slurm_resilience.config import ReconnectConfig, ResilienceConfig
-
 __all__ = ["check_hierarchy", "rules", "nccl_environ", "slurm_warnings", "NCCL_ASYNC_ERROR_HANDLING"]
+
+
+class Sections(Protocol):
+    """The three sections whose timeouts are ordered (a ``ResilienceConfig`` has them;
+    named here by what is read, so this module needs only the sections' modules)."""
+
+    @property
+    def detect(self) -> DetectConfig: ...
+
+    @property
+    def recovery(self) -> RecoveryConfig: ...
+
+    @property
+    def reconnect(self) -> ReconnectConfig: ...
 
 # CleanUpOnly: a timed-out NCCL collective aborts the communicator and its error reaches
 # the rank's bounded wait (a StepAborted: the online path), the process is not torn down.
 NCCL_ASYNC_ERROR_HANDLING = "2"
 
 
-def rules(cfg: "ResilienceConfig") -> list[tuple[str, float, str, float, str]]:
+def rules(cfg: Sections) -> list[tuple[str, float, str, float, str]]:
     """(smaller name, value, larger name, value, why) for every pair that must be ordered."""
     d, r, c = cfg.detect, cfg.recovery, cfg.reconnect
     return [
@@ -43,7 +57,7 @@ def rules(cfg: "ResilienceConfig") -> list[tuple[str, float, str, float, str]]:
     ]
 
 
-def check_hierarchy(cfg: "ResilienceConfig") -> None:
+def check_hierarchy(cfg: Sections) -> None:
     """Raise ConfigError naming the first two values out of order.
 
     Raises:
@@ -67,7 +81,7 @@ def check_hierarchy(cfg: "ResilienceConfig") -> None:
                           "rank from the checkpoint tiers, more work than an online recovery")
 
 
-def nccl_environ(c: "ReconnectConfig", environ: Mapping[str, str]) -> dict[str, str]:
+def nccl_environ(c: ReconnectConfig, environ: Mapping[str, str]) -> dict[str, str]:
     """Pure: NCCL's watchdog variables for the ranks, except those the user set.
 
     Raises:
@@ -88,7 +102,7 @@ def nccl_environ(c: "ReconnectConfig", environ: Mapping[str, str]) -> dict[str, 
     return {k: v for k, v in out.items() if k not in environ}
 
 
-def slurm_warnings(cfg: "ResilienceConfig", *, slurmd_timeout_s: float | None,
+def slurm_warnings(cfg: Sections, *, slurmd_timeout_s: float | None,
                    kill_wait_s: float | None) -> list[str]:
     """Pure: lines about Slurm's timeouts (the site's, not the user's to change).
 

@@ -7,7 +7,7 @@
 Run: fills in what only the node knows and ``exec``s the runtime (same pid, so
 Slurm's signals reach it): ``{node}``/``{task}`` in the container's name
 (``SLURMD_NODENAME``, ``SLURM_PROCID``); ``-e NAME`` for each ``SLURM_*`` variable
-(``launch.rankenv`` reads them inside); and ``--cgroup-parent`` = this step's cgroup,
+(``rankenv`` reads them inside); and ``--cgroup-parent`` = this step's cgroup,
 so that the container is one of the step's processes for Slurm: a cancelled step, a
 failed node (and the lab's ``kill-node``) end it too; podman would otherwise start it
 under its own ``libpod_parent``, outside the job.

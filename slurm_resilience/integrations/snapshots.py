@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import ConfigError
-from ..supervisor.executors.relaunch_preempt import JOB_DIR_VAR, request_path
+from ..protocol import RUN_JOB_DIR_VAR, preempt_request_path
 
 SNAPSHOT_PREFIX = "step-"
 
@@ -56,7 +56,7 @@ class SnapshotEnv:
                    node=env.get("SLURMD_NODENAME") or socket.gethostname(),
                    progress_file=env.get("SR_PROGRESS_FILE") or None,
                    root=env.get(f"SR_{cls.KIND.upper()}_DIR") or None,
-                   user=getpass.getuser(), run_job_dir=env.get(JOB_DIR_VAR) or None)
+                   user=getpass.getuser(), run_job_dir=env.get(RUN_JOB_DIR_VAR) or None)
 
     def default_dir(self) -> Path | None:
         if self.root is not None:
@@ -187,7 +187,7 @@ def preempt_requested(run_job_dir: str | None, *, rank: int, world_size: int, de
     1-element broadcast per step; without ``run`` False at once, no collective."""
     if run_job_dir is None:
         return False
-    asked = rank == 0 and os.path.exists(request_path(run_job_dir))
+    asked = rank == 0 and os.path.exists(preempt_request_path(run_job_dir))
     if world_size > 1:
         flag = torch.tensor([int(asked)], device=device)
         dist.broadcast(flag, src=0)

@@ -46,7 +46,7 @@ from typing import Sequence
 
 from ..files import makedirs_private, write_private
 from ..slurm.parse import compress_hostlist
-from .zygote_protocol import (
+from ..zygote_protocol import (
     INFO_DIR, KEY_FILE, STORE_WAIT_S, ForkRequest, Kind, Reply, decode, encode, fork_refusal, hosts_store, warm_env,
 )
 

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from slurm_resilience.launch.rankenv import expand_tasks_per_node, rank_env
+from slurm_resilience.rankenv import expand_tasks_per_node, rank_env
 
 
 def _task(procid: int, localid: int, nodeid: int, **extra: str) -> dict[str, str]:
@@ -85,7 +85,7 @@ def test_inconsistent_task_is_a_clear_error(change, match):
 def test_main_execs_with_the_env():
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")} | _task(3, 1, 1)
     code = "import os; print(*(os.environ[k] for k in ('RANK','LOCAL_RANK','LOCAL_WORLD_SIZE','GROUP_RANK','WORLD_SIZE')))"
-    out = subprocess.run([sys.executable, "-m", "slurm_resilience.launch.rankenv", "--master-addr", "h",
+    out = subprocess.run([sys.executable, "-m", "slurm_resilience.rankenv", "--master-addr", "h",
                           "--master-port", "7", "--", sys.executable, "-c", code],
                          env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
@@ -94,7 +94,7 @@ def test_main_execs_with_the_env():
 
 def test_main_outside_slurm_is_one_line():
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
-    out = subprocess.run([sys.executable, "-m", "slurm_resilience.launch.rankenv", "--master-addr", "h",
+    out = subprocess.run([sys.executable, "-m", "slurm_resilience.rankenv", "--master-addr", "h",
                           "--master-port", "7", "--", "true"], env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and out.stderr.splitlines() == [
         "rankenv: error: not inside a Slurm task (missing SLURM_PROCID, SLURM_LOCALID, SLURM_NTASKS, "

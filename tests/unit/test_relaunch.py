@@ -13,7 +13,7 @@ import pytest
 from slurm_resilience.config import load_config
 from slurm_resilience.errors import ResilienceError
 from slurm_resilience.events import read_events
-from slurm_resilience.launch.rankenv import rank_env
+from slurm_resilience.rankenv import rank_env
 from slurm_resilience.model import FaultKind
 from slurm_resilience.supervisor.decide.classify import find_faults
 from slurm_resilience.supervisor.executors.relaunch import RelaunchExecutor, layout, master_node, master_port, step_argv
@@ -83,7 +83,7 @@ def test_srun_argv_torch_mode_wraps_command():
     assert argv[:9] == ["srun", "--no-kill", "--overlap", "-N", "3", "-n", "3", "--ntasks-per-node=1", "-w"]
     assert argv[9] == "n2,n5,n4" and "--jobid=42" in argv and "--mpi=pmix" not in argv
     tail = argv[argv.index("--") + 1:]
-    assert tail == ["/usr/bin/python3", "-m", "slurm_resilience.launch.rankenv", "--master-addr", "10.0.0.2",
+    assert tail == ["/usr/bin/python3", "-m", "slurm_resilience.rankenv", "--master-addr", "10.0.0.2",
                     "--master-port", "20042", "--restart", "1", "--", "python", "t.py"]
 
 

@@ -9,6 +9,7 @@ import pytest
 
 from slurm_resilience.config import load_config
 from slurm_resilience.events import read_events
+from slurm_resilience.protocol import RUN_JOB_DIR_VAR
 from slurm_resilience.supervisor.executors import relaunch_preempt
 from slurm_resilience.supervisor.executors.relaunch import RelaunchExecutor, layout
 
@@ -102,13 +103,13 @@ def test_preempted_step_is_asked_to_persist_then_the_job_is_requeued(tmp_path, f
 
 
 def test_a_warm_rank_gets_the_job_directory_as_a_cold_one_does():
-    from slurm_resilience.launch.zygote_protocol import ForkRequest, decode, encode, warm_env
+    from slurm_resilience.zygote_protocol import ForkRequest, decode, encode, warm_env
 
     req = ForkRequest(rank=1, local_rank=1, node_index=0, step_nodes=("n2",), tasks_per_node=2, step_name="sr-restart-0",
                       master_addr="127.0.0.1", master_port=20001, restart=0, command=("python", "t.py"), cwd="/",
                       umask=0o22, log_path="/j/step-000.log", job_dir="/j")
     assert decode(encode(req)) == req
     env = warm_env({"PATH": "/bin"}, req, job_nodelist="n2")
-    assert env[relaunch_preempt.JOB_DIR_VAR] == "/j"
-    assert relaunch_preempt.JOB_DIR_VAR not in warm_env({}, ForkRequest(**{**req.__dict__, "job_dir": ""}),
+    assert env[RUN_JOB_DIR_VAR] == "/j"
+    assert RUN_JOB_DIR_VAR not in warm_env({}, ForkRequest(**{**req.__dict__, "job_dir": ""}),
                                                          job_nodelist="n2")

@@ -7,8 +7,8 @@ import pytest
 
 from slurm_resilience.config import load_config
 from slurm_resilience.errors import ConfigError
-from slurm_resilience.launch.rankenv import rank_env
-from slurm_resilience.launch.zygote_protocol import (
+from slurm_resilience.rankenv import rank_env
+from slurm_resilience.zygote_protocol import (
     AGENT_STORE_VAR, STEP_VARS, ForkRequest, Kind, Reply, decode, encode, fork_refusal, hosts_store, step_exit_code,
     task_slurm_vars, warm_entry, warm_env,
 )

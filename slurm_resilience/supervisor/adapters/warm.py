@@ -27,7 +27,7 @@ from multiprocessing.connection import Client, Connection, wait
 from typing import Sequence
 
 from ...files import write_private
-from ...launch.zygote_protocol import (
+from ...zygote_protocol import (
     INFO_DIR, KEY_FILE, ForkRequest, Kind, Reply, decode, encode, step_exit_code, warm_entry,
 )
 

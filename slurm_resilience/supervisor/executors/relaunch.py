@@ -46,8 +46,8 @@ from ...events import EventLog
 from ...files import makedirs_private
 from ...lifecycle import JobPhase
 from ...model import RankTable
-from ...protocol import PlanAction
-from ...launch.zygote_protocol import warm_entry
+from ...protocol import RUN_JOB_DIR_VAR, PlanAction
+from ...zygote_protocol import warm_entry
 from ...slurm.options import srun_args
 from ...slurm.steps import srun_argv
 from . import loop, relaunch_preempt
@@ -144,7 +144,7 @@ def step_argv(*, job_id: str, name: str, nodes: Sequence[str], command: Sequence
               python: str = sys.executable, srun_options: Sequence[str] = (),
               step_container: "container.StepContainer | None" = None) -> list[str]:
     """The all-ranks step's argv (never a shell): G tasks on each of ``nodes``; torch
-    mode wraps ``command`` in ``launch.rankenv`` (the torchrun environment per task).
+    mode wraps ``command`` in ``rankenv`` (the torchrun environment per task).
     ``srun_options``: the site's step options as argv (``job.srun_options``).
     ``step_container``: every task runs in it (``rankenv`` then runs as the image's
     ``python3``; a podman container per task, ``sr-JOB-{node}-restartN-{task}``)."""
@@ -153,12 +153,12 @@ def step_argv(*, job_id: str, name: str, nodes: Sequence[str], command: Sequence
     if mpi:
         inner = list(command)
     else:
-        inner = [python if step_container is None else "python3", "-m", "slurm_resilience.launch.rankenv",
+        inner = [python if step_container is None else "python3", "-m", "slurm_resilience.rankenv",
                  "--master-addr", master_addr, "--master-port", str(port), "--restart", str(attempt), "--",
                  *command]
     cname = container.container_name(job_id, "{node}", f"restart{attempt}-{{task}}")
     return [*argv, "--", *container.wrap(step_container, inner, name=cname,
-                                         env_names=["SR_RESTART", PROGRESS_VAR, relaunch_preempt.JOB_DIR_VAR])]
+                                         env_names=["SR_RESTART", PROGRESS_VAR, RUN_JOB_DIR_VAR])]
 
 
 @dataclasses.dataclass
@@ -356,7 +356,7 @@ class RelaunchExecutor:
         fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         with os.fdopen(fd, "ab") as log:
             proc = subprocess.Popen(argv, env={**os.environ, **self._nccl_env, "SR_RESTART": str(attempt),
-                                               PROGRESS_VAR: progress, relaunch_preempt.JOB_DIR_VAR: self.job_dir},
+                                               PROGRESS_VAR: progress, RUN_JOB_DIR_VAR: self.job_dir},
                                     stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     start_new_session=True)
         return _Step(name=name, node=master, process=proc)

@@ -23,13 +23,7 @@ import contextlib
 import os
 import time
 
-JOB_DIR_VAR = "SR_RUN_JOB_DIR"
-REQUEST_FILE = "preempt.request"
-
-
-def request_path(job_dir: str) -> str:
-    """Pure: where the supervisor asks the running step to persist and exit."""
-    return os.path.join(job_dir, REQUEST_FILE)
+from ...protocol import preempt_request_path as request_path
 
 
 def persist_wait_s(grace_s: float, preempt_signal: str) -> float:

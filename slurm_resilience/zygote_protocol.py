@@ -13,7 +13,7 @@ nothing that acts:
   with the zygote's own interpreter), and with which ``sys.argv``;
 * :func:`task_slurm_vars` / :func:`warm_env` — the environment a cold task of the
   step would have: the zygote's own step environment with the step-specific Slurm
-  variables replaced by the relaunch step's, then :func:`launch.rankenv.rank_env`
+  variables replaced by the relaunch step's, then :func:`rankenv.rank_env`
   (the same code the cold step runs) on top;
 * :func:`hosts_store` — the step's first node hosts the rendezvous store (torchrun's
   agent store, :data:`AGENT_STORE_VAR`) in a child forked before its ranks;
@@ -171,7 +171,7 @@ def warm_env(zygote_env: Mapping[str, str], req: ForkRequest, *, job_nodelist: s
     The zygote's environment is the cold one (the same supervisor started both steps
     with ``--export=ALL``) plus its own step's variables: those (:data:`STEP_VARS`) are
     replaced by :func:`task_slurm_vars`, then ``rank_env`` adds the torchrun variables
-    and ``SR_RESTART`` exactly as ``python -m slurm_resilience.launch.rankenv`` does cold,
+    and ``SR_RESTART`` exactly as ``python -m slurm_resilience.rankenv`` does cold,
     and :data:`AGENT_STORE_VAR` says the rendezvous store is already up (:func:`hosts_store`).
     ``SLURM_STEP_ID``/``SLURM_STEPID``/``SLURM_TASK_PID`` and the srun client's ports are
     left out: no such step exists (docs/restart.md lists every difference).

@@ -1,6 +1,6 @@
 """torchrun-style environment for one task of a Slurm step, then ``exec`` the program.
 
-    python -m slurm_resilience.launch.rankenv --master-addr A --master-port P --restart N -- cmd ...
+    python -m slurm_resilience.rankenv --master-addr A --master-port P --restart N -- cmd ...
 
 Sets RANK=SLURM_PROCID, LOCAL_RANK=SLURM_LOCALID, WORLD_SIZE (the step's tasks),
 LOCAL_WORLD_SIZE (the step's tasks on this node), GROUP_RANK=SLURM_NODEID (this
@@ -86,7 +86,7 @@ def rank_env(slurm: Mapping[str, str], *, master_addr: str, master_port: int, re
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m slurm_resilience.launch.rankenv")
+    ap = argparse.ArgumentParser(prog="python -m slurm_resilience.rankenv")
     ap.add_argument("--master-addr", required=True)
     ap.add_argument("--master-port", type=int, required=True)
     ap.add_argument("--restart", type=int, default=0)
