@@ -132,16 +132,16 @@ def run_baseline(name: str, root: Path, args) -> dict:
     root.mkdir(parents=True, exist_ok=True)
     lab.cluster("reset")  # outside the window: every node healthy, as for every case
     job = _submit(root, args, "first")
-    _wait(lambda: any(s >= args.kill_at for s, _ in _progress(root, "first")), f"step {args.kill_at}", 180)
+    _wait(lambda: any(s >= args.kill_at for s, _ in _progress(root, "first")), f"step {args.kill_at}", 900)
     in_flight = max(s for s, _ in _progress(root, "first")) + 1
     t_fault, victim = _inject(name, root, job, args)  # ---- the timed window starts here
     _wait(lambda: commands.job_state(job) is None, f"job {job} to end", 120)
     t_ended = time.time()
     second = _submit(root, args, "second")
-    t_first = _wait(lambda: next((t for s, t in _progress(root, "second")), None), "the resubmitted job's first step", 180)
+    t_first = _wait(lambda: next((t for s, t in _progress(root, "second")), None), "the resubmitted job's first step", 900)
     t_caught = _wait(lambda: next((t for s, t in _progress(root, "second") if s >= in_flight), None),
-                     "the step in flight at the kill, again", 180)
-    _wait(lambda: commands.job_state(second) is None, f"job {second} to end", 180)
+                     "the step in flight at the kill, again", 900)
+    _wait(lambda: commands.job_state(second) is None, f"job {second} to end", 900)
     resumed = _progress(root, "second")[0][0] - 1
     final_ok = (root / "final.pt").exists()
     return {"mttr_s": round(t_first - t_fault, 3), "catch_up_s": round(t_caught - t_fault, 3),
