@@ -112,11 +112,12 @@ def downtimes(mttr: Mapping[str, Any] | None, peers: Mapping[str, Any] | None,
     out["in_job_restart"] = (
         (best[0], f"{names.get('peers')}: kill-rank, fastest in-job restart ({best[1]})") if best else
         (ASSUMED_IN_JOB_RESTART_S, "assumed (no torchrun/NVRx kill-rank in peers.json)"))
-    ours = case_mttr_s(mttr, "requeue-resubmit") or case_mttr_s(mttr, "requeue")
+    case = "requeue-resubmit" if case_mttr_s(mttr, "requeue-resubmit") else "requeue"
+    ours = case_mttr_s(mttr, case)
     ours_peers = peers.get("results", {}).get("requeue", {}).get("ours", {})
     ours_peers = ours_peers.get("median_s") if isinstance(ours_peers, dict) else None
     out["toolkit_requeue"] = (
-        (ours, f"{names.get('mttr')}: requeue-resubmit (no spare)") if ours else
+        (ours, f"{names.get('mttr')}: {case} (no spare)") if ours else
         (ours_peers, f"{names.get('peers')}: requeue, ours") if ours_peers else
         (ASSUMED_REQUEUE_S, "assumed (no requeue case in the mttr JSON)"))
     return out
