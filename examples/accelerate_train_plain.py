@@ -4,7 +4,7 @@ shows the diff).
 
 A tiny MLP on a synthetic regression set, a DataLoader with 2 workers, prepared by an
 ``Accelerator`` on CPU (gloo across processes). Deterministic: ``set_seed``, Accelerate's
-seedable sampler (seed + epoch), no dropout. Runs under torchrun, ``accelerate launch``
+seedable sampler (seed + epoch), dropout. Runs under torchrun, ``accelerate launch``
 or srun (torchrun's variables); with ``--out final-{rank}.pt`` every rank writes its
 final weights.
 """
@@ -37,7 +37,7 @@ def main() -> None:
     torch.set_num_threads(1)
     set_seed(0)
     accelerator = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True))
-    model = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 4))
+    model = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Dropout(0.1), nn.Linear(64, 4))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     loader = DataLoader(dataset(), batch_size=args.batch, shuffle=True, num_workers=2)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)

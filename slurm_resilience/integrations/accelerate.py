@@ -13,7 +13,9 @@ Accelerate's own checkpoint is the snapshot's content, through its own hooks:
   every ``every`` steps   ``accelerator.save_state`` into a node-local staging folder
                           (``save_on_each_node``: the local main process of each node
                           writes model, optimizers, schedulers and the registered
-                          objects, every rank its RNG file); the node's local main packs
+                          objects, every rank its RNG file); the ranks all-gather their
+                          RNG files, so that every node's snapshot holds every rank's
+                          (``rng.py``); the node's local main packs
                           the folder into one file, ``step-000000012.pt`` (atomic,
                           newest ``keep`` kept, ``snapshots.NodeSnapshots``); rank 0
                           appends ``STEP UNIX_TIME`` to ``SR_PROGRESS_FILE``
@@ -45,6 +47,7 @@ from __future__ import annotations
 
 import io
 import os
+import pickle
 import shutil
 import tempfile
 import time
@@ -53,11 +56,18 @@ from typing import Any, Iterable, Iterator
 
 import torch
 from accelerate import Accelerator
+from accelerate.utils.constants import RNG_STATE_NAME
 
 from ..errors import ConfigError
+from . import rng
 from .snapshots import (
     NodeSnapshots, Persisted, RestorePlan, SnapshotEnv, check_counts, fetch_snapshot, gather_newest,
     preempt_requested)
+
+
+EPOCH_RNG_NAME = "slurm_resilience_epoch_rng.pkl"
+"""The snapshot's entry with every rank's generators as they were before its epoch's loader
+iterator (by global rank): a restore remakes the iterator from them."""
 
 
 class AccelerateEnv(SnapshotEnv):
@@ -140,6 +150,8 @@ class Resilience:
         accelerator.register_for_checkpointing(self.position)
         self.restored: RestorePlan | None = None
         self._num_batches = 0
+        self._epoch_rng: dict[str, Any] | None = None  # the generators before this epoch's loader iterator
+        self._resume: tuple[dict[str, Any], Any] | None = None  # restored (step, epoch) generators, this rank
         self._static_buckets(models)
 
     @staticmethod
@@ -169,6 +181,9 @@ class Resilience:
         with tempfile.TemporaryDirectory(prefix="sr-accelerate-") as folder:
             unpack(files, Path(folder))
             self.acc.load_state(folder)  # model, optimizers, schedulers, RNG (its own file), Position
+            epochs = Path(folder) / EPOCH_RNG_NAME
+            self._resume = (rng.capture(), rng.own(pickle.loads(epochs.read_bytes()) if epochs.exists() else None,
+                                                   **self._where))
         if self.acc.is_main_process:
             where = "the job directory (durable copy)" if plan.durable else f"rank {plan.source}'s node"
             print(f"slurm_resilience: restored step {plan.step} from {where} (gathered {steps}, durable {kept}); "
@@ -190,7 +205,20 @@ class Resilience:
             loader.set_epoch(self.position.epoch)
         self._num_batches = len(loader)
         skip = self.position.batch
-        yield from (self.acc.skip_first_batches(loader, skip) if skip else loader)
+        saved, self._resume = self._resume, None
+        if saved is not None:  # the iterator draws its workers' seed as the epoch's first one did
+            self._epoch_rng = saved[1] if skip and saved[1] is not None else saved[0]
+            rng.apply(self._epoch_rng)
+        else:
+            self._epoch_rng = rng.capture()
+        batches = iter(self.acc.skip_first_batches(loader, skip) if skip else loader)
+        first = next(batches, None)  # the loader's iterator is made (and its seed drawn) here
+        if saved is not None and skip:
+            rng.apply(saved[0])  # mid-epoch: each rank's generators as the snapshot's step left them
+        if first is None:
+            return
+        yield first
+        yield from batches
 
     def step_done(self) -> None:
         """Collective, after the optimizer step: snapshot every ``every`` steps (a barrier),
@@ -218,8 +246,13 @@ class Resilience:
         staging = base / f".staging-{step:09d}-{self.env.job_id or 'local'}"
         self.acc.save_state(str(staging))
         self.acc.wait_for_everyone()  # every rank's RNG file is in
+        own = {p.name: p.read_bytes() for p in staging.glob(f"{RNG_STATE_NAME}_{self.acc.process_index}.pkl")}
+        everyone = rng.gather((own, self._epoch_rng), **self._where)  # every node's snapshot: every rank's
         if not self.acc.is_local_main_process:
             return None
         files = pack(staging)
+        for entry, _ in everyone:
+            files.update(entry)
+        files[EPOCH_RNG_NAME] = pickle.dumps([epoch for _, epoch in everyone])
         shutil.rmtree(staging, ignore_errors=True)
         return files
