@@ -72,6 +72,11 @@ def connect(environ: dict, pulse: bool) -> SimRank:
 # The tree under test (PYTHONPATH) has one pulse per node (worker/pulse.py ``fold``), or,
 # before that, one per rank: the simulator speaks whichever its supervisor expects.
 NODE_PULSE = hasattr(pulse_wire, "fold")
+# ... and the node's line carries each rank's heartbeat (``pulse.BEAT``): the rank then
+# writes its store heartbeat only every ``heartbeat.STORE_EVERY`` periods.
+BEAT_FOLD = hasattr(pulse_wire, "BEAT")
+if BEAT_FOLD:
+    from slurm_resilience.worker.heartbeat import STORE_EVERY
 
 
 class NodePulse:
@@ -106,6 +111,8 @@ class SimRank:
         self.pulse: socket.socket | None = None  # its own pulse (an older tree under test)
         self.pulsed = False
         self.sink: EventSink | None = None
+        self.beat_t = 0.0  # its newest beat (folded into the node's pulse line)
+        self.stored = 0.0  # its newest store heartbeat
 
     def close(self) -> None:
         for s in (self.liveness, self.pulse):
@@ -262,17 +269,23 @@ class Driver(threading.Thread):
         waiting = 0 if r.phase is Phase.RUNNING else 1
         info = {"pid": 0, "generation": r.gen if r.gen is not None else r.env.generation, "rank": r.rank,
                 "step": r.step}
-        self._prefixed(r.env).set(StoreKey.HEARTBEAT.of(r.env.worker_id),
-                                  json.dumps(dict(info, progress=r.progress, phase=waiting, t=time.time())))
+        r.beat_t = t_now = time.time()
+        np_ = self.node_pulses.get(r.env.node) if r.pulsed else None
+        relayed = BEAT_FOLD and np_ is not None and np_.sock is not None
+        if not relayed or t_now - r.stored >= STORE_EVERY * self.period:  # Heartbeat._beat
+            self._prefixed(r.env).set(StoreKey.HEARTBEAT.of(r.env.worker_id),
+                                      json.dumps(dict(info, progress=r.progress, phase=waiting, t=t_now)))
+            r.stored = t_now
         if r.pulse is not None and not pulse_wire._send(r.pulse, {
                 "progress": r.progress, "waiting": waiting, "step": r.step, "state": "S", "cpu": 0,
                 "t": time.time()}):
             self.pulse_drops += 1
-        np_ = self.node_pulses.get(r.env.node) if r.pulsed else None
         if np_ is not None and np_.sock is not None and now - np_.last >= 0.9 * self.period:
             np_.last = now  # one line for the node's live ranks
             np_.ranks = [x for x in np_.ranks if x.phase is not Phase.ENDED]
             live = {x.env.worker_id: [0, x.progress, 0 if x.phase is Phase.RUNNING else 1, x.step, "S", 0]
+                    + ([round(x.beat_t, 3), x.gen if x.gen is not None else x.env.generation,
+                        -1 if x.rank is None else x.rank, -1.0] if BEAT_FOLD else [])
                     for x in np_.ranks if x.phase is not Phase.SILENT}
             if not pulse_wire._send(np_.sock, {"t": time.time(), "ranks": live, "gone": np_.gone}):
                 self.pulse_drops += 1

@@ -12,6 +12,7 @@ from slurm_resilience.errors import ConfigError
 
 __all__ = ["DetectConfig"]
 
+NODE_SILENCE_S = 0.7  # the node-silence deadline's default
 BLOCK_PER_STALE = 2.5  # the blocking timeout's default floor, in heartbeat timeouts
 
 
@@ -32,6 +33,15 @@ class DetectConfig:
             must answer a Slurm request (``sstat`` of a step there) within this, or the node
             is lost (> 0, < heartbeat_timeout_s). Asked off the loop; healthy answers take
             10-20 ms on the lab cluster, so the deadline is only spent on a silent node.
+        node_silence_s: a node from which nothing has come for this long (no heartbeat of
+            any of its ranks, no line of its pulse) while the job's other nodes are heard,
+            and whose slurmd then does not answer within ``slurmd_probe_deadline_s``, is
+            lost: found well before its heartbeats turn stale. The probe starts once the
+            node has been quiet for ``node_silence_s - slurmd_probe_deadline_s`` (at least
+            ``heartbeat_period_s``). 0 turns this off (then the heartbeat timeout decides);
+            else > ``slurmd_probe_deadline_s`` and <= ``heartbeat_timeout_s``. Unset:
+            0.7 s, at most ``heartbeat_timeout_s`` (off when that leaves no time for the
+            probe).
         straggler_threshold: a rank whose own compute time exceeds this × the
             median of the others is slow (> 1).
         straggler_window: ... for this many consecutive heartbeat checks (>= 1).
@@ -65,6 +75,7 @@ class DetectConfig:
     node_poll_s: float = 2.0
     probe_timeout_s: float = 0.3
     slurmd_probe_deadline_s: float = 0.3
+    node_silence_s: float | None = None
     straggler_threshold: float = 1.5
     straggler_window: int = 8
     headless_timeout_s: float = 30.0
@@ -73,6 +84,15 @@ class DetectConfig:
     progress_hard_s: float = 20.0
     progress_block_s: float | None = None
     progress_factor: float = 10.0
+
+    @property
+    def silence_s(self) -> float:
+        """The node-silence deadline in force (0: off): as set, else 0.7 s capped at the
+        heartbeat timeout, off when that leaves the probe no time."""
+        if self.node_silence_s is not None:
+            return self.node_silence_s
+        s = min(NODE_SILENCE_S, self.heartbeat_timeout_s)
+        return s if s > self.slurmd_probe_deadline_s else 0.0
 
     @property
     def block_floor_s(self) -> float:
@@ -109,3 +129,8 @@ class DetectConfig:
             raise ConfigError(f"detect.slurmd_probe_deadline_s={self.slurmd_probe_deadline_s} must be < "
                               f"heartbeat_timeout_s={self.heartbeat_timeout_s}: the probe only decides what "
                               "a stale heartbeat means, it must not take longer than noticing it")
+        if self.node_silence_s is not None and self.node_silence_s != 0 and not (
+                self.slurmd_probe_deadline_s < self.node_silence_s <= self.heartbeat_timeout_s):
+            raise ConfigError(f"detect.node_silence_s={self.node_silence_s} must be > slurmd_probe_deadline_s="
+                              f"{self.slurmd_probe_deadline_s} and <= heartbeat_timeout_s={self.heartbeat_timeout_s} "
+                              "(or 0 to turn it off)")

@@ -57,8 +57,18 @@ def _closed(sock: socket.socket) -> bool:
         return True
 
 
+STORE_EVERY = 4  # periods between store heartbeats while the node's pulse relays the beats
+
+
 class Heartbeat:
     """Background heartbeats; ``update`` sets what the next beat reports.
+
+    Each beat goes into the rank's page, where the node's pulse folds it into its one
+    line for the node (``pulse.py``). The store heartbeat (``hb/{worker}``) is written
+    every beat while no pulse relays them (pulses off, none running, or its line not
+    sent for two periods), and only every ``STORE_EVERY`` periods while one does: the
+    supervisor then takes the beat from the pulse line, and the store's N writes a
+    period become N/``STORE_EVERY`` (docs/scale.md).
 
     It also keeps the liveness connection: when the supervisor dies and a restarted
     one publishes a new liveness port in the store, the connection is re-opened there.
@@ -84,6 +94,7 @@ class Heartbeat:
         self._ensure_pulse()
         self._store = open_store(env)
         self._info = {"pid": os.getpid(), "generation": env.generation, "rank": None, "step": 0}
+        self._stored = 0.0  # when the last store heartbeat was written
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="sr-heartbeat", daemon=True)
@@ -101,9 +112,15 @@ class Heartbeat:
 
     def _beat(self) -> None:
         progress, phase, _, _ = self.progress.read()  # the pulse's page: a dead pulse loses nothing
+        now = time.time()
         with self._lock:
-            payload = dict(self._info, progress=progress, phase=phase, t=time.time())
+            payload = dict(self._info, progress=progress, phase=phase, t=now)
+        self.progress.beat(now, payload.get("generation"), payload.get("rank"), payload.get("compute_ms"))
+        relayed = self._pulse_dir is not None and now - self.progress.relayed() <= 2 * self._period
+        if relayed and now - self._stored < STORE_EVERY * self._period:
+            return  # the node's pulse carries this beat
         self._store.set(StoreKey.HEARTBEAT.of(self._env.worker_id), json.dumps(payload))
+        self._stored = now
 
     def _ensure_pulse(self) -> None:
         """The node's pulse runs (started here if no rank of the node has one running)."""

@@ -28,7 +28,8 @@ import sys
 import tempfile
 from typing import Iterator
 
-from .pulse import BOARD, BUSY, COMPUTING, LAYOUT, LOCK, PAGE, RANK, WAITING, read_board, tidy
+from .pulse import (BEAT, BEAT_AT, BOARD, BUSY, COMPUTING, LAYOUT, LOCK, PAGE, RANK, WAITING, read_board,
+                    read_relayed, tidy)
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +77,7 @@ class ProgressBoard:
         self.fd = self._file.fileno()
         self._page = mmap.mmap(self.fd, PAGE)
         LAYOUT.pack_into(self._page, 0, 0, 0, port, 0)
+        BEAT.pack_into(self._page, BEAT_AT, 0.0, -1, -1, -1.0)
         self._progress = 0
         self._phases: list[int] = []  # nested phases; the page shows the innermost
         if self._paths:  # announce: written whole, then renamed (the pulse never reads half)
@@ -115,6 +117,15 @@ class ProgressBoard:
 
     def set_port(self, port: int) -> None:
         self._page[12:16] = int(port).to_bytes(4, "little")
+
+    def beat(self, t: float, generation: int | None, rank: int | None, compute_ms: float | None) -> None:
+        """The heartbeat thread's beat, for the node's pulse to fold into its line."""
+        BEAT.pack_into(self._page, BEAT_AT, t, -1 if generation is None else int(generation),
+                       -1 if rank is None else int(rank), -1.0 if compute_ms is None else float(compute_ms))
+
+    def relayed(self) -> float:
+        """When the node's pulse last sent this rank's entry to the supervisor (0: never)."""
+        return read_relayed(self._page)
 
     def read(self) -> tuple[int, int, int, int]:
         """(progress, waiting, port, step)."""

@@ -10,7 +10,8 @@ and announces itself with ``{worker}.rank`` (its pid). Every ``period`` seconds 
 pulse sends the supervisor's liveness socket (connected with the job's token, read
 from stdin, never argv) **one** JSON line for the whole node::
 
-    {"t": 1.7e9, "ranks": {"n1.0": [pid, progress, waiting, step, state, cpu], ...},
+    {"t": 1.7e9, "ranks": {"n1.0": [pid, progress, waiting, step, state, cpu,
+                                    beat_t, generation, rank, compute_ms], ...},
      "gone": {"n1.1": pid}}
 
 so the supervisor reads N/G lines a period from N/G connections, not N from N (the
@@ -18,7 +19,14 @@ control plane at scale: docs/scale.md). ``progress`` is the counter the rank's m
 thread bumps at every completed step and phase, ``waiting`` what the main thread is
 in: 0 the user's code, 1 a bounded wait on its peers or on the supervisor's plan, 2
 the toolkit's own checkpoint I/O; ``state`` and ``cpu`` (utime + stime ticks) come
-from ``/proc/PID/stat``. Nothing here needs a rank's GIL or CPU share: a rank whose
+from ``/proc/PID/stat``. ``beat_t``, ``generation``, ``rank`` and ``compute_ms`` are
+what the rank's heartbeat thread last wrote into its page (its heartbeat, folded into
+the node's line: the supervisor reads no per-rank store key while this line comes;
+``beat_t`` 0: none yet, ``rank`` -1: in no group, ``compute_ms`` -1: none measured).
+After each line it sends, the pulse stamps ``relayed`` in every reported rank's page,
+so the rank's heartbeat thread knows its beats reach the supervisor this way and
+writes its store heartbeat only every few periods (the fallback should the pulse die).
+Nothing here needs a rank's GIL or CPU share: a rank whose
 main thread holds the GIL still has a pulse; a rank whose process is gone is reported
 at once (its ``pidfd`` turns readable), a stopped one (``state`` T) within a period.
 A rank that leaves cleanly removes its ``.rank`` file first and is dropped silently.
@@ -39,9 +47,14 @@ import struct
 import sys
 import time
 
-# A rank's page (little-endian): progress u64, waiting u32, liveness port u32, step u64.
+# A rank's page (little-endian): progress u64, waiting u32, liveness port u32, step u64;
+# then the heartbeat: beat time f64, generation i32, rank i32, compute ms f64; then the
+# time the pulse last relayed it, f64 (written by the pulse only).
 COMPUTING, WAITING, BUSY = 0, 1, 2  # values of ``waiting``
 LAYOUT = struct.Struct("<QIIQ")
+BEAT = struct.Struct("<diid")  # at BEAT_AT
+BEAT_AT, RELAYED_AT = LAYOUT.size, LAYOUT.size + BEAT.size
+RELAYED = struct.Struct("<d")
 PAGE = 4096
 BOARD, RANK, LOCK = ".board", ".rank", "pulse.lock"
 
@@ -49,6 +62,16 @@ BOARD, RANK, LOCK = ".board", ".rank", "pulse.lock"
 def read_board(page: mmap.mmap) -> tuple[int, int, int, int]:
     """(progress, waiting, port, step) as the rank last wrote them."""
     return LAYOUT.unpack_from(page, 0)
+
+
+def read_beat(page: mmap.mmap) -> tuple[float, int, int, float]:
+    """(beat time, generation, rank, compute ms) as the rank's heartbeat thread last wrote them."""
+    return BEAT.unpack_from(page, BEAT_AT)
+
+
+def read_relayed(page: mmap.mmap) -> float:
+    """When the node's pulse last sent this rank's entry to the supervisor (0: never)."""
+    return RELAYED.unpack_from(page, RELAYED_AT)[0]
 
 
 def proc_stat(pid: int) -> tuple[str, int] | None:
@@ -120,8 +143,18 @@ def fold(ranks: dict[str, Watched], ready: set[int]) -> tuple[dict[str, list], d
             del ranks[wid]
             continue
         progress, waiting, _, step = read_board(r.page)
-        live[wid] = [r.pid, progress, waiting, step, st[0], st[1]]
+        beat_t, generation, rank, compute_ms = read_beat(r.page)
+        live[wid] = [r.pid, progress, waiting, step, st[0], st[1], round(beat_t, 3), generation, rank,
+                     round(compute_ms, 3)]
     return live, gone
+
+
+def stamp_relayed(ranks: dict[str, Watched], live: dict[str, list], t: float) -> None:
+    """The line with these ranks went out: say so in each one's page."""
+    for wid in live:
+        r = ranks.get(wid)
+        if r is not None:
+            RELAYED.pack_into(r.page, RELAYED_AT, t)
 
 
 def tidy(directory: str) -> bool:
@@ -204,7 +237,10 @@ def run(*, directory: str, host: str, period: float, hello: dict, idle_exit_s: f
             port, sock = new, _connect(host, new, hello)
             if sock is None:
                 continue
-        if not _send(sock, {"t": time.time(), "ranks": live, "gone": gone}):
+        t = time.time()
+        if _send(sock, {"t": t, "ranks": live, "gone": gone}):
+            stamp_relayed(ranks, live, t)
+        else:
             sock.close()
             sock = None
 

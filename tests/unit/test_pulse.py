@@ -29,6 +29,14 @@ for line in sys.stdin:  # each line: one completed step; "leave": end cleanly
         board.leave()
         print("left", flush=True)
         break
+    if line.startswith("beat"):  # "beat GEN RANK MS": the heartbeat thread's write
+        g, r, ms = line.split()[1:]
+        board.beat(time.time(), int(g), int(r), float(ms))
+        print("ok", flush=True)
+        continue
+    if line.strip() == "relayed":
+        print(board.relayed(), flush=True)
+        continue
     board.bump(step=int(line))
     print("ok", flush=True)
 """
@@ -115,6 +123,34 @@ def test_one_pulse_per_node_reports_every_rank_its_state_and_a_dead_rank_at_once
             if p is not None and p.poll() is None:
                 p.kill()
                 p.wait(timeout=10)
+
+
+def test_the_node_pulse_folds_each_ranks_heartbeat_into_its_line_and_stamps_it_relayed(server, tmp_path):
+    srv, _ = server
+    directory = tmp_path / "node"
+    directory.mkdir(mode=0o700)
+    a = _rank(srv, directory, "w1")
+    try:
+        assert int(a.stdout.readline()) > 0
+        first = _until(lambda: srv.pulses().get("w1"))
+        assert first.beat() is None  # no beat yet: the supervisor reads the store for this rank
+        t0 = time.time()
+        a.stdin.write("beat 3 5 12.5\n")
+        a.stdin.flush()
+        assert a.stdout.readline().strip() == "ok"
+        p = _until(lambda: (p := srv.pulses()["w1"]).beat_t > 0 and p)
+        beat = p.beat()
+        assert beat["generation"] == 3 and beat["rank"] == 5 and beat["compute_ms"] == 12.5
+        assert t0 - 0.001 <= beat["t"] <= time.time() and beat["phase"] == 0  # ms resolution on the wire
+
+        def relayed():
+            a.stdin.write("relayed\n")
+            a.stdin.flush()
+            return float(a.stdout.readline()) >= beat["t"]
+        assert _until(relayed)  # the rank's heartbeat thread can tell its beats reach the supervisor
+    finally:
+        a.kill()
+        a.wait(timeout=10)
 
 
 def test_a_pulse_with_a_bad_token_is_rejected(server):
@@ -236,3 +272,55 @@ def test_a_killed_pulse_is_restarted_by_a_rank_of_the_node(server, tmp_path, mon
     finally:
         hb.stop()
     assert not (tmp_path / "w5.rank").exists()
+
+
+def test_while_the_pulse_relays_the_beats_the_store_heartbeat_is_written_only_every_few_periods(server, tmp_path,
+                                                                                               monkeypatch):
+    """The real heartbeat thread and node pulse: the beats reach the supervisor in the pulse
+    line, the store gets one every ``STORE_EVERY`` periods; with the pulse dead, every beat
+    goes to the store again."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from slurm_resilience.protocol import Role, WorkerEnv, heartbeat_key
+    from slurm_resilience.supervisor.observe.detect import read_heartbeats
+    from slurm_resilience.worker import heartbeat as hb_mod
+
+    srv, _ = server
+    monkeypatch.setattr(hb_mod, "pulse_dir", lambda token, node: str(tmp_path))
+    base = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=10), wait_for_workers=False)
+    store = dist.PrefixStore(TOKEN + "/", base)
+    env = WorkerEnv(store_addr="127.0.0.1", store_port=base.port, liveness_port=srv.port, token=TOKEN, job_dir="",
+                    worker_id="w6", node="n1", role=Role.RANK, generation=0, config_path="", job_id="j",
+                    run_id="0" * 32)
+    period = 0.05
+    hb = hb_mod.Heartbeat(env, period).start()
+
+    def store_t():
+        beat = read_heartbeats(store, {"w6": heartbeat_key("w6")})["w6"]
+        return beat["t"] if beat else None
+
+    try:
+        hb.update(step=9)
+        _until(lambda: (p := srv.pulses().get("w6")) and p.beat_t > 0 and p.step == 9)
+        _until(lambda: hb.progress.relayed() > 0)
+        seen: list[float] = []
+        deadline = time.monotonic() + 1.5
+        while time.monotonic() < deadline:  # the distinct store beats over 1.5 s
+            t = store_t()
+            if t is not None and (not seen or t != seen[-1]):
+                seen.append(t)
+            time.sleep(0.01)
+        gaps = [b - a for a, b in zip(seen, seen[1:])]
+        assert gaps and min(gaps) >= (hb_mod.STORE_EVERY - 1) * period, gaps  # never each period
+        directory, hb._pulse_dir = hb._pulse_dir, None  # the pulse stays dead
+        hb._pulse.kill()
+        hb._pulse.wait(timeout=10)
+        last = store_t()
+        _until(lambda: (t := store_t()) is not None and t > last)  # the store carries the beats again
+    finally:
+        hb.stop()
+        from slurm_resilience.worker.progress import tidy_if_unused
+
+        tidy_if_unused(hb._pulse_dir or directory)

@@ -49,6 +49,7 @@ from ..observe.metrics import Metrics
 from ..decide.report import status_dict, write_status
 from ..decide.state import Mode, Policy, SupervisorState
 from ..adapters.stop import publish_plan, shut_down_standbys
+from ..observe.sweep import Sweeper
 from ..observe.watch import Watch
 
 log = logging.getLogger(__name__)
@@ -125,6 +126,7 @@ class Supervisor:
         self.seen: queue.Queue = queue.Queue()
         self.liveness = LivenessServer(self.store_host, self.token, self.seen).start()
         self.store = StoreLink(self._connect_store)
+        self._sweeper = Sweeper(self._sweeper_store)  # removes read event keys off the loop
         if self.store_port is None:  # hosted here: its port is known once it listens
             self.store.connect()
         # a warning only, and `scontrol show config` is a subprocess: not before the first launch
@@ -148,6 +150,14 @@ class Supervisor:
         store = dist.PrefixStore(self.token + "/", self._raw_store)
         store.set(StoreKey.LIVENESS_PORT.value, str(self.liveness.port))
         return store
+
+    def _sweeper_store(self):
+        """A second client of the job's store, for the sweeper's thread (``sweep.py``)."""
+        import torch.distributed as dist
+
+        raw = dist.TCPStore(self.store_host, self.store_port, None, False, timedelta(seconds=30),
+                            wait_for_workers=False)
+        return dist.PrefixStore(self.token + "/", raw)
 
     def _check_slurm_timeouts(self) -> None:
         """SlurmdTimeout and KillWait are the site's: a warning line each, never fatal."""
@@ -178,7 +188,8 @@ class Supervisor:
             seen, first = 0, [Start()]
         self.watch = Watch(cfg=self.cfg, store=self.store, seen=self.seen, launcher=self.launcher,
                            handles=self.handles, events=self.events, preempted=self._signalled.is_set,
-                           events_seen=seen, pulses=self.liveness.pulses)
+                           events_seen=seen, pulses=self.liveness.pulses, sweep=self._sweeper.put,
+                           heard=self.liveness.heard)
         self._install_preempt_handler()
         self.state = state
         self.watcher = NodeWatcher(self.launcher.node_states, lambda: self.state.watched_nodes(),
@@ -189,6 +200,7 @@ class Supervisor:
         finally:
             self.watcher.close()
             self.liveness.close()
+            self._sweeper.close()
             self.isolator.join()
             if hasattr(self.launcher, "clean_containers"):  # the spares' too: a node leaves the job clean
                 self.launcher.clean_containers(self.nodes)

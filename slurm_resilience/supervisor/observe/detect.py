@@ -24,7 +24,7 @@ import selectors
 import socket
 import threading
 import time
-from typing import Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +52,23 @@ class Pulse:
     state: str  # /proc/PID/stat state letter: R, S, D, T (stopped), ...
     cpu: int  # utime + stime, clock ticks
     busy: bool = False  # in the toolkit's own checkpoint I/O (a restore, a final save)
+    # The rank's heartbeat, folded into the line (0 / -1: none yet, or an older pulse).
+    beat_t: float = 0.0
+    generation: int = -1
+    rank: int = -1
+    compute_ms: float = -1.0
+
+    def beat(self) -> dict[str, Any] | None:
+        """The heartbeat this line carried, in the store heartbeat's form (None: none)."""
+        if self.beat_t <= 0:
+            return None
+        out: dict[str, Any] = {"t": self.beat_t, "step": self.step, "progress": self.progress,
+                               "phase": 2 if self.busy else int(self.waiting),
+                               "generation": None if self.generation < 0 else self.generation,
+                               "rank": None if self.rank < 0 else self.rank}
+        if self.compute_ms >= 0:
+            out["compute_ms"] = self.compute_ms
+        return out
 
 
 class LivenessServer:
@@ -71,6 +88,7 @@ class LivenessServer:
         self._thread = threading.Thread(target=self._run, name="sr-liveness", daemon=True)
         self._lock = threading.Lock()
         self._pulses: dict[str, Pulse] = {}
+        self._heard: dict[str, float] = {}  # node -> when its pulse's newest line came
         self.rejected = 0
 
     def start(self) -> "LivenessServer":
@@ -157,15 +175,26 @@ class LivenessServer:
                 for wid, pid in dict(msg.get("gone") or {}).items():
                     fresh.pop(str(wid), None)
                     self._out.put(Observation("closed", str(wid), node, now, int(pid), detail="pulse: process gone"))
-                for wid, (_pid, progress, phase, step, st, cpu) in dict(msg["ranks"]).items():
+                for wid, entry in dict(msg["ranks"]).items():
+                    _pid, progress, phase, step, st, cpu = entry[:6]
                     phase = int(phase)  # worker/pulse.py: 0 computing, 1 waiting, 2 busy
+                    beat = entry[6:10] if len(entry) >= 10 else (0.0, -1, -1, -1.0)
                     fresh[str(wid)] = Pulse(t=now, progress=int(progress), waiting=phase == 1, step=int(step),
-                                            state=str(st)[:1], cpu=int(cpu), busy=phase == 2)
+                                            state=str(st)[:1], cpu=int(cpu), busy=phase == 2,
+                                            beat_t=float(beat[0]), generation=int(beat[1]), rank=int(beat[2]),
+                                            compute_ms=float(beat[3]))
             except (ValueError, KeyError, TypeError, AttributeError):
                 continue  # a torn or foreign line: the next one will do
-        if fresh:
-            with self._lock:
+        with self._lock:
+            if lines:
+                self._heard[node] = now
+            if fresh:
                 self._pulses.update(fresh)
+
+    def heard(self) -> dict[str, float]:
+        """When each node's pulse last sent a line (a snapshot, one entry per node)."""
+        with self._lock:
+            return dict(self._heard)
 
     def pulses(self) -> dict[str, "Pulse"]:
         """The newest pulse of each worker (a snapshot)."""

@@ -33,6 +33,7 @@ from ..decide.classify import node_unhealthy
 from .detect import Observation as Seen, present_keys, read_heartbeats, stale_workers
 from ..adapters.launcher import Launcher, StepHandle
 from .probe import NodeProbed, NodeProber, silent_nodes
+from .silence import silence
 from ..decide.messages import (
     AllDone, Connected, LivenessChange, NodeBack, Observation, Preempted, Straggler, Suspect, Suspects, Tick, WorkerMark,
 )
@@ -53,8 +54,15 @@ class Watch:
 
     def __init__(self, *, cfg: ResilienceConfig, store, seen: "queue.Queue[Seen]", launcher: Launcher,
                  handles: Mapping[str, StepHandle], events: EventLog, preempted: Callable[[], bool],
-                 events_seen: int = 0, pulses: Callable[[], Mapping[str, Any]] = dict) -> None:
-        """``pulses``: the newest pulse per worker (``LivenessServer.pulses``)."""
+                 events_seen: int = 0, pulses: Callable[[], Mapping[str, Any]] = dict,
+                 sweep: Callable[[list[str]], None] | None = None,
+                 heard: Callable[[], Mapping[str, float]] = dict) -> None:
+        """``pulses``: the newest pulse per worker (``LivenessServer.pulses``); ``sweep``:
+        removes read event keys off the loop (``sweep.Sweeper.put``; None: here, one by one);
+        ``heard``: when each node's pulse last sent a line (``LivenessServer.heard``)."""
+        self.sweep, self.heard = sweep, heard
+        self._hb_heard: dict[str, float] = {}  # node -> its ranks' newest heartbeat (each poll)
+        self._rank_nodes: tuple[object, dict[str, list[str]]] = (None, {})  # (table, node -> its ranks)
         self.cfg, self.store, self.seen, self.launcher = cfg, store, seen, launcher
         self.pulses = pulses
         d = cfg.detect
@@ -98,6 +106,8 @@ class Watch:
                     suspects.setdefault(wid, {"t": now})["process_exited"] = True
             out += self._heartbeats(state, suspects, now)
             out += self._drain(state, suspects, 0.0)  # a socket closed during the O(N) read
+        if self.prober is not None and self.cfg.detect.silence_s:
+            silence(self, state, suspects, now)
         if suspects and self.prober is not None:
             self._hold_silent(state, suspects)
         probed = self._probed(state)
@@ -147,11 +157,22 @@ class Watch:
         live = [wid for wid in state.workers if state.watched(wid) and wid in self.connected_at]
         if not live:
             return []
-        keys = self._hb_keys
+        # A rank's beat comes in its node's pulse line while that line is fresh (the pulse
+        # folds the beats: worker/pulse.py); the store is read only for the others.
+        pulses = self.pulses()
+        fresh_s = 2 * self.cfg.detect.heartbeat_period_s
+        beats: dict[str, dict | None] = {}
         for wid in live:
-            if wid not in keys:
-                keys[wid] = heartbeat_key(wid)
-        beats = read_heartbeats(self.store, {wid: keys[wid] for wid in live})
+            p = pulses.get(wid)
+            if p is not None and p.beat_t > 0 and now - p.t <= fresh_s:
+                beats[wid] = p.beat()
+        rest = [wid for wid in live if wid not in beats]
+        if rest:
+            keys = self._hb_keys
+            for wid in rest:
+                if wid not in keys:
+                    keys[wid] = heartbeat_key(wid)
+            beats.update(read_heartbeats(self.store, {wid: keys[wid] for wid in rest}))
         for wid, beat in beats.items():
             if beat is not None:
                 self.steps[wid] = int(beat.get("step", 0))
@@ -163,12 +184,17 @@ class Watch:
             for rank in self.stragglers.observe(compute):
                 out.append(Straggler(rank, compute[rank], tuple(v for r, v in compute.items() if r != rank)))
         times = {wid: (b["t"] if b else None) for wid, b in beats.items()}
-        pulses = self.pulses()
         # Ranks: the watchdog decides (a stale heartbeat alone is a suspect, not a fault).
         ranks_t = {w: (t if t is not None else self.connected_at[w]) for w, t in times.items() if w in ranks}
         if self.prober is not None:  # the slurmd probe of a node gone quiet (probe.py)
             self._beats.update({w: t for w, t in times.items() if t is not None})
-            self._probe_early(state, {w: t for w, t in times.items() if w in ranks}, now)
+            for w, t in times.items():
+                if t is not None and w in ranks:
+                    node = state.workers[w].node
+                    if t > self._hb_heard.get(node, 0.0):
+                        self._hb_heard[node] = t
+            if not self.cfg.detect.silence_s:
+                self._probe_early(state, {w: t for w, t in times.items() if w in ranks}, now)
         carried = {w: c for w, b in beats.items() if w in ranks and (c := progress_in(b)) is not None}
         changes = self.progress.observe(ranks_t, pulses, now, paused=state.recovery is not None, hb_progress=carried)
         for wid, (verdict, why) in self.progress.verdicts.items():
@@ -317,9 +343,14 @@ class Watch:
         if not keys:
             return []
         out: list[Observation] = []
-        for key, raw in zip(keys, self.store.multi_get(keys)):
+        raws = self.store.multi_get(keys)
+        if self.sweep is not None:
+            self.sweep(keys)
+        else:
+            for key in keys:
+                self.store.delete_key(key)
+        for raw in raws:
             ev = json.loads(bytes(raw))
-            self.store.delete_key(key)
             kind = ev.pop("kind")
             self.events.emit(f"rank_{kind}", **ev)
             if kind in _MARKS and ev.get("rank") is not None and ev.get("generation") is not None:
