@@ -75,7 +75,7 @@ def _rows(run: systems.Launched) -> list[steplog.Step]:
 
 def inject(fault: str, run: systems.Launched, args) -> tuple[float, str | None]:
     """Inject the fault; returns its wall time and the node to bring back afterwards."""
-    victim = run.nodes()[-1]
+    victim = run.victim_node()
     if fault == "kill-rank":
         pid = run.pid(args.nodes * args.g - 1)
         t = time.time()
@@ -170,6 +170,28 @@ def table(results: dict) -> str:
     return "\n".join(lines)
 
 
+def markdown(doc: dict) -> str:
+    """The docs' table of a JSON this script wrote: per fault and system, MTTR median (min-max),
+    runs, ratio to ours, steps lost, final state equal to the system's fault-free run, lines changed."""
+    changed = doc.get("script_lines_changed", {})
+    lines = ["| fault | system | MTTR median (min–max), s | runs recovered | / ours | steps lost | "
+             "= own fault-free | script lines +/− |", "|---|---|---|---|---|---|---|---|"]
+    for fault, cells in doc["results"].items():
+        for system, c in cells.items():
+            ch = changed.get(system, {})
+            ch = f"+{ch.get('added', 0)}/−{ch.get('removed', 0)}" if ch else "-"
+            if "cannot" in c:
+                lines.append(f"| {fault} | {system} | cannot: {c['cannot']} | | | | | {ch} |")
+                continue
+            runs = len(c["runs"])
+            mttr = f"{c['median_s']:.2f} ({c['min_s']:.2f}–{c['max_s']:.2f})" if c["median_s"] is not None else "none"
+            ratio = f"{c['ratio_to_ours']:.1f}×" if "ratio_to_ours" in c else ("1" if system == OURS else "-")
+            lost = c["steps_lost"]["median_s"]
+            lines.append(f"| {fault} | {system} | {mttr} | {runs - c['not_recovered']}/{runs} | {ratio} | "
+                         f"{'-' if lost is None else f'{lost:g}'} | {c['digest_equal']}/{runs} | {ch} |")
+    return "\n".join(lines)
+
+
 def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--systems", default=",".join(systems.SYSTEMS), help="comma-separated, of: %(default)s")
@@ -187,8 +209,11 @@ def parse_args(argv):
     ap.add_argument("--last-call", type=int, default=5, help="torchrun/NVRx rendezvous last_call_timeout (s): "
                     "the wait for more nodes once --nnodes MIN is there; less and the start may form a smaller world")
     ap.add_argument("--join-ms", type=float, default=10000, help="torchft lighthouse --join_timeout_ms")
-    ap.add_argument("--port", type=int, default=29600 + os.getpid() % 200 * 50, help="base TCP port")
+    ap.add_argument("--port", type=int, default=20000 + os.getpid() % 120 * 100,
+                    help="base TCP port; each run takes the next 50, below the ephemeral range (32768)")
     ap.add_argument("--prefix", default=str(DEFAULT_PREFIX), help="the venvs of setup.sh (default %(default)s)")
+    ap.add_argument("--ours-src", help="run ours from this directory's slurm_resilience (e.g. `git archive HEAD "
+                    "slurm_resilience | tar -x -C DIR`) instead of the imported one")
     ap.add_argument("--start-timeout", type=float, default=180.0)
     ap.add_argument("--recovery-timeout", type=float, default=90.0)
     ap.add_argument("--no-reference", action="store_true", help="skip the fault-free runs (no digest check)")
@@ -212,6 +237,13 @@ def parse_args(argv):
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--markdown"]:  # --markdown JSON: print the docs' table of an earlier run
+        if len(argv) != 2 or not Path(argv[1]).is_file():
+            print("peers.py: error: --markdown needs one JSON file this script wrote", file=sys.stderr)
+            return 2
+        print(markdown(json.loads(Path(argv[1]).read_text())))
+        return 0
     args = parse_args(argv)
     root = Path(tempfile.mkdtemp(prefix="peers-"))
     started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
@@ -229,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
             for system in args.systems:
                 if isinstance(runs[fault][system], str):
                     continue
-                args.port += 50  # a fresh port range per run: no socket of the last one in the way
+                args.port = 20000 + (args.port - 20000 + 50) % 12000  # a fresh range per run, below 32768
                 loads.append(Path("/proc/loadavg").read_text().split()[0])
                 r = _safe(system, fault, root / f"r{rep}-{fault}-{system}", args)
                 runs[fault][system].append(r)
@@ -277,9 +309,15 @@ def _write(args, argv, started, root, runs, refs, loads, earlier=()) -> None:
 def _versions(args) -> dict:
     import importlib.metadata as md
     out = {"torch": md.version("torch")}
-    for system, pkg in (("nvrx", "nvidia-resiliency-ext"), ("torchft", "torchft")):
+    for system, pkg in (("nvrx", "nvidia-resiliency-ext"), ("torchft", "torchft"), ("lightning", "pytorch-lightning")):
         for d in (Path(args.prefix) / system / "lib").glob("python*/site-packages"):
-            out[pkg] = next((p.name.split("-")[1] for p in d.glob(f"{pkg.replace('-', '_')}-*.dist-info")), None)
+            out[pkg] = next((p.name[:-len(".dist-info")].split("-")[1]
+                             for p in d.glob(f"{pkg.replace('-', '_')}-*.dist-info")), None)
+        if not out.get(pkg):  # not in the venv: the system's, which the venv sees (--system-site-packages)
+            try:
+                out[pkg] = md.version(pkg)
+            except md.PackageNotFoundError:
+                out[pkg] = None
     return out
 
 

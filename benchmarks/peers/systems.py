@@ -81,7 +81,20 @@ class Launched:
         return self.root / "digest.txt"
 
     def pid(self, rank: int) -> int:
-        return int((self.root / "pids" / f"rank-{rank}").read_text())
+        return int((self.root / "pids" / f"rank-{rank}").read_text().split()[0])
+
+    def victim_node(self) -> str:
+        """The node to fail: that of the highest rank, the first node (the rendezvous store's, the
+        lighthouse's, the batch host's) left out; a spare that runs no rank is never chosen."""
+        nodes = self.nodes()
+        if self.info.get("victim_is_last"):
+            return nodes[-1]
+        ranked = []
+        for f in (self.root / "pids").glob("rank-*"):
+            parts = f.read_text().split()
+            if len(parts) == 2 and parts[1] != nodes[0]:
+                ranked.append((int(f.name.split("-")[1]), parts[1]))
+        return max(ranked)[1] if ranked else nodes[-1]
 
 
 def train_args(root: Path, args, script: Path = TRAIN) -> list[str]:
@@ -91,13 +104,13 @@ def train_args(root: Path, args, script: Path = TRAIN) -> list[str]:
             "--pids", str(root / "pids")]
 
 
-def _sbatch(root: Path, text: str, args, requeue: bool, tasks_per_node: int = 1) -> Launched:
+def _sbatch(root: Path, text: str, args, requeue: bool, tasks_per_node: int = 1, spares: int = 0) -> Launched:
     """Submit a plain batch job: ``requeue``: Slurm requeues it when a node fails (or on
     ``scontrol requeue``); else ``--no-kill``: a lost node leaves the job to its survivors."""
     script = root / "job.sbatch"
     script.write_text(text)
     script.chmod(0o700)
-    options = ["--job-name", f"peers-{root.name}", "--nodes", str(args.nodes), "--ntasks-per-node",
+    options = ["--job-name", f"peers-{root.name}", "--nodes", str(args.nodes + spares), "--ntasks-per-node",
                str(tasks_per_node), "--cpus-per-task", str(args.g // tasks_per_node), "--output",
                str(root / "job-%j.out"), "--open-mode=append", "--requeue" if requeue else "--no-requeue"]
     if not requeue:
@@ -128,10 +141,11 @@ def launch_ours(root: Path, args, fault: str) -> Launched:
     argv = [sys.executable, "-m", "slurm_resilience.cli", "run", "--wait", "--config", str(config),
             "--nodes", str(args.nodes), "--spares", "1", "--tasks-per-node", str(args.g), "--job-dir",
             str(job_dir), "--", sys.executable, *train_args(root, args)]
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"), "OMP_NUM_THREADS": "1"}
+    if args.ours_src:  # a tree of slurm_resilience other than the imported one (e.g. a clean export)
+        env["PYTHONPATH"] = os.pathsep.join([args.ours_src, *filter(None, [env.get("PYTHONPATH")])])
     with open(root / "run.out", "w") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
-                                env={**os.environ, "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
-                                     "OMP_NUM_THREADS": "1"})
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=args.ours_src or None)
 
     def status() -> dict:
         try:
@@ -150,7 +164,7 @@ def launch_ours(root: Path, args, fault: str) -> Launched:
         return {"exit_code": code, "finished": (root / "digest.txt").exists()}
 
     return Launched(root, lambda: status().get("nodes", []), lambda: status().get("job_id"),
-                    lambda: proc.poll() is None, finish)
+                    lambda: proc.poll() is None, finish, {"victim_is_last": True})
 
 
 def _nnodes(args, fault: str) -> str:
@@ -166,13 +180,16 @@ def launch_torchrun(root: Path, args, fault: str) -> Launched:
 
 
 def launch_nvrx(root: Path, args, fault: str) -> Launched:
+    """NVRx 0.7's hot spares: ``--nnodes N:N+1`` on N+1 nodes, N active, one standby that takes
+    a lost node's place (the same spare ours gets)."""
     bin_dir = Path(args.prefix) / "nvrx" / "bin"
-    text = AGENTS.format(port=args.port, launcher=f"{bin_dir}/ft_launcher", g=args.g, nnodes=_nnodes(args, fault),
+    text = AGENTS.format(port=args.port, launcher=f"{bin_dir}/ft_launcher", g=args.g,
+                         nnodes=f"{args.nodes}:{args.nodes + 1}",
                          restarts=args.max_restarts, last_call=args.last_call, ka=max(1, round(args.detect)),
                          extra="--ft-ignore-missing-cfg",
                          # the lab's nodes all call themselves localhost: NVRx would take them for one node
                          env="NVRX_ENABLE_MULTI_LAUNCHERS_PER_NODE=1", train=" ".join(train_args(root, args)))
-    return _sbatch(root, text, args, fault == "requeue")
+    return _sbatch(root, text, args, fault == "requeue", spares=1)
 
 
 def launch_torchft(root: Path, args, fault: str) -> Launched:

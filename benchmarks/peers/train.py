@@ -7,8 +7,8 @@ benchmark counts the changed lines. Deterministic: seeded data chosen by global 
 index, one flat SUM all-reduce of the gradients, one thread. Rank 0 appends
 ``RESTART STEP T_START T_END`` (wall times of the step's start and end) to ``--steplog``
 after every completed step, and writes the sha256 of its final parameters and optimizer
-state to ``--digest``. Every rank writes its PID to ``--pids/rank-R`` (the fault injector
-reads it).
+state to ``--digest``. Every rank writes its PID and node to ``--pids/rank-R`` (the fault
+injector reads them).
 """
 
 import argparse
@@ -54,7 +54,7 @@ def main() -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     os.makedirs(args.pids, exist_ok=True)
     with open(os.path.join(args.pids, f"rank-{rank}"), "w") as f:
-        f.write(str(os.getpid()))
+        f.write(f"{os.getpid()} {os.environ.get('SLURMD_NODENAME', '')}")
     dist.init_process_group("gloo", rank=rank, world_size=world)  # ranks may start seconds apart
     pg = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=args.pg_timeout))
     torch.set_num_threads(1)

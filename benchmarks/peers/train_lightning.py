@@ -86,7 +86,7 @@ def main() -> None:
     rank = int(os.environ.get("RANK") or os.environ.get("SLURM_PROCID") or 0)
     os.makedirs(args.pids, exist_ok=True)
     with open(os.path.join(args.pids, f"rank-{rank}"), "w") as f:
-        f.write(str(os.getpid()))
+        f.write(f"{os.getpid()} {os.environ.get('SLURMD_NODENAME', '')}")
     torch.set_num_threads(1)
     elastic = "TORCHELASTIC_RUN_ID" in os.environ
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("SLURM_NTASKS_PER_NODE") or 1)

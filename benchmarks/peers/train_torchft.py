@@ -51,7 +51,7 @@ def main() -> None:
     rank, world = group * int(os.environ["WORLD_SIZE"]) + int(os.environ["RANK"]), groups * int(os.environ["WORLD_SIZE"])
     os.makedirs(args.pids, exist_ok=True)
     with open(os.path.join(args.pids, f"rank-{rank}"), "w") as f:
-        f.write(str(os.getpid()))
+        f.write(f"{os.getpid()} {os.environ.get('SLURMD_NODENAME', '')}")
     torch.set_num_threads(1)
     torch.manual_seed(0)
     x, y = make_data()

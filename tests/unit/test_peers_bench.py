@@ -99,3 +99,18 @@ def test_bad_arguments_are_one_line_errors(capsys):
     assert e.value.code == 2 and "unknown: bogus" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         peers.parse_args(["--systems", "torchft", "--g", "2"])
+
+
+def test_markdown_table_of_a_written_json(tmp_path, capsys):
+    runs = {"kill-node": {"ours": [{"mttr_s": 0.3, "steps_lost": 2, "recovered": True, "digest": "a"}],
+                          "torchft": [{"mttr_s": 2.1, "steps_lost": 0, "recovered": True, "digest": "x"}]}}
+    doc = {"results": peers.summarize(runs, {"ours": "a", "torchft": "b"}),
+           "script_lines_changed": {"ours": {"added": 0, "removed": 0}, "torchft": {"added": 17, "removed": 22}}}
+    text = peers.markdown(doc)
+    assert "| kill-node | ours | 0.30 (0.30–0.30) | 1/1 | 1 | 2 | 1/1 | +0/−0 |" in text
+    assert "| kill-node | torchft | 2.10 (2.10–2.10) | 1/1 | 7.0× | 0 | 0/1 | +17/−22 |" in text
+    path = tmp_path / "peers.json"
+    path.write_text(__import__("json").dumps(doc))
+    assert peers.main(["--markdown", str(path)]) == 0 and "torchft" in capsys.readouterr().out
+    assert peers.main(["--markdown", str(tmp_path / "missing.json")]) == 2
+    assert capsys.readouterr().err.count("\n") == 1
