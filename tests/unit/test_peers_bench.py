@@ -99,6 +99,9 @@ def test_bad_arguments_are_one_line_errors(capsys):
     assert e.value.code == 2 and "unknown: bogus" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         peers.parse_args(["--systems", "torchft", "--g", "2"])
+    with pytest.raises(SystemExit):
+        peers.parse_args(["--systems", "nvrx", "--prefix", "/nonexistent-peers"])
+    assert "run benchmarks/peers/setup.sh" in capsys.readouterr().err
 
 
 def test_markdown_table_of_a_written_json(tmp_path, capsys):
