@@ -115,7 +115,8 @@ def _write(args, argv, started: str, root: Path, runs: dict[str, list[dict]]) ->
            "started": started, "machine": platform.node(), "cpus": os.cpu_count(),
            "setup": "2 nodes x 2 ranks, gloo on CPU, 1 thread per rank, examples/lightning_train*.py's "
                     "LightningModule/DataModule; MTTR = fault -> rank 0's first completed step after recovery",
-           "args": vars(args), "work_dir": str(root), "results": summarize(runs)}
+           "args": vars(args), "work_dir": str(root), "loadavg_1min_at_write": os.getloadavg()[0],
+           "results": summarize(runs)}
     Path(args.json).write_text(json.dumps(stamped(doc, __file__), indent=2))
 
 
