@@ -225,6 +225,8 @@ class Resilience:
         the progress line, and under ``run`` the preemption check (Raises ``Persisted``)."""
         self.position.advance(self._num_batches)
         step = self.position.step
+        if not self.acc.sync_gradients:
+            return  # inside an accumulation window (accelerator.accumulate): its grads are in no snapshot
         files = self._pack(step) if self.snapshots is not None and step % self.every == 0 else None
         if files is not None:
             self.snapshots.write(step, files)

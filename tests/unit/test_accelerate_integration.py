@@ -108,3 +108,33 @@ def test_the_migration_guide_shows_the_current_accelerate_diff():
     diff = "".join(list(difflib.unified_diff(plain, converted))[2:])
     section = (root / "docs" / "migration.md").read_text().split("\n## Hugging Face Accelerate\n", 1)[1]
     assert section.split("```diff\n", 1)[1].split("```", 1)[0] == diff, "regenerate the Accelerate diff block"
+
+
+def test_gradient_accumulation_snapshots_only_whole_windows(tmp_path):
+    """accelerator.accumulate(model), 2 batches a window: stopped after a window's first batch,
+    the restore is the window's start and the window is trained again: same weights."""
+
+    def setup(directory):
+        acc, model, opt, loader, res = _setup(directory)
+        acc.gradient_accumulation_steps = 2
+        return acc, model, opt, loader, res
+
+    def train(acc, model, opt, loader, res, epochs, stop_at=None):
+        for _ in res.epochs(epochs):
+            for x, y in res.batches(loader):
+                with acc.accumulate(model):
+                    acc.backward(torch.nn.functional.mse_loss(model(x), y))
+                    opt.step()
+                    opt.zero_grad()
+                res.step_done()
+                if res.position.step == stop_at:
+                    return
+
+    whole = setup(tmp_path / "whole")
+    train(*whole, epochs=2)
+    first = setup(tmp_path / "cut")
+    train(*first, epochs=2, stop_at=9)  # epoch 1, batch 3 of 6: the window of batches 2-3 half done
+    again = setup(tmp_path / "cut")
+    assert again[4].restore() == 8  # the window's start, not the half window
+    train(*again, epochs=2)
+    assert torch.equal(whole[1].weight, again[1].weight) and torch.equal(whole[1].bias, again[1].bias)
