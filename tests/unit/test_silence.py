@@ -30,6 +30,7 @@ def test_silent_only_when_quiet_past_the_deadline_and_slurmd_did_not_answer_sinc
     assert quiet_nodes(last, 100.65, verdicts=no, **KW) == ([], [])  # not quiet long enough yet
     yes = {"n1": _v("n1", 100.45, True)}  # slurmd answered: a slow node, not a lost one
     assert quiet_nodes(last, 100.75, verdicts=yes, **KW) == ([], [])
+    assert quiet_nodes({"n1": 100.0, "n2": 101.1}, 101.2, verdicts=yes, **KW) == (["n1"], [])  # quiet: asked again
     old = {"n1": _v("n1", 99.9, False)}  # asked before its last sign of life: asked again
     assert quiet_nodes(last, 100.75, verdicts=old, **KW) == (["n1"], [])
 

@@ -36,7 +36,7 @@ def quiet_nodes(last: Mapping[str, float], now: float, *, silence_s: float, prob
     ``last``: node -> newest heartbeat or pulse line (0: none yet, not judged);
     ``verdicts``: the newest probe result per node; ``held``: nodes already being judged
     on stale heartbeats. A node is probed once per silence (no verdict started after its
-    last sign yet); it is silent when quiet for ``silence_s`` and a probe started after
+    last sign yet; an answered one is asked again ``silence_s - probe_s`` later); it is silent when quiet for ``silence_s`` and a probe started after
     its last sign found slurmd not answering."""
     judged = {n: t for n, t in last.items() if t > 0 and n not in held}
     if len(last) > 1 and not any(now - t < silence_s / 2 for t in last.values() if t > 0):
@@ -46,7 +46,9 @@ def quiet_nodes(last: Mapping[str, float], now: float, *, silence_s: float, prob
     for node, t in judged.items():
         quiet = now - t
         v = verdicts.get(node)
-        fresh = v is not None and v.started >= t  # asked since its last sign of life
+        # asked since its last sign of life; an answer is taken as recent only for as long
+        # as the probe's lead time (a node that answered and then died is asked again)
+        fresh = v is not None and v.started >= t and (v.answered is False or now - v.ended < start_after)
         if quiet >= silence_s and fresh and v.answered is False:
             silent.append(node)
         elif quiet >= start_after and not fresh:
@@ -55,8 +57,9 @@ def quiet_nodes(last: Mapping[str, float], now: float, *, silence_s: float, prob
 
 
 def silence(watch: Any, state: Any, suspects: dict[str, dict[str, Any]], now: float) -> None:
-    """One look (every loop turn): start the probes of quiet nodes; make the ranks of a
-    silent node suspects (``watch`` is the ``Watch``; its prober, verdicts and held nodes)."""
+    """One look (every loop turn): start the probes of quiet nodes; hold the ranks of a
+    silent node as suspects with its verdict (``watch`` is the ``Watch``: its prober,
+    verdicts and held nodes, which ``Watch._probed`` hands to ``decide``)."""
     d = watch.cfg.detect
     table, by_node = watch._rank_nodes
     if table is not state.table:
@@ -77,6 +80,8 @@ def silence(watch: Any, state: Any, suspects: dict[str, dict[str, Any]], now: fl
         v = watch._verdicts[node]
         why = (f"node silent for {now - last[node]:.2f} s (no heartbeat, no pulse line) and its slurmd did "
                f"not answer ({v.detail})")
+        held = watch._held.setdefault(node, {})  # judged with this verdict (``Watch._probed``)
         for wid in by_node[node]:
             if state.watched(wid):
-                suspects.setdefault(wid, {"t": now}).update(heartbeat_stale=True, evidence=why)
+                o = suspects.pop(wid, {"t": now})
+                held[wid] = {**o, **held.get(wid, {}), "heartbeat_stale": True, "evidence": why}
