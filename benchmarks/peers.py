@@ -129,6 +129,13 @@ def _revive(fn) -> None:
         print(f"warning: bringing the node back: {exc}", file=sys.stderr)
 
 
+def before_fault(run: dict) -> bool:
+    """A run that failed before its fault (the job never reached --kill-at with every rank:
+    e.g. lost in a restart of the lab) measures no recovery: it is counted apart."""
+    error = str(run.get("error", ""))
+    return bool(run.get("before_fault")) or error.startswith(("RuntimeError: ended before step", "TimeoutError: step"))
+
+
 def summarize(runs: dict, refs: dict[str, str | None]) -> dict:
     """Per fault and system: MTTR and steps-lost statistics, runs not recovered, digests equal to
     the system's fault-free run, the ratio of the median to ours."""
@@ -139,10 +146,12 @@ def summarize(runs: dict, refs: dict[str, str | None]) -> dict:
             if isinstance(rs, str):
                 out[fault][system] = {"cannot": rs}
                 continue
-            cell = {**steplog.stats([r.get("mttr_s") for r in rs]),
-                    "steps_lost": steplog.stats([r.get("steps_lost") for r in rs]),
-                    "not_recovered": sum(not r.get("recovered") for r in rs),
-                    "digest_equal": sum(bool(refs.get(system)) and r.get("digest") == refs.get(system) for r in rs),
+            faulted = [r for r in rs if not before_fault(r)]
+            cell = {**steplog.stats([r.get("mttr_s") for r in faulted]),
+                    "steps_lost": steplog.stats([r.get("steps_lost") for r in faulted]),
+                    "not_recovered": sum(not r.get("recovered") for r in faulted),
+                    "no_fault": len(rs) - len(faulted),
+                    "digest_equal": sum(bool(refs.get(system)) and r.get("digest") == refs.get(system) for r in faulted),
                     "runs": rs}
             out[fault][system] = cell
         ours = out[fault].get(OURS, {}).get("median_s")
@@ -183,7 +192,7 @@ def markdown(doc: dict) -> str:
             if "cannot" in c:
                 lines.append(f"| {fault} | {system} | cannot: {c['cannot']} | | | | | {ch} |")
                 continue
-            runs = len(c["runs"])
+            runs = len(c["runs"]) - c.get("no_fault", 0)
             mttr = f"{c['median_s']:.2f} ({c['min_s']:.2f}–{c['max_s']:.2f})" if c["median_s"] is not None else "none"
             ratio = f"{c['ratio_to_ours']:.1f}×" if "ratio_to_ours" in c else ("1" if system == OURS else "-")
             lost = c["steps_lost"]["median_s"]

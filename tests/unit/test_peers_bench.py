@@ -117,3 +117,12 @@ def test_markdown_table_of_a_written_json(tmp_path, capsys):
     assert peers.main(["--markdown", str(path)]) == 0 and "torchft" in capsys.readouterr().out
     assert peers.main(["--markdown", str(tmp_path / "missing.json")]) == 2
     assert capsys.readouterr().err.count("\n") == 1
+
+
+def test_a_run_that_never_reached_its_fault_is_counted_apart():
+    runs = {"kill-rank": {"nvrx": [{"mttr_s": 5.0, "steps_lost": 2, "recovered": True, "digest": "d"},
+                                   {"error": "RuntimeError: ended before step 12 with all 2 ranks", "recovered": False},
+                                   {"mttr_s": None, "recovered": False, "why": "not within 90 s"}]}}
+    cell = peers.summarize(runs, {"nvrx": "d"})["kill-rank"]["nvrx"]
+    assert cell["no_fault"] == 1 and cell["not_recovered"] == 1 and cell["n"] == 1 and cell["digest_equal"] == 1
+    assert "| 1/2 |" in peers.markdown({"results": {"kill-rank": {"nvrx": cell}}})
