@@ -24,7 +24,7 @@ import selectors
 import socket
 import threading
 import time
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, NamedTuple, Sequence
 
 log = logging.getLogger(__name__)
 
@@ -41,9 +41,10 @@ class Observation:
     detail: str = ""
 
 
-@dataclasses.dataclass(frozen=True)
-class Pulse:
-    """What the node's pulse (``worker/pulse.py``) last said of one rank, received at ``t``."""
+class Pulse(NamedTuple):
+    """What the node's pulse (``worker/pulse.py``) last said of one rank, received at ``t``.
+
+    A named tuple, not a dataclass: the liveness thread makes N of them a period."""
 
     t: float
     progress: int
@@ -179,10 +180,8 @@ class LivenessServer:
                     _pid, progress, phase, step, st, cpu = entry[:6]
                     phase = int(phase)  # worker/pulse.py: 0 computing, 1 waiting, 2 busy
                     beat = entry[6:10] if len(entry) >= 10 else (0.0, -1, -1, -1.0)
-                    fresh[str(wid)] = Pulse(t=now, progress=int(progress), waiting=phase == 1, step=int(step),
-                                            state=str(st)[:1], cpu=int(cpu), busy=phase == 2,
-                                            beat_t=float(beat[0]), generation=int(beat[1]), rank=int(beat[2]),
-                                            compute_ms=float(beat[3]))
+                    fresh[str(wid)] = Pulse(now, int(progress), phase == 1, int(step), str(st)[:1], int(cpu),
+                                            phase == 2, float(beat[0]), int(beat[1]), int(beat[2]), float(beat[3]))
             except (ValueError, KeyError, TypeError, AttributeError):
                 continue  # a torn or foreign line: the next one will do
         with self._lock:

@@ -45,6 +45,7 @@ from .straggler import StragglerPolicy, StragglerWatch
 
 log = logging.getLogger(__name__)
 
+SILENCE_LOOK_S = 0.05  # how often the node-silence look runs (O(nodes); silence.py)
 EVENT_HOLE_S = 1.0  # an event counted but unwritten this long is skipped (its writer died)
 _MARKS = frozenset({WorkerEvent.RECONNECTED, WorkerEvent.RESTORED, WorkerEvent.FIRST_STEP, WorkerEvent.DONE})
 
@@ -63,6 +64,8 @@ class Watch:
         self.sweep, self.heard = sweep, heard
         self._hb_heard: dict[str, float] = {}  # node -> its ranks' newest heartbeat (each poll)
         self._rank_nodes: tuple[object, dict[str, list[str]]] = (None, {})  # (table, node -> its ranks)
+        self._ranks_of: tuple[object, dict[str, int]] = (None, {})  # (table, worker -> rank)
+        self._last_silence = 0.0
         self.cfg, self.store, self.seen, self.launcher = cfg, store, seen, launcher
         self.pulses = pulses
         d = cfg.detect
@@ -106,7 +109,8 @@ class Watch:
                     suspects.setdefault(wid, {"t": now})["process_exited"] = True
             out += self._heartbeats(state, suspects, now)
             out += self._drain(state, suspects, 0.0)  # a socket closed during the O(N) read
-        if self.prober is not None and self.cfg.detect.silence_s:
+        if self.prober is not None and self.cfg.detect.silence_s and now - self._last_silence >= SILENCE_LOOK_S:
+            self._last_silence = now
             silence(self, state, suspects, now)
         if suspects and self.prober is not None:
             self._hold_silent(state, suspects)
@@ -161,29 +165,37 @@ class Watch:
         # folds the beats: worker/pulse.py); the store is read only for the others.
         pulses = self.pulses()
         fresh_s = 2 * self.cfg.detect.heartbeat_period_s
-        beats: dict[str, dict | None] = {}
+        ranks = self._slot_ranks(state)
+        times: dict[str, float | None] = {}
+        compute: dict[int, float] = {}
+        steps = self.steps
+        rest = []
         for wid in live:
             p = pulses.get(wid)
             if p is not None and p.beat_t > 0 and now - p.t <= fresh_s:
-                beats[wid] = p.beat()
-        rest = [wid for wid in live if wid not in beats]
+                times[wid] = p.beat_t
+                steps[wid] = p.step
+                if p.compute_ms >= 0 and wid in ranks:
+                    compute[ranks[wid]] = p.compute_ms
+            else:
+                rest.append(wid)
+        beats: dict[str, dict | None] = {}
         if rest:
             keys = self._hb_keys
             for wid in rest:
                 if wid not in keys:
                     keys[wid] = heartbeat_key(wid)
-            beats.update(read_heartbeats(self.store, {wid: keys[wid] for wid in rest}))
-        for wid, beat in beats.items():
-            if beat is not None:
-                self.steps[wid] = int(beat.get("step", 0))
+            beats = read_heartbeats(self.store, {wid: keys[wid] for wid in rest})
+        for wid, b in beats.items():
+            times[wid] = b["t"] if b else None
+            if b is not None:
+                steps[wid] = int(b.get("step", 0))
+                if wid in ranks and b.get("compute_ms") is not None:
+                    compute[ranks[wid]] = b["compute_ms"]
         out: list[Observation] = []
-        ranks = {s.worker_id: s.rank for s in state.table.slots}
-        compute = {ranks[w]: b["compute_ms"] for w, b in beats.items()
-                   if b and w in ranks and b.get("compute_ms") is not None}
         if state.recovery is None:
             for rank in self.stragglers.observe(compute):
                 out.append(Straggler(rank, compute[rank], tuple(v for r, v in compute.items() if r != rank)))
-        times = {wid: (b["t"] if b else None) for wid, b in beats.items()}
         # Ranks: the watchdog decides (a stale heartbeat alone is a suspect, not a fault).
         ranks_t = {w: (t if t is not None else self.connected_at[w]) for w, t in times.items() if w in ranks}
         if self.prober is not None:  # the slurmd probe of a node gone quiet (probe.py)
@@ -209,6 +221,12 @@ class Watch:
             if p is None or now - p.t > self.cfg.detect.heartbeat_timeout_s or p.state == "T":
                 suspects.setdefault(wid, {"t": now})["heartbeat_stale"] = True
         return out
+
+    def _slot_ranks(self, state: SupervisorState) -> dict[str, int]:
+        """Worker id -> rank in the current table, built once per table."""
+        if self._ranks_of[0] is not state.table:
+            self._ranks_of = (state.table, {s.worker_id: s.rank for s in state.table.slots})
+        return self._ranks_of[1]
 
     def liveness(self, worker_id: str) -> str:
         """The watchdog's verdict on a rank, for the status (``ok`` when none)."""
