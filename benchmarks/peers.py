@@ -306,7 +306,8 @@ def _load(args, runs: dict, refs: dict, loads: list) -> list[dict]:
 
 def _write(args, argv, started, root, runs, refs, loads, earlier=()) -> None:
     plain = systems.TRAIN.read_text()
-    changed = {s: steplog.lines_changed(plain, systems.SCRIPTS[s].read_text()) for s in args.systems}
+    present = {s for cells in runs.values() for s in cells} | set(args.systems)
+    changed = {s: steplog.lines_changed(plain, systems.SCRIPTS[s].read_text()) for s in systems.SYSTEMS if s in present}
     doc = {"benchmark": "peers", "command": "python " + " ".join([sys.argv[0], *(argv or sys.argv[1:])]),
            "started": started, "machine": platform.node(), "cpus": os.cpu_count(),
            "loadavg_1min_at_each_run": loads, "versions": _versions(args), "args": {**vars(args)},
