@@ -1,7 +1,9 @@
 """What the supervisor needs from whatever starts processes on nodes.
 
-Two adapters implement it: :class:`~slurm_resilience.slurm.steps.SrunLauncher`
-(one ``srun --no-kill`` job step per worker inside the allocation) and
+``Launcher`` is what every launcher does; ``Requeues``, ``CleansContainers`` and
+``ReadsSlurmTimeouts`` are what only a launcher inside a scheduler can, checked with
+``isinstance`` (the local launcher has none of them). Two adapters implement it:
+:class:`~slurm_resilience.slurm.steps.SrunLauncher` (one ``srun --no-kill`` job step per worker inside the allocation) and
 :class:`~slurm_resilience.launch.localhost.LocalLauncher` (plain subprocesses on
 this host, for tests of the recovery logic without Slurm).
 """
@@ -9,7 +11,7 @@ this host, for tests of the recovery logic without Slurm).
 from __future__ import annotations
 
 import subprocess
-from typing import Mapping, Protocol, Sequence
+from typing import Mapping, Protocol, Sequence, runtime_checkable
 
 
 class StepHandle(Protocol):
@@ -55,3 +57,27 @@ class Launcher(Protocol):
     def run_check(self, node: str, argv: Sequence[str], timeout_s: float) -> tuple[int | None, str]:
         """Run ``argv`` on ``node`` to its end (a short step); (exit code or None on a
         time-out, its output)."""
+
+
+@runtime_checkable
+class Requeues(Protocol):
+    """A launcher inside a scheduler: it can requeue (or resubmit) the job."""
+
+    def requeue(self) -> None:
+        """Requeue this job; the scheduler then ends this process."""
+
+
+@runtime_checkable
+class CleansContainers(Protocol):
+    """A launcher that runs steps in containers and can remove what a job left on nodes."""
+
+    def clean_containers(self, nodes: Sequence[str], *, stale: bool = False) -> dict[str, object]:
+        """Remove this job's containers on ``nodes`` (``stale``: ended jobs' too)."""
+
+
+@runtime_checkable
+class ReadsSlurmTimeouts(Protocol):
+    """A launcher that can read the site's Slurm timeouts (``scontrol show config``)."""
+
+    def slurm_timeouts(self) -> tuple[float | None, float | None]:
+        """(SlurmdTimeout, KillWait) in seconds (None: not known)."""

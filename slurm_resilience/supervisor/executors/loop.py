@@ -2,10 +2,10 @@
 
     executor.observe(state)  ──► observations (liveness, steps, heartbeats, node states, events)
     decide(state, obs, now)  ──► new state + actions                       (pure, decide.py)
-    executor.execute(action) ──► I/O through adapters; may answer with observations
+    carry_out(executor, action) ──► I/O through adapters; may answer with observations
                                  (e.g. Published, with the time the plan went out)
 
-``online.OnlineExecutor`` carries ``Session`` programs (survivors keep their
+``online.Supervisor`` carries ``Session`` programs (survivors keep their
 processes); ``relaunch.RelaunchExecutor`` carries unmodified programs (one
 all-ranks step, relaunched). Both run the same decisions.
 """
@@ -14,22 +14,12 @@ from __future__ import annotations
 
 import collections
 import time
-from typing import Callable, Iterable, Protocol
+from typing import Callable, Iterable
 
 from ..decide.decide import decide
-from ..decide.messages import Action, Exit, Observation
+from ..decide.messages import Exit, Observation
 from ..decide.state import Policy, SupervisorState
-
-
-class Executor(Protocol):
-    def observe(self, state: SupervisorState) -> list[Observation]:
-        """What happened since the last call (blocks for at most a short poll interval)."""
-
-    def execute(self, state: SupervisorState, action: Action) -> list[Observation]:
-        """Carry out one action; ``state`` is the state after the decision."""
-
-    def changed(self, state: SupervisorState) -> None:
-        """The state changed (persist it for a re-attach)."""
+from .contract import Executor, carry_out
 
 
 def run(executor: Executor, state: SupervisorState, policy: Policy, first: Iterable[Observation] = (),
@@ -46,6 +36,6 @@ def run(executor: Executor, state: SupervisorState, policy: Policy, first: Itera
             executor.changed(new)
         state = new
         for action in actions:
-            pending.extend(executor.execute(state, action))
+            pending.extend(carry_out(executor, state, action))
             if isinstance(action, Exit):
                 return action.code, state

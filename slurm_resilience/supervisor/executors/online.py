@@ -40,10 +40,10 @@ from ..observe.detect import LivenessServer, NodeWatcher
 from ...health import health_argv
 from ..observe.checker import SpareChecker
 from ..adapters.isolate import Isolator
-from ..adapters.launcher import Launcher, StepHandle
+from ..adapters.launcher import CleansContainers, Launcher, ReadsSlurmTimeouts, Requeues, StepHandle
 from ..decide.messages import (
     Action, CheckSpare, DrainEvents, Emit, Exit, Isolate, Kill, Launch, Observation, Phase, Publish, Published, Reap,
-    Relaunch, Requeue, Say, ShutDownStandbys, Start,
+    Requeue, Say, ShutDownStandbys, Start,
 )
 from ..observe.metrics import Metrics
 from ..decide.report import status_dict, write_status
@@ -81,6 +81,9 @@ class StoreLink:
 class Supervisor:
     """The job's supervisor for ``Session`` programs; ``run()`` returns the exit code."""
 
+    HANDLES = frozenset({Launch, Kill, Publish, Isolate, CheckSpare, Emit, Say, Phase, ShutDownStandbys, Reap,
+                         DrainEvents, Requeue, Exit})  # not Relaunch: the relaunch executor's
+
     def __init__(self, *, config: ResilienceConfig, command: Sequence[str], job_dir: str,
                  nodes: Sequence[str], launcher: Launcher, store_host: str,
                  run_id: str, job_id: str = "local", requeue_count: int = 0, out=sys.stdout,
@@ -102,7 +105,7 @@ class Supervisor:
         self.requeue_count, self.out = requeue_count, out
         self.store_port, self.reattaching = store_port, reattach
         self.nodes = list(nodes[:need])
-        self.policy = Policy.from_config(config, mode=Mode.ONLINE, can_requeue=hasattr(launcher, "requeue"))
+        self.policy = Policy.from_config(config, mode=Mode.ONLINE, can_requeue=isinstance(launcher, Requeues))
         self.handles: dict[str, StepHandle] = {}
         self._nccl_env = nccl_environ(config.reconnect, os.environ)  # NCCL's watchdog, unless the user set it
         self._signalled = threading.Event()
@@ -161,7 +164,7 @@ class Supervisor:
 
     def _check_slurm_timeouts(self) -> None:
         """SlurmdTimeout and KillWait are the site's: a warning line each, never fatal."""
-        if not hasattr(self.launcher, "slurm_timeouts"):
+        if not isinstance(self.launcher, ReadsSlurmTimeouts):
             return  # no Slurm (local mode)
         try:
             slurmd, kill_wait = self.launcher.slurm_timeouts()
@@ -202,7 +205,7 @@ class Supervisor:
             self.liveness.close()
             self._sweeper.close()
             self.isolator.join()
-            if hasattr(self.launcher, "clean_containers"):  # the spares' too: a node leaves the job clean
+            if isinstance(self.launcher, CleansContainers):  # the spares' too: a node leaves the job clean
                 self.launcher.clean_containers(self.nodes)
             self._write_status(self.state, force=True)
             self.events.close()
@@ -277,15 +280,13 @@ class Supervisor:
         elif isinstance(action, DrainEvents):
             self.watch.poll_events(state)
         elif isinstance(action, Requeue):
-            if hasattr(self.launcher, "requeue"):
+            if isinstance(self.launcher, Requeues):
                 self.launcher.requeue()
             else:  # no scheduler (local mode): the user reruns the same job directory to resume
                 self._say("no scheduler to requeue with: run the job again in the same job directory to resume")
         elif isinstance(action, Exit):
             if action.error:
                 print(f"slurm-resilience: error: {action.error}", file=sys.stderr, flush=True)
-        elif isinstance(action, Relaunch):
-            raise TypeError("Relaunch is the relaunch executor's action, not the online one's")
         return []
 
     # -- adapters ------------------------------------------------------------------------

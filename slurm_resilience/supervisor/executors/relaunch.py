@@ -53,9 +53,10 @@ from ...slurm.steps import srun_argv
 from . import loop, relaunch_preempt
 from ..decide.classify import find_faults, node_unhealthy
 from ..adapters.isolate import Isolator
+from ..adapters.launcher import CleansContainers
 from ..decide.messages import (
-    Action, AllDone, Emit, Exit, Isolate, Observation, Phase, Preempted, Publish, Published, Reap, Relaunch, Requeue,
-    Say, Start, StepFaults, StepTrained,
+    Action, AllDone, DrainEvents, Emit, Exit, Isolate, Observation, Phase, Preempted, Publish, Published, Reap,
+    Relaunch, Requeue, Say, ShutDownStandbys, Start, StepFaults, StepTrained,
 )
 from ..decide.report import status_dict, write_status
 from ..decide.state import Mode, Policy, SupervisorState
@@ -175,6 +176,11 @@ class RelaunchExecutor:
     ``node_reachable``, ``node_states``, ``isolate``, ``address``).
     """
 
+    # Publish (but PERSIST's request file), ShutDownStandbys and DrainEvents are no-ops
+    # here: no rank reads a plan, there are no standbys and no worker events.
+    HANDLES = frozenset({Relaunch, Publish, Reap, Requeue, Isolate, Emit, Phase, Exit, Say, ShutDownStandbys,
+                         DrainEvents})
+
     def __init__(self, *, config: ResilienceConfig, command: Sequence[str], job_dir: str, job_id: str,
                  layout: Layout, allocation: Sequence[str], launcher, mpi: bool = False,
                  poll_s: float = 0.1, probe_every_s: float = 0.5,
@@ -224,7 +230,7 @@ class RelaunchExecutor:
             if self.zygotes is not None:
                 self.zygotes.close()
             self.isolator.join()
-            if hasattr(self.launcher, "clean_containers"):
+            if isinstance(self.launcher, CleansContainers):
                 self.launcher.clean_containers([*self.state.worker_nodes, *self.state.spare_nodes])
             self.events.close()
 
