@@ -57,7 +57,7 @@ def _closed(sock: socket.socket) -> bool:
         return True
 
 
-STORE_EVERY = 4  # periods between store heartbeats while the node's pulse relays the beats
+STORE_EVERY = 2  # periods between store heartbeats while the node's pulse relays the beats
 
 
 class Heartbeat:

@@ -188,6 +188,9 @@ class Watch:
             beats = read_heartbeats(self.store, {wid: keys[wid] for wid in rest})
         for wid, b in beats.items():
             times[wid] = b["t"] if b else None
+            p = pulses.get(wid)  # a line not fresh still tells when the rank last beat
+            if p is not None and p.beat_t > (times[wid] or 0.0):
+                times[wid] = p.beat_t
             if b is not None:
                 steps[wid] = int(b.get("step", 0))
                 if wid in ranks and b.get("compute_ms") is not None:
