@@ -1,21 +1,14 @@
-"""The job's lifecycle as an explicit state machine.
+"""The job's lifecycle as an explicit state machine: its phases and the allowed moves.
 
-Every change of phase goes through ``Lifecycle.transition``, which checks the
-``TRANSITIONS`` table, logs, and records history.
+Every change of phase is a decision (``supervisor/decide/plans.py`` ``move``), which
+checks the ``TRANSITIONS`` table and raises ``RecoveryError`` on any other move.
 """
 
 from __future__ import annotations
 
 import enum
-import logging
-import time
-from typing import Callable
 
-from slurm_resilience.errors import RecoveryError
-
-__all__ = ["JobPhase", "TRANSITIONS", "Lifecycle"]
-
-log = logging.getLogger(__name__)
+__all__ = ["JobPhase", "TRANSITIONS"]
 
 
 class JobPhase(enum.Enum):
@@ -52,37 +45,3 @@ TRANSITIONS: dict[JobPhase, frozenset[JobPhase]] = {
     JobPhase.SUCCEEDED: frozenset(),
     JobPhase.FAILED: frozenset(),
 }
-
-
-class Lifecycle:
-    """Holds the current ``phase`` and the ``history`` of (time, from, to, reason)."""
-
-    def __init__(
-        self,
-        phase: JobPhase = JobPhase.STARTING,
-        *,
-        clock: Callable[[], float] = time.time,
-    ) -> None:
-        self.phase = phase
-        self.history: list[tuple[float, JobPhase, JobPhase, str]] = []
-        self._clock = clock
-
-    @property
-    def terminal(self) -> bool:
-        """True in SUCCEEDED or FAILED."""
-        return not TRANSITIONS[self.phase]
-
-    def transition(self, to: JobPhase, reason: str = "") -> None:
-        """Move to ``to``.
-
-        Raises:
-            RecoveryError: ``to`` is not allowed from the current phase.
-        """
-        if to not in TRANSITIONS[self.phase]:
-            raise RecoveryError(
-                f"illegal job phase transition {self.phase.name} -> {to.name}"
-                + (f" ({reason})" if reason else "")
-            )
-        log.info("job phase %s -> %s%s", self.phase.name, to.name, f": {reason}" if reason else "")
-        self.history.append((self._clock(), self.phase, to, reason))
-        self.phase = to

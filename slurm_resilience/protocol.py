@@ -228,9 +228,7 @@ def done_key(rank: int) -> str:
     return StoreKey.DONE.of(rank)
 
 
-PERSIST_REQUEST_KEY = StoreKey.PERSIST_REQUEST.value
 EVENT_COUNTER = StoreKey.EVENT_COUNTER.value
-LIVENESS_PORT_KEY = StoreKey.LIVENESS_PORT.value
 SHUTDOWN_KEY = StoreKey.SHUTDOWN.value
 
 

@@ -6,9 +6,12 @@ import pytest
 
 from slurm_resilience.errors import RecoveryError
 from slurm_resilience.events import EventLog, format_timeline, read_events
-from slurm_resilience.lifecycle import TRANSITIONS, JobPhase, Lifecycle
-from slurm_resilience.model import Fault, FaultKind
+from slurm_resilience.lifecycle import TRANSITIONS, JobPhase
+from slurm_resilience.model import Fault, FaultKind, RankTable
 from slurm_resilience.protocol import EventKind, RecoveryPhase, WorkerEvent
+from slurm_resilience.supervisor.decide import messages as m
+from slurm_resilience.supervisor.decide.plans import move
+from slurm_resilience.supervisor.decide.state import SupervisorState
 
 
 class Clock:
@@ -91,24 +94,26 @@ def test_transitions_table_complete():
     assert not TRANSITIONS[JobPhase.SUCCEEDED] and not TRANSITIONS[JobPhase.FAILED]
 
 
+def _in(phase: JobPhase) -> SupervisorState:
+    return SupervisorState(job_id="7", phase=phase, table=RankTable(generation=0, slots=()), target_world=1,
+                           worker_nodes=("n1",), spare_nodes=(), addresses={})
+
+
 @pytest.mark.parametrize("frm,to", ALL_PAIRS)
 def test_every_pair(frm, to):
-    lc = Lifecycle(frm, clock=Clock(5.0))
-    if to in TRANSITIONS[frm]:
-        lc.transition(to, reason="why")
-        assert lc.phase is to
-        assert lc.history == [(5.0, frm, to, "why")]
+    """Every phase change is a decision (``plans.move``) checked against TRANSITIONS."""
+    if frm is to:
+        assert move(_in(frm), to, "why") == (_in(frm), [])  # already there: nothing to do
+    elif to in TRANSITIONS[frm]:
+        state, acts = move(_in(frm), to, "why")
+        assert state.phase is to and acts == [m.Phase(frm, to, "why")]
     else:
         with pytest.raises(RecoveryError, match=f"{frm.name} -> {to.name}"):
-            lc.transition(to)
-        assert lc.phase is frm and lc.history == []
+            move(_in(frm), to, "why")
 
 
-def test_happy_path_logs(caplog):
-    caplog.set_level("INFO")
-    lc = Lifecycle()
-    assert lc.phase is JobPhase.STARTING and not lc.terminal
+def test_happy_path():
+    state = _in(JobPhase.STARTING)
     for p in (JobPhase.RUNNING, JobPhase.RECOVERING, JobPhase.RUNNING, JobPhase.FINISHING, JobPhase.SUCCEEDED):
-        lc.transition(p)
-    assert lc.terminal and len(lc.history) == 5
-    assert "RECOVERING -> RUNNING" in caplog.text
+        state, _ = move(state, p, "")
+    assert state.phase is JobPhase.SUCCEEDED and not TRANSITIONS[state.phase]

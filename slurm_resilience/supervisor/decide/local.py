@@ -30,10 +30,8 @@ import dataclasses
 
 from ...protocol import EventKind, Role
 from .messages import Action, Kill, emit
-from .plans import launch
+from .plans import Decision, launch
 from .state import Policy, SupervisorState
-
-Decision = tuple[SupervisorState, list[Action]]
 
 
 def per_node(state: SupervisorState, policy: Policy) -> int:

@@ -22,13 +22,12 @@ from ...protocol import EventKind, Plan, PlanAction, Role
 from .classify import classify_fault, is_node_fault
 from .ladder import FaultCase, LadderInput, Level, RecoveryPlan, choose_level, plan_recovery
 from . import blame, local, relaunch_recovery, spares
-from .plans import abort, launch, move, publish, requeue
+from .plans import Decision, abort, launch, move, publish, requeue
 from .messages import Action, Isolate, Kill, Relaunch, Say, StepFaults, Straggler, Suspects, emit
 from .ranktable import Replacement, grow as grow_table, in_node_order, regenerate, shrink
 from .state import Mode, Policy, Recovery, SupervisorState, is_process_fault
 
 PROCESS_RESTART = Level.PROCESS_RESTART.value
-Decision = tuple[SupervisorState, list[Action]]
 
 
 def on_suspects(state: SupervisorState, obs: Suspects, now: float, policy: Policy) -> Decision:

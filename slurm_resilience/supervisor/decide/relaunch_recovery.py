@@ -24,9 +24,9 @@ from ...model import Fault
 from ...protocol import EventKind, RecoveryPhase
 from .messages import Action, Published, Say, StepFaults, StepTrained, emit
 from .report import recovery_phases
+from .plans import Decision
 from .state import Recovery, SupervisorState
 
-Decision = tuple[SupervisorState, list[Action]]
 _NOT_OBSERVED = (RecoveryPhase.RECONNECT, RecoveryPhase.RESTORE)
 
 

@@ -12,9 +12,8 @@ from __future__ import annotations
 import dataclasses
 
 from .messages import Action, CheckSpare
+from .plans import Decision
 from .state import Policy, SupervisorState
-
-Decision = tuple[SupervisorState, list[Action]]
 
 
 def check(state: SupervisorState, node: str) -> Decision:
