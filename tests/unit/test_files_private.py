@@ -26,7 +26,7 @@ def test_durable_by_default_and_not_when_asked(tmp_path, monkeypatch):
 
 def test_the_supervisors_state_and_status_skip_fsync(tmp_path, monkeypatch):
     from slurm_resilience.supervisor.executors import reattach
-    from slurm_resilience.supervisor.decide.report import write_status
+    from slurm_resilience.supervisor.adapters.status import write_status
     from test_local_standbys import started
 
     state, _ = started()

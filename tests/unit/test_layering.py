@@ -31,8 +31,8 @@ ALLOWED = {
     "observe": {"decide", "adapters", "observe"},
     "executors": {"decide", "adapters", "observe", "executors"},
 }
-# what a pure layer must not import (I/O, processes, sockets, threads, torch)
-IMPURE = ("subprocess", "socket", "selectors", "threading", "multiprocessing", "signal", "torch")
+# what a pure layer must not import (files, clock, processes, sockets, threads, torch)
+IMPURE = ("os", "time", "subprocess", "socket", "selectors", "threading", "multiprocessing", "signal", "torch")
 PURE_LAYERS = {"decide"}
 # the only parts of the package that may import the supervisor (they start it)
 ENTRY = (f"{PACKAGE}.cli", f"{PACKAGE}.launch")

@@ -14,7 +14,7 @@ from slurm_resilience.supervisor.decide import local
 from slurm_resilience.supervisor.decide import messages as m
 from slurm_resilience.supervisor.decide.decide import decide
 from slurm_resilience.supervisor.executors.reattach import adopt_plans
-from slurm_resilience.supervisor.decide.report import status_dict
+from slurm_resilience.supervisor.adapters.status import status_dict
 from slurm_resilience.supervisor.decide.state import Mode, Policy, SupervisorState
 
 import pytest

@@ -1,4 +1,4 @@
-"""Stop: publishing the next generation's plan is the termination signal.
+"""Stop: publishing the next generation's plan (its rank table file first) is the termination signal.
 
 Ranks check for ``plan/{g+1}`` at every safe point and between the slices of every
 bounded-wait collective, so survivors stop within one poll interval, keep their
@@ -7,8 +7,13 @@ processes, and re-form. The plan is also the fence: a worker not named in it exi
 
 from __future__ import annotations
 
+import os
+
+from ...files import makedirs_private, write_private
+from ...model import RankTable
 from ...protocol import SHUTDOWN_KEY, Plan, plan_key
-from ..decide.ranktable import write_table
+
+LATEST_NAME = "ranktable.json"
 
 
 def publish_plan(store, plan: Plan, table_dir: str) -> str:
@@ -21,3 +26,23 @@ def publish_plan(store, plan: Plan, table_dir: str) -> str:
 def shut_down_standbys(store) -> None:
     """Warm standbys exit cleanly once the job is over."""
     store.set(SHUTDOWN_KEY, "1")
+
+
+def write_table(table: RankTable, directory: str) -> str:
+    """Write ``ranktable-gen{g:04d}.json`` and ``ranktable.json`` atomically.
+
+    Each file is written to a 0600 temp file in ``directory``, fsynced, renamed
+    into place, and the directory is fsynced. The versioned file lands first so
+    ``ranktable.json`` never names a generation that is not on disk.
+
+    Returns:
+        the path of the versioned file.
+    Raises:
+        OSError: the directory is not writable.
+    """
+    makedirs_private(directory)
+    text = table.to_json()
+    path = os.path.join(directory, f"ranktable-gen{table.generation:04d}.json")
+    write_private(path, text)
+    write_private(os.path.join(directory, LATEST_NAME), text)
+    return path

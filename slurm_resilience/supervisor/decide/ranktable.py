@@ -1,4 +1,4 @@
-"""Pure rank-table regeneration, plus the one small function that writes it.
+"""Pure rank-table regeneration (its file is written by ``adapters/stop.py``).
 
 A rank table maps each rank to a slot (node, worker id, address). When a node
 is lost, the supervisor replaces it with a spare: the new table is the old one
@@ -7,17 +7,14 @@ with the lost slots re-pointed and the generation bumped.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, replace
 from typing import Mapping, Sequence
 
 from slurm_resilience.errors import RankTableError
-from slurm_resilience.files import makedirs_private, write_private
 from slurm_resilience.model import RankSlot, RankTable
 
-__all__ = ["initial_table", "slot_device", "Replacement", "regenerate", "shrink", "grow", "write_table", "LATEST_NAME"]
+__all__ = ["initial_table", "slot_device", "Replacement", "regenerate", "shrink", "grow"]
 
-LATEST_NAME = "ranktable.json"
 
 
 def initial_table(
@@ -118,26 +115,6 @@ def regenerate(
         )
     # a node's ranks move together (a partial move breaks the table's node invariant)
     return RankTable(generation=table.generation + 1, slots=tuple(slots))
-
-
-def write_table(table: RankTable, directory: str) -> str:
-    """Write ``ranktable-gen{g:04d}.json`` and ``ranktable.json`` atomically.
-
-    Each file is written to a 0600 temp file in ``directory``, fsynced, renamed
-    into place, and the directory is fsynced. The versioned file lands first so
-    ``ranktable.json`` never names a generation that is not on disk.
-
-    Returns:
-        the path of the versioned file.
-    Raises:
-        OSError: the directory is not writable.
-    """
-    makedirs_private(directory)
-    text = table.to_json()
-    path = os.path.join(directory, f"ranktable-gen{table.generation:04d}.json")
-    write_private(path, text)
-    write_private(os.path.join(directory, LATEST_NAME), text)
-    return path
 
 
 def _address(addresses: Mapping[str, str], node: str) -> str:

@@ -1,26 +1,18 @@
-"""What the supervisor reports: recovery phases (pure) and the one status writer.
+"""Pure: the phases of one recovery, from the supervisor's marks and the ranks' events.
 
 Phases of one recovery, from the supervisor's marks and the ranks' events::
 
     detected ─classify─ classified ─replace─ replaced ─ranktable─ published
         ─reconnect─ last rank joined ─restore─ last rank restored ─first_step─ last rank stepped
 
-Both executors (online and relaunch) write ``status.json`` through
-:func:`write_status`, so ``slurm-resilience status`` reads one format.
+The status file both executors write is ``adapters/status.py``'s.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import time
-from typing import Any, Mapping
+from typing import Mapping
 
-from ...files import write_private
 from ...protocol import RecoveryPhase
-from .state import Mode, SupervisorState
-
-STATUS_FILE = "status.json"
 
 
 def recovery_phases(marks: Mapping[str, float],
@@ -36,36 +28,3 @@ def recovery_phases(marks: Mapping[str, float],
             (RecoveryPhase.RECONNECT, m["published"], joined),
             (RecoveryPhase.RESTORE, joined, restored),
             (RecoveryPhase.FIRST_STEP, restored, last["first_step"])]
-
-
-def status_dict(state: SupervisorState, *, mode: str, retry_budget: int,
-                endpoints: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """The status file's content (pure but for the pid and clock)."""
-    workers = state.workers
-    return {
-        "job_id": state.job_id, "mode": mode, "requeue_count": state.requeue_count,
-        "supervisor_pid": os.getpid(), "phase": state.phase.name, "generation": state.table.generation,
-        "recoveries": state.recoveries, "relaunches": state.relaunches, "nodes": list(state.table.node_list),
-        "excluded": sorted(state.excluded), "fault_retries_used": state.fault_retries_used,
-        "retry_budget": retry_budget, **({"endpoints": dict(endpoints)} if endpoints else {}),
-        **({"failure": dict(state.failure)} if state.failure else {}),  # reason, the program's traceback
-        # a slot whose launch failed (or relaunch mode) has no worker record: pid None, step 0
-        "ranks": [{"rank": s.rank, "node": s.node, "worker_id": s.worker_id,
-                   "pid": getattr(workers.get(s.worker_id), "pid", None),
-                   "step": getattr(workers.get(s.worker_id), "step", 0)}
-                  for s in state.table.slots],
-        "tasks_per_node": state.tasks_per_node,
-        # one entry per warm standby (a spare node holds G of them)
-        "spares": ([{"node": n, "worker_id": wid, "pid": getattr(workers.get(wid), "pid", None)}
-                    for n, wids in state.standbys.items() for wid in wids] if mode == "online" else
-                   [{"node": n, "worker_id": None, "pid": None} for n in state.free_spares(Mode.RELAUNCH)]),
-        # recovery.local_standbys: one entry per node's own warm standby (K per node; a spare's extra ones)
-        "local_standbys": [{"node": n, "worker_id": wid, "pid": getattr(workers.get(wid), "pid", None),
-                            "connected": getattr(workers.get(wid), "connected", False)}
-                           for n, wids in sorted(state.local_standbys.items()) for wid in wids],
-        "t": time.time(),
-    }
-
-
-def write_status(job_dir: str, status: Mapping[str, Any]) -> None:
-    write_private(os.path.join(job_dir, STATUS_FILE), json.dumps(status), durable=False)  # twice a second

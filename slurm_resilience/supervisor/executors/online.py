@@ -46,7 +46,7 @@ from ..decide.messages import (
     Requeue, Say, ShutDownStandbys, Start,
 )
 from ..observe.metrics import Metrics
-from ..decide.report import status_dict, write_status
+from ..adapters.status import status_dict, write_status
 from ..decide.state import Mode, Policy, SupervisorState
 from ..adapters.stop import publish_plan, shut_down_standbys
 from ..observe.sweep import Sweeper

@@ -58,7 +58,7 @@ from ..decide.messages import (
     Action, AllDone, DrainEvents, Emit, Exit, Isolate, Observation, Phase, Preempted, Publish, Published, Reap,
     Relaunch, Requeue, Say, ShutDownStandbys, Start, StepFaults, StepTrained,
 )
-from ..decide.report import status_dict, write_status
+from ..adapters.status import status_dict, write_status
 from ..decide.state import Mode, Policy, SupervisorState
 from ..adapters.warm import WarmStep, ZygotePool
 
