@@ -27,6 +27,12 @@ after recovery (the last rank's). Cases:
     freeze-node       a node frozen (slurmd and its job cgroups stopped: nothing closes) →
                       classified lost by the slurmd probe → the spare adopts its ranks
     kill-node-podman  kill-node with every rank and standby in a podman container
+    partition-node    rank 1's node cut from everyone by iptables (its processes run on, no FIN)
+                      → lost → the spare adopts its ranks
+    partition-peers   rank 1's node cut from the other ranks' nodes only (slurmctld still
+                      reaches it; the supervisor shares rank 0's node, so it is cut too)
+    flap-node         rank 1's node cut for 0.5 s, then back: no recovery; the window ends
+                      when every rank has passed its step at the heal (status.json, 0.5 s)
 
 Baselines (benchmarks/mttr_baseline.py): the ordinary torchrun-style script
 examples/train_torchrun.py under a plain sbatch, resubmitted by hand after the kill,

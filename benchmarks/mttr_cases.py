@@ -5,6 +5,7 @@ injects its fault into a running job (``inject(status) -> fault wall time``), ho
 cleans up after the job (``cleanup``), and what ends its window (``measure``):
 
     recovery   the first ``recovery_done``'s first step (the last rank's)
+    resume     every rank past the step it was at when the fault ended (no recovery expected)
     reattach   the supervisor's re-attachment (training never pauses)
     restart    the first step of the world formed after the fault (requeue)
 
@@ -138,6 +139,50 @@ register(Case("freeze-node", inject=lambda st: lab.freeze_node(st["ranks"][1]["n
               fault="node-freeze"))
 
 
+# Network faults (nodes with their own addresses, scripts/lab_net.py): the node's
+# processes keep running, cut off; healed and revived after the job (outside the window).
+def _victim(st: Status) -> str:
+    return st["ranks"][1]["node"]
+
+
+def _heal_and_revive(st: Status) -> None:
+    lab.net_fault("heal")
+    lab.cluster("revive-node", _victim(st), timeout=60)
+
+
+def _peers(st: Status) -> float:
+    peers = sorted({r["node"] for r in st["ranks"]} - {_victim(st)})
+    return lab.net_fault("partition-peers", _victim(st), "--peers", ",".join(peers))
+
+
+register(Case("partition-node", inject=lambda st: lab.net_fault("partition-node", _victim(st)),
+              cleanup=_heal_and_revive, expect="node-replacement", fault="node-partition"))
+# cut from the other ranks' nodes only (the supervisor shares rank 0's node here, so it is
+# cut too); slurmctld still reaches the node
+register(Case("partition-peers", inject=_peers, cleanup=_heal_and_revive, fault="peer-partition"))
+# down for FLAP_S, under the detection deadline: no recovery; the window ends when every
+# rank has passed the step it was at when the link came back
+FLAP_S = 0.5
+register(Case("flap-node", inject=lambda st: lab.net_fault("flap-node", _victim(st), f"{FLAP_S}", timeout=60),
+              cleanup=lambda st: lab.net_fault("heal"), measure="resume", fault="node-flap"))
+
+
+def _resumed(run, timeout_s: float = 120.0) -> float | None:
+    """When status.json first shows every rank past the step the slowest was at now
+    (status.json is written twice a second: that is the resolution)."""
+    st = run.status
+    if not st or not st["ranks"]:
+        return None
+    mark = max(r["step"] for r in st["ranks"])
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and run.process.poll() is None:
+        st = run.status
+        if st and min(r["step"] for r in st["ranks"]) > mark:
+            return st["t"]
+        time.sleep(0.05)
+    return None
+
+
 def _standbys_connected(run, status: Status, timeout_s: float = 120.0) -> Status:
     """The status once every rank's node and every spare has its own connected warm standby
     (outside the window)."""
@@ -176,6 +221,7 @@ def run_case(case: Case, root: Path, args) -> dict:
     status = {**status, "job_dir": str(run.job_dir)}
     fault_step = min((r.get("step") for r in status["ranks"] if r.get("step") is not None), default=None)
     t_fault = case.inject(status)  # ---- the timed window starts here
+    t_resumed = _resumed(run) if case.measure == "resume" else None
     try:
         code = run.wait()
     finally:
@@ -193,6 +239,8 @@ def run_case(case: Case, root: Path, args) -> dict:
         t_end = first_step_after(events, t_fault)
         out["level"] = "requeue" if any(e["kind"] == EventKind.REQUEUE for e in events) else "?"
         out["parts_s"] = requeue_parts(events, t_fault, run.job_dir)
+    elif case.measure == "resume":
+        t_end, out["level"] = t_resumed, ("none" if not done else done[0]["level"])
     elif done:
         t_end, out["level"] = done[0]["first_step"], done[0]["level"]
         out["detect_s"] = round(done[0]["detected"] - t_fault, 3)

@@ -6,7 +6,9 @@ cluster (4 worker nodes + 1 spare + the supervisor's node; --tasks-per-node G pu
 G ranks on each worker node and G standbys on the spare), kills a worker node
 (hard: slurmd, slurmstepd and tasks by PID) in the middle — or, with
 ``--fault freeze-node``, stops it silently (slurmd and its job cgroups frozen, nothing
-closed; thawed and revived after the job) —, prints the recovery timeline, compares
+closed; thawed and revived after the job), or with ``--fault partition-node`` cuts it
+off the network (its processes run on; healed and revived after the job) —, prints
+the recovery timeline, compares
 the final weights, draws OUT/timeline.png and writes OUT/demo-summary.json.
 The fault goes in through ``slurm-resilience inject``'s code, which records it in the
 job's ``injected.jsonl``: ``slurm-resilience timeline JOBDIR --png FILE`` redraws the
@@ -31,8 +33,9 @@ def main() -> int:
     ap.add_argument("--kill-at-step", type=int, default=25)
     ap.add_argument("--tasks-per-node", type=int, default=1, metavar="G",
                     help="ranks per worker node (standbys per spare); the local cluster fits G <= its CPUs per node")
-    ap.add_argument("--fault", choices=("kill-node", "freeze-node"), default="kill-node",
-                    help="kill-node: hard loss (connections reset); freeze-node: silent loss (nothing closes)")
+    ap.add_argument("--fault", choices=("kill-node", "freeze-node", "partition-node"), default="kill-node",
+                    help="kill-node: hard loss (connections reset); freeze-node: silent loss (nothing closes); "
+                         "partition-node: the node cut off the network, its processes still running")
     args = ap.parse_args()
     if args.tasks_per_node < 1:
         ap.error(f"--tasks-per-node={args.tasks_per_node} must be >= 1")
@@ -50,7 +53,7 @@ def main() -> int:
         print("demo: the reference run failed", file=sys.stderr)
         return 1
 
-    verb = "kill" if args.fault == "kill-node" else "freeze"
+    verb = {"kill-node": "kill", "freeze-node": "freeze", "partition-node": "partition"}[args.fault]
     print(f"== faulty run: {verb} a worker node once every rank has done {args.kill_at_step} steps", flush=True)
     run = lab.submit(out / f"faulty-{stamp}", steps=args.steps, tasks_per_node=g)
     status = run.wait_for_step(args.kill_at_step)
@@ -58,13 +61,16 @@ def main() -> int:
     victim, fault_at = injected["node"], injected["at"]
     try:
         lost = [r["rank"] for r in status["ranks"] if r["node"] == victim]
-        print(f"   {'killed' if verb == 'kill' else 'froze'} node {victim} (rank{'s' if len(lost) > 1 else ''} {', '.join(map(str, lost))}) "
+        print(f"   {dict(kill='killed', freeze='froze', partition='partitioned')[verb]} node {victim} (rank{'s' if len(lost) > 1 else ''} {', '.join(map(str, lost))}) "
               f"at step ~{status['ranks'][1]['step']}", flush=True)
         code = run.wait()
         print(run.output(), flush=True)
     finally:
         if args.fault == "freeze-node":
             lab.thaw_and_revive(victim)
+        elif args.fault == "partition-node":
+            lab.net_fault("heal")
+            lab.cluster("revive-node", victim)
         else:
             lab.cluster("revive-node", victim)
     if code != 0:
