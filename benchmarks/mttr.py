@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""MTTR per fault and recovery level on the local cluster, against two baselines measured in the same run.
+"""MTTR per fault and recovery level on the local cluster, against same-fault baselines run alongside.
 
 Each case (benchmarks/mttr_cases.py) submits examples/train_mlp.py (4 worker nodes
 x --tasks-per-node ranks), injects one fault once every rank has done --kill-at
