@@ -132,7 +132,7 @@ def measured(a: argparse.Namespace) -> tuple[PhaseTimes, dict]:
     if a.silent_mttr_s is not None:
         used["freeze-node"] = a.silent_mttr_s
     peers = json.loads(a.peers_json.read_text()) if a.peers_json else None
-    measured_s = inputs.downtimes(mttr, peers, {"mttr": str(a.mttr_json), "peers": str(a.peers_json)})
+    measured_s = inputs.downtimes(mttr, peers, {"mttr": _shown(a.mttr_json), "peers": _shown(a.peers_json)})
     for key, arg in (("baseline_requeue", "requeue_s"), ("in_job_restart", "in_job_restart_s"),
                      ("toolkit_requeue", "toolkit_requeue_s")):
         if getattr(a, arg) is None:
@@ -146,6 +146,16 @@ def measured(a: argparse.Namespace) -> tuple[PhaseTimes, dict]:
         a.baseline_ckpt_cost_s = c.get("baseline_s", a.baseline_ckpt_cost_s)
         used["checkpoint"] = {**c, "from": str(a.checkpoint_json), "state_gb_per_rank": a.state_gb_per_rank}
     return phases, used
+
+
+def _shown(path: Path | None) -> str:
+    """``path`` as the output names it: relative to the repository when inside it."""
+    if path is None:
+        return "None"
+    try:
+        return str(Path(path).resolve().relative_to(PEERS_JSON.parents[2]))
+    except ValueError:
+        return str(path)
 
 
 def with_measured(tk: Strategy, used: dict) -> Strategy:
@@ -214,7 +224,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nTarget: toolkit default predicted ETTR >= {100 * TARGET:.0f}%:"
           f" {'met' if ettr >= TARGET else 'NOT met'} ({100 * ettr:.3f}%)")
     if a.json:
-        a.json.write_text(json.dumps(stamped({"benchmark": "goodput", "inputs": used, "args": {k: str(v) for k, v in vars(a).items()},
+        shown = {k: _shown(v) if isinstance(v, Path) else str(v) for k, v in vars(a).items()}
+        a.json.write_text(json.dumps(stamped({"benchmark": "goodput", "inputs": used, "args": shown,
                                       "main": dict(rows), "sensitivity": dict(sens_rows)}, __file__), indent=2))
     return 0 if ettr >= TARGET else 1
 
