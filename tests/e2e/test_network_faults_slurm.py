@@ -1,0 +1,140 @@
+"""End to end on the real local Slurm: network faults between nodes with their own
+addresses (``local-cluster partition-node``, ``heal``, ``flap-node``).
+
+One job takes a partition and the heal after it: the node of rank 1 is cut from
+everyone (its processes keep running; no FIN, no RST), the supervisor calls it lost
+and recovers on the spare; then the partition heals while the job still runs, and
+the old ranks, still alive and still in the old generation, must find they are
+fenced: they end, and nothing they send after the fence is counted (no step,
+checkpoint or done event), nothing lands in the node's checkpoint directory. The
+job ends bit-identical to the fault-free run.
+
+A flap shorter than the detection deadline costs a stall and nothing else: no
+recovery, no spare spent, bit-identical.
+"""
+
+import os
+import time
+
+import pytest
+
+from slurm_resilience import lab
+from slurm_resilience.events import read_events
+
+from .conftest import FAULT_STEP_TIME, STEPS
+
+pytestmark = [pytest.mark.slurm, pytest.mark.timeout(600)]  # a busy lab queues the jobs
+
+FAULT_AT = 8
+# What a fenced rank may still report: that it was fenced (the record of the fence
+# itself, with its old generation). Nothing else after the fence.
+FENCE_RECORDS = {"rank_fenced"}
+
+
+def _events(job_dir):
+    return read_events(str(job_dir / "events.jsonl"))
+
+
+def _wait(pred, timeout, what):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = pred()
+        if value:
+            return value
+        time.sleep(0.1)
+    pytest.fail(f"timed out after {timeout} s waiting for {what}")
+
+
+def _alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
+def _files_after(root, t):
+    out = []
+    for dirpath, _dirs, files in os.walk(root):
+        for name in files:
+            path = os.path.join(dirpath, name)
+            try:
+                if os.stat(path).st_mtime > t:
+                    out.append(path)
+            except FileNotFoundError:
+                pass
+    return out
+
+
+def test_partitioned_node_is_replaced_and_fenced_when_it_heals(cluster, jobs_root, reference):
+    run = lab.submit(jobs_root / "net-partition", steps=STEPS, step_time=FAULT_STEP_TIME)
+    status = run.wait_for_step(FAULT_AT, timeout=300)  # a busy lab queues the job first
+    victim = status["ranks"][1]["node"]
+    spare = status["spares"][0]["node"]
+    old = {r["worker_id"]: r["pid"] for r in status["ranks"] if r["node"] == victim}
+    generation = status["generation"]
+    try:
+        cut_at = lab.net_fault("partition-node", victim)
+        # recovered on the spare while the victim's ranks are still running, cut off
+        plan = _wait(lambda: next((e for e in _events(run.job_dir) if e["kind"] == "recovery_done"), None),
+                     120, "the recovery from the partition")
+        fenced_gen = plan.get("generation", generation + 1)
+        fence_at = next(e["t"] for e in _events(run.job_dir)
+                        if e["kind"] == "plan" and victim not in e["nodes"])
+        assert all(_alive(pid) for pid in old.values()), "the partition must leave the old ranks running"
+        healed_at = lab.net_fault("heal")
+        # the old ranks find they are fenced and end themselves (or Slurm ends them)
+        _wait(lambda: not any(_alive(pid) for pid in old.values()), 120, "the fenced ranks to end")
+        ended_at = time.time()
+        assert run.wait() == 0, run.output()
+    finally:
+        lab.net_fault("heal")
+        lab.cluster("revive-node", victim, timeout=60)
+    assert lab.compare_runs(reference, run.job_dir / "final.pt") == []  # every rank's digest
+
+    events = _events(run.job_dir)
+    faults = [e for e in events if e["kind"] == "fault_detected"]
+    lost = [f for f in faults if f["fault"]["node"] == victim]
+    assert lost and all(f["fault"]["kind"] == "node_lost" for f in lost), faults
+    assert lost[0]["observed_at"] >= cut_at
+    done = [e for e in events if e["kind"] == "recovery_done"]
+    assert [d["level"] for d in done] == ["node-replacement"], done
+    plans = [e for e in events if e["kind"] == "plan"]
+    assert plans[-1]["nodes"][1] == spare and victim not in plans[-1]["nodes"]
+
+    # no split brain: after the fence, the old ranks' only records are their fencing
+    late = [e for e in events if e.get("worker_id") in old and e["t"] > fence_at]
+    assert all(e["kind"] in FENCE_RECORDS for e in late), late
+    assert all(e.get("generation") is None or e["generation"] < fenced_gen for e in late), late
+    # nothing of the job in the new generation came from the victim's node
+    assert not [e for e in events if e.get("node") == victim and e["t"] > fence_at
+                and e["kind"] not in FENCE_RECORDS], "events from the fenced node"
+    # the victim's node-local checkpoint directory got nothing after the fence
+    # (examples/local-cluster.yaml: /tmp/slurm_resilience-{user}/{job_id}/{run_id}/{node}/ckpt)
+    job_local = os.path.join("/tmp", f"slurm_resilience-{os.environ.get('USER', 'root')}", str(status["job_id"]))
+    local = [p for p in _files_after(job_local, fence_at) if f"/{victim}/" in p]
+    assert local == [], local
+    summary = lab.summarize(run.job_dir, cut_at)
+    print(f"partition: fault → first step {summary['mttr_s']:.3f} s; healed {healed_at - cut_at:.1f} s after "
+          f"the cut; fenced ranks ended {ended_at - healed_at:.1f} s after the heal; late records "
+          f"{sorted({e['kind'] for e in late})}")
+
+
+FLAP_S = 0.4  # well under the detection deadline (heartbeat timeout)
+
+
+def test_a_short_flap_costs_no_recovery(cluster, jobs_root, reference):
+    run = lab.submit(jobs_root / "net-flap", steps=STEPS, step_time=FAULT_STEP_TIME)
+    status = run.wait_for_step(FAULT_AT, timeout=300)  # a busy lab queues the job first
+    victim = status["ranks"][1]["node"]
+    try:
+        flap_at = lab.net_fault("flap-node", victim, f"{FLAP_S}")
+        assert run.wait() == 0, run.output()
+    finally:
+        lab.net_fault("heal")
+    assert lab.compare_runs(reference, run.job_dir / "final.pt") == []
+    events = _events(run.job_dir)
+    assert [e for e in events if e["kind"] in ("fault_detected", "recovery_done")] == []
+    plans = [e for e in events if e["kind"] == "plan"]
+    assert victim in plans[-1]["nodes"] and len(plans) == 1, plans
+    print(f"flap of {FLAP_S} s on {victim} at {flap_at:.3f}: no recovery, {len(plans)} plan")
