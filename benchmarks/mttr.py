@@ -29,8 +29,8 @@ after recovery (the last rank's). Cases:
     kill-node-podman  kill-node with every rank and standby in a podman container
     partition-node    rank 1's node cut from everyone by iptables (its processes run on, no FIN)
                       → lost → the spare adopts its ranks
-    partition-peers   rank 1's node cut from the other ranks' nodes only (slurmctld still
-                      reaches it; the supervisor shares rank 0's node, so it is cut too)
+    partition-peers   rank 1's node cut from the other ranks' nodes only (slurmctld and the
+                      supervisor, on a node of its own, still reach it)
     flap-node         rank 1's node cut for 0.5 s, then back: no recovery; the window ends
                       when every rank has passed its step at the heal (status.json, 0.5 s)
 

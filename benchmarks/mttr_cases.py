@@ -157,8 +157,8 @@ def _peers(st: Status) -> float:
 
 register(Case("partition-node", inject=lambda st: lab.net_fault("partition-node", _victim(st)),
               cleanup=_heal_and_revive, expect="node-replacement", fault="node-partition"))
-# cut from the other ranks' nodes only (the supervisor shares rank 0's node here, so it is
-# cut too); slurmctld still reaches the node
+# cut from the other ranks' nodes only; slurmctld and the supervisor (a node of its own)
+# still reach it
 register(Case("partition-peers", inject=_peers, cleanup=_heal_and_revive, fault="peer-partition"))
 # down for FLAP_S, under the detection deadline: no recovery; the window ends when every
 # rank has passed the step it was at when the link came back
