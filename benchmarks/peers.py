@@ -185,7 +185,8 @@ def markdown(doc: dict) -> str:
     changed = doc.get("script_lines_changed", {})
     lines = ["| fault | system | MTTR median (min–max), s | runs recovered | / ours | steps lost | "
              "= own fault-free | script lines +/− |", "|---|---|---|---|---|---|---|---|"]
-    for fault, cells in doc["results"].items():
+    order = {f: i for i, f in enumerate(systems.FAULTS)}
+    for fault, cells in sorted(doc["results"].items(), key=lambda fc: order.get(fc[0], len(order))):
         for system, c in cells.items():
             ch = changed.get(system, {})
             ch = f"+{ch.get('added', 0)}/−{ch.get('removed', 0)}" if ch else "-"
