@@ -77,11 +77,6 @@ NODE_PULSE = hasattr(pulse_wire, "fold")
 BEAT_FOLD = hasattr(pulse_wire, "BEAT")
 if BEAT_FOLD:
     from slurm_resilience.worker.heartbeat import STORE_EVERY
-# ... and the supervisor announces each published plan to the node's pulse, which tells its
-# ranks (``pulse.take_plans``; ``Membership.relayed``): no store check while that word is fresh.
-PLAN_RELAY = hasattr(pulse_wire, "take_plans")
-if PLAN_RELAY:
-    from slurm_resilience.worker.membership import RELAY_FRESH
 
 
 class NodePulse:
@@ -94,33 +89,6 @@ class NodePulse:
         self.ranks: list[SimRank] = []
         self.gone: dict[str, int] = {}
         self.last = 0.0
-        self.plan_g, self.plan_t, self._buf = -1, 0.0, b""  # the supervisor's word on plans
-
-    def poll(self) -> None:
-        """Read the supervisor's announcements (``pulse.take_plans``, without the pages: the
-        node's simulated ranks read ``plan_g`` here)."""
-        if self.sock is None:
-            return
-        try:
-            data = self.sock.recv(65536)
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError:
-            return
-        *lines, self._buf = (self._buf + data).split(b"\n")
-        for line in lines:
-            try:
-                self.plan_g = max(self.plan_g, int(json.loads(line)["g"]))
-                self.plan_t = time.time()
-            except (ValueError, KeyError, TypeError):
-                continue
-
-    def has(self, g: int, period: float) -> bool | None:
-        """``Membership.relayed``: plan ``g`` exists per the fresh word, None when not fresh."""
-        self.poll()
-        if time.time() - self.plan_t > RELAY_FRESH * period:
-            return None
-        return self.plan_g >= g
 
     def close(self) -> None:
         if self.sock is not None:
@@ -144,7 +112,6 @@ class SimRank:
         self.pulsed = False
         self.sink: EventSink | None = None
         self.beat_t = 0.0  # its newest beat (folded into the node's pulse line)
-        self.ended_check = 0.0  # its newest check of the shutdown key
         self.stored = 0.0  # its newest store heartbeat
 
     def close(self) -> None:
@@ -325,36 +292,23 @@ class Driver(threading.Thread):
             np_.gone = {}
         self._at(max(due + self.period, now), BEAT, r)
 
-    def _has_plan(self, r: SimRank, store, g: int) -> tuple[bool, bool]:
-        """(plan ``g`` exists, from the relay): ``Membership.has_plan``."""
-        np_ = self.node_pulses.get(r.env.node) if (PLAN_RELAY and r.pulsed) else None
-        known = np_.has(g, self.period) if np_ is not None else None
-        return (known, True) if known is not None else (store.check([StoreKey.PLAN.of(g)]), False)
-
     def _check(self, r: SimRank, due: float, now: float) -> None:
         store = self._prefixed(r.env)
         if r.phase is Phase.RUNNING:  # a safe point: the step is done; a newer plan?
             r.step += 1
             r.progress += 1
-            if not self._has_plan(r, store, r.gen + 1)[0]:
+            if not store.check([StoreKey.PLAN.of(r.gen + 1)]):
                 self._at(max(due + self.step_s, now), CHECK, r)
                 return
             r.want = r.gen + 1
-        elif not (got := self._has_plan(r, store, r.want))[0]:
-            if r.phase is Phase.AWAIT and (not got[1] or now - r.ended_check >= self.period) and \
-                    self._ended(r, store, now):
+        elif not store.check([StoreKey.PLAN.of(r.want)]):
+            if r.phase is Phase.AWAIT and store.check([StoreKey.SHUTDOWN.value]):
                 r.close()
                 self.exited(r.env.worker_id, 0)
                 return
             self._at(max(due + self.poll, now), CHECK, r)
             return
         self._admit(r, store, r.want)
-
-    @staticmethod
-    def _ended(r: SimRank, store, now: float) -> bool:
-        """The shutdown key (``Membership._ended_check``: once a period while the relay is fresh)."""
-        r.ended_check = now
-        return store.check([StoreKey.SHUTDOWN.value])
 
     def _admit(self, r: SimRank, store, g: int) -> None:
         raw = store.get(StoreKey.PLAN.of(g))

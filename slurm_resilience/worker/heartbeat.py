@@ -104,10 +104,6 @@ class Heartbeat:
         self._thread.start()
         return self
 
-    @property
-    def period(self) -> float:
-        return self._period
-
     def update(self, **info) -> None:
         """Called by the main thread as it moves on: the progress counter advances too."""
         with self._lock:

@@ -77,9 +77,6 @@ def slot_of(plan: Plan, worker_id: str) -> RankSlot | None:
     return next((s for s in plan.table.slots if s.worker_id == worker_id), None)
 
 
-RELAY_FRESH = 2.5  # heartbeat periods: an older word from the pulse on plans is not trusted
-
-
 class Membership:
     """This worker's plan and process group; ``group`` is None between generations.
 
@@ -110,24 +107,9 @@ class Membership:
         return (self.plan.generation if self.plan else None,
                 self.group.rank if self.group else None)
 
-    def relayed(self, g: int) -> bool | None:
-        """Does plan ``g`` exist, as the node's pulse last heard from the supervisor (which
-        announces the newest generation a period apart and at once after publishing it,
-        ``worker/pulse.py``)? None when that word is older than ``RELAY_FRESH`` periods
-        (no pulse, or a supervisor gone or restarting): ask the store."""
-        gen, t = self._hb.progress.plan_relay()
-        if time.time() - t > RELAY_FRESH * self._hb.period:
-            return None
-        return gen >= g
-
-    def has_plan(self, g: int, store: dist.Store | None = None) -> bool:
-        """Plan ``g`` exists: from the page while the relay is fresh, else one store check."""
-        known = self.relayed(g)
-        return known if known is not None else (store or self._store).check([StoreKey.PLAN.of(g)])
-
     def newer_plan(self) -> bool:
         """A plan after the current one exists: stop at this safe point and re-form."""
-        return self.has_plan(self.plan.generation + 1)
+        return self._store.check([StoreKey.PLAN.of(self.plan.generation + 1)])
 
     def leave(self) -> None:
         """Detach from the current group; it is parked, never destroyed here (it may block)."""
@@ -170,41 +152,24 @@ class Membership:
     def await_newer(self, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` for a plan after the current one: True when it exists.
         Raises JobEnded when the job shuts down meanwhile."""
-        g = self.plan.generation + 1
+        key = StoreKey.PLAN.of(self.plan.generation + 1)
         poll = self._cfg.poll_interval_ms / 1000.0
         deadline = time.monotonic() + timeout_s
-        ended = self._ended_check()
-        while not self.has_plan(g):
-            if ended():
+        while not self._store.check([key]):
+            if self._store.check([StoreKey.SHUTDOWN.value]):
                 raise JobEnded(EXIT_OK, "the job is over")
             if time.monotonic() >= deadline:
                 return False
             time.sleep(poll)
         return True
 
-    def _ended_check(self) -> Callable[[], bool]:
-        """A check of the shutdown key for a wait loop: every poll while plans come from the
-        store, once a heartbeat period while the pulse relays them (the supervisor is alive
-        and talking then, and N ranks polling the store each poll is what the relay saves)."""
-        last = [0.0]
-
-        def ended() -> bool:
-            now = time.monotonic()
-            if self.relayed(0) is not None and now - last[0] < self._hb.period:
-                return False
-            last[0] = now
-            return self._store.check([StoreKey.SHUTDOWN.value])
-
-        return ended
-
     def await_plan(self, g: int) -> Plan:
         """Poll for ``plan/{g}``; raises JobEnded when the job shuts down first."""
         key = StoreKey.PLAN.of(g)
         poll = self._cfg.poll_interval_ms / 1000.0
         with self._hb.progress.waiting():  # a wait on the supervisor, not a hang (watchdog)
-            ended = self._ended_check()
-            while not self.has_plan(g):
-                if ended():
+            while not self._store.check([key]):
+                if self._store.check([StoreKey.SHUTDOWN.value]):
                     raise JobEnded(EXIT_OK, "the job is over")
                 time.sleep(poll)
         return Plan.from_json(self._store.get(key))
@@ -212,6 +177,7 @@ class Membership:
     def _join(self, plan: Plan) -> None:
         slot = slot_of(plan, self._env.worker_id)
         t0 = time.time()
+        nxt = StoreKey.PLAN.of(plan.generation + 1)
         self.plan = plan
         # Each generation rendezvous through its own store client: an abandoned join
         # may still be blocked in a store wait, and a shared client would hold every
@@ -220,7 +186,7 @@ class Membership:
         self.group = Generation(
             client, plan.table, slot.rank, backend=self._cfg.backend,
             timeout_s=self._cfg.pg_timeout_s, poll_ms=self._cfg.poll_interval_ms,
-            interrupted=lambda: self.has_plan(plan.generation + 1), waiting=self._hb.progress.waiting,
+            interrupted=lambda: self._store.check([nxt]), waiting=self._hb.progress.waiting,
         )
         # torch.distributed's default group wraps the same backend (default_group.py); its
         # store is the group's own plain client (the training thread's may be guarded)
@@ -239,11 +205,12 @@ class Membership:
             # Two clients: the group's rendezvous can block its client in a store wait for
             # the whole timeout (a peer died), and a check queued behind it on the same
             # client would hold the abandonment — and the writer, and training — as long.
+            nxt = StoreKey.PLAN.of(plan.generation + 1)
             if self._writer_checks is None:
                 self._writer_checks = self._open_client()  # used by the writer thread only
             checks = self._writer_checks
             return Generation(self._open_client(), plan.table, rank, backend="gloo",
                               timeout_s=cfg.pg_timeout_s, poll_ms=cfg.poll_interval_ms,
-                              interrupted=lambda: self.has_plan(plan.generation + 1, checks), channel="ckpt/")
+                              interrupted=lambda: checks.check([nxt]), channel="ckpt/")
 
         return build

@@ -28,8 +28,8 @@ import sys
 import tempfile
 from typing import Iterator
 
-from .pulse import (BEAT, BEAT_AT, BOARD, BUSY, COMPUTING, LAYOUT, LOCK, PAGE, PLAN, PLAN_AT, RANK, WAITING,
-                    read_board, read_plan, read_relayed, tidy)
+from .pulse import (BEAT, BEAT_AT, BOARD, BUSY, COMPUTING, LAYOUT, LOCK, PAGE, RANK, WAITING, read_board,
+                    read_relayed, tidy)
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +78,6 @@ class ProgressBoard:
         self._page = mmap.mmap(self.fd, PAGE)
         LAYOUT.pack_into(self._page, 0, 0, 0, port, 0)
         BEAT.pack_into(self._page, BEAT_AT, 0.0, -1, -1, -1.0)
-        PLAN.pack_into(self._page, PLAN_AT, -1, 0.0)
         self._progress = 0
         self._phases: list[int] = []  # nested phases; the page shows the innermost
         if self._paths:  # announce: written whole, then renamed (the pulse never reads half)
@@ -123,11 +122,6 @@ class ProgressBoard:
         """The heartbeat thread's beat, for the node's pulse to fold into its line."""
         BEAT.pack_into(self._page, BEAT_AT, t, -1 if generation is None else int(generation),
                        -1 if rank is None else int(rank), -1.0 if compute_ms is None else float(compute_ms))
-
-    def plan_relay(self) -> tuple[int, float]:
-        """(newest plan generation the supervisor announced through the node's pulse, when it
-        last announced one; 0: never): see ``membership.Membership``."""
-        return read_plan(self._page)
 
     def relayed(self) -> float:
         """When the node's pulse last sent this rank's entry to the supervisor (0: never)."""

@@ -19,10 +19,7 @@ control plane at scale: docs/scale.md). ``progress`` is the counter the rank's m
 thread bumps at every completed step and phase, ``waiting`` what the main thread is
 in: 0 the user's code, 1 a bounded wait on its peers or on the supervisor's plan, 2
 the toolkit's own checkpoint I/O; ``state`` and ``cpu`` (utime + stime ticks) come
-from ``/proc/PID/stat``. The supervisor writes back on the same connection: one
-``{"g": N}`` line a period and one at once after each publish, N the newest plan
-generation; the pulse puts it into every rank's page (``take_plans``), so a rank learns
-of a new plan without asking the store (``worker/membership.py``). ``beat_t``, ``generation``, ``rank`` and ``compute_ms`` are
+from ``/proc/PID/stat``. ``beat_t``, ``generation``, ``rank`` and ``compute_ms`` are
 what the rank's heartbeat thread last wrote into its page (its heartbeat, folded into
 the node's line: the supervisor reads no per-rank store key while this line comes;
 ``beat_t`` 0: none yet, ``rank`` -1: in no group, ``compute_ms`` -1: none measured).
@@ -58,10 +55,6 @@ LAYOUT = struct.Struct("<QIIQ")
 BEAT = struct.Struct("<diid")  # at BEAT_AT
 BEAT_AT, RELAYED_AT = LAYOUT.size, LAYOUT.size + BEAT.size
 RELAYED = struct.Struct("<d")
-# Then, written by the pulse only: the newest plan generation the supervisor announced and
-# when it last announced one (i64, f64): the rank learns of a new plan from its page.
-PLAN = struct.Struct("<qd")
-PLAN_AT = RELAYED_AT + RELAYED.size
 PAGE = 4096
 BOARD, RANK, LOCK = ".board", ".rank", "pulse.lock"
 
@@ -74,11 +67,6 @@ def read_board(page: mmap.mmap) -> tuple[int, int, int, int]:
 def read_beat(page: mmap.mmap) -> tuple[float, int, int, float]:
     """(beat time, generation, rank, compute ms) as the rank's heartbeat thread last wrote them."""
     return BEAT.unpack_from(page, BEAT_AT)
-
-
-def read_plan(page: mmap.mmap) -> tuple[int, float]:
-    """(newest plan generation the supervisor announced, when it last announced one; 0: never)."""
-    return PLAN.unpack_from(page, PLAN_AT)
 
 
 def read_relayed(page: mmap.mmap) -> float:
@@ -211,32 +199,6 @@ def _send(sock: socket.socket, msg: dict) -> bool:
         return False
 
 
-def take_plans(sock: socket.socket, buf: bytes, ranks: dict[str, Watched]) -> bytes | None:
-    """Read what the supervisor sent (``{"g": N}`` lines: the newest published plan, a
-    period apart and at once after a publish) and write the newest into every rank's page.
-    Returns the unfinished rest of the input; None when the supervisor closed."""
-    try:
-        data = sock.recv(65536)
-    except (BlockingIOError, InterruptedError):
-        return buf
-    except OSError:
-        return None
-    if not data:
-        return None  # the supervisor closed (or restarted): reconnect below
-    *lines, buf = (buf + data).split(b"\n")
-    newest = -1
-    for line in lines:
-        try:
-            newest = max(newest, int(json.loads(line)["g"]))
-        except (ValueError, KeyError, TypeError):
-            continue
-    if newest >= 0:
-        t = time.time()
-        for r in ranks.values():
-            PLAN.pack_into(r.page, PLAN_AT, newest, t)
-    return buf[-4096:]
-
-
 def _ports(ranks: dict[str, Watched]) -> list[int]:
     """The liveness ports the ranks last wrote, newest-looking first (most common)."""
     seen: dict[int, int] = {}
@@ -252,23 +214,10 @@ def run(*, directory: str, host: str, period: float, hello: dict, idle_exit_s: f
     sock: socket.socket | None = None
     port = 0
     idle_since = time.monotonic()
-    due = time.monotonic()  # the next line's time
-    buf = b""
     while True:
         scan(directory, ranks)
-        fds = [r.pidfd for r in ranks.values() if r.pidfd is not None] + ([sock] if sock is not None else [])
-        wait = max(0.0, due - time.monotonic())
-        ready = set(select.select(fds, [], [], wait)[0]) if fds else (time.sleep(wait) or set())
-        if sock is not None and sock in ready:  # the supervisor announced a plan: pages first
-            ready.discard(sock)
-            got = take_plans(sock, buf, ranks)
-            if got is None:
-                buf, due = b"", time.monotonic()  # closed: reconnect now
-            else:
-                buf = got
-                if not ready and time.monotonic() < due:
-                    continue  # nothing else: the line keeps its period
-        due = time.monotonic() + period
+        fds = [r.pidfd for r in ranks.values() if r.pidfd is not None]
+        ready = set(select.select(fds, [], [], period)[0]) if fds else (time.sleep(period) or set())
         scan(directory, ranks)
         live, gone = fold(ranks, ready)
         if ranks:

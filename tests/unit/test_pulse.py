@@ -37,10 +37,6 @@ for line in sys.stdin:  # each line: one completed step; "leave": end cleanly
     if line.strip() == "relayed":
         print(board.relayed(), flush=True)
         continue
-    if line.strip() == "plan":
-        g, t = board.plan_relay()
-        print(g, t, flush=True)
-        continue
     board.bump(step=int(line))
     print("ok", flush=True)
 """
@@ -152,35 +148,6 @@ def test_the_node_pulse_folds_each_ranks_heartbeat_into_its_line_and_stamps_it_r
             a.stdin.flush()
             return float(a.stdout.readline()) >= beat["t"]
         assert _until(relayed)  # the rank's heartbeat thread can tell its beats reach the supervisor
-    finally:
-        a.kill()
-        a.wait(timeout=10)
-
-
-def test_the_supervisor_announces_each_published_plan_to_the_node_pulse_which_writes_it_into_every_page(server,
-                                                                                                         tmp_path):
-    srv, _ = server
-    srv.relay_period_s = 0.05
-    directory = tmp_path / "node"
-    directory.mkdir(mode=0o700)
-    a = _rank(srv, directory, "w1")
-
-    def plan():
-        a.stdin.write("plan\n")
-        a.stdin.flush()
-        g, t = a.stdout.readline().split()
-        return int(g), float(t)
-
-    try:
-        assert int(a.stdout.readline()) > 0
-        _until(lambda: srv.pulses().get("w1"))
-        assert plan() == (-1, 0.0)  # nothing published yet: the rank asks the store
-        t0 = time.time()
-        srv.relay(3)
-        g, t = _until(lambda: (p := plan())[0] == 3 and p)
-        assert t >= t0
-        g, t2 = _until(lambda: (p := plan())[1] > t and p)  # announced again a period later
-        assert g == 3
     finally:
         a.kill()
         a.wait(timeout=10)

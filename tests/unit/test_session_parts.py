@@ -259,7 +259,6 @@ class _Recorder:
 
         self.events, self.bound, self.hb = [], [], {}
         self.progress = ProgressBoard(port=0)  # the real page the watchdog's pulse would read
-        self.period = 0.25
 
     def emit(self, kind, **fields):
         self.events.append((WorkerEvent(kind), fields))
@@ -365,36 +364,3 @@ def test_torchrun_environ_for_two_ranks_per_node():
     t = initial_table(["a", "b"], ["w0", "w1", "w2", "w3"], {"a": "1", "b": "2"}, device="cuda", tasks_per_node=2)
     assert torchrun_environ(t, 3) == {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
                                       "GROUP_RANK": "1", "SR_DEVICE": "cuda:1"}
-
-
-def test_membership_learns_of_plans_from_the_page_the_node_pulse_writes_and_asks_the_store_only_without_it():
-    """While the node's pulse relays the supervisor's word (fresh in the page), a plan check
-    costs no store round trip; a stale word falls back on the store."""
-    import time as _time
-
-    from slurm_resilience.worker.pulse import PLAN, PLAN_AT
-
-    class Counting:
-        def __init__(self, inner):
-            self.inner, self.checks = inner, 0
-
-        def check(self, keys):
-            self.checks += 1
-            return self.inner.check(keys)
-
-        def __getattr__(self, name):
-            return getattr(self.inner, name)
-
-    raw = _store()
-    raw.set(StoreKey.PLAN.of(0), _plan(0, "w0").to_json())
-    store = Counting(raw)
-    m, rec = _membership(store, "w0")
-    assert m.relayed(1) is None  # no word from a pulse yet: the store decides
-    assert m.has_plan(0) and not m.has_plan(1) and store.checks == 2
-    PLAN.pack_into(rec.progress._page, PLAN_AT, 0, _time.time())  # the pulse: "newest is 0"
-    assert m.has_plan(0) and not m.has_plan(1) and store.checks == 2  # no round trip
-    raw.set(StoreKey.PLAN.of(1), _plan(1, "w0").to_json())
-    PLAN.pack_into(rec.progress._page, PLAN_AT, 1, _time.time())  # announced after publishing
-    assert m.has_plan(1) and store.checks == 2
-    PLAN.pack_into(rec.progress._page, PLAN_AT, 1, _time.time() - 10)  # the supervisor went quiet
-    assert m.relayed(2) is None and not m.has_plan(2) and store.checks == 3

@@ -49,7 +49,7 @@ from ..observe.metrics import Metrics
 from ..adapters.status import status_dict, write_status
 from ..decide.state import Mode, Policy, SupervisorState
 from ..adapters.stop import publish_plan, shut_down_standbys
-from ..observe.sweep import Sweeper, job_store
+from ..observe.sweep import Sweeper
 from ..observe.watch import Watch
 
 log = logging.getLogger(__name__)
@@ -127,10 +127,9 @@ class Supervisor:
         self.metrics = Metrics()
         self.events = EventLog(os.path.join(self.job_dir, "events.jsonl"), on_event=self._observe)
         self.seen: queue.Queue = queue.Queue()
-        self.liveness = LivenessServer(self.store_host, self.token, self.seen,
-                                       relay_period_s=self.cfg.detect.heartbeat_period_s).start()
+        self.liveness = LivenessServer(self.store_host, self.token, self.seen).start()
         self.store = StoreLink(self._connect_store)
-        self._sweeper = Sweeper(lambda: job_store(self.store_host, self.store_port, self.token))  # off the loop
+        self._sweeper = Sweeper(self._sweeper_store)  # removes read event keys off the loop
         if self.store_port is None:  # hosted here: its port is known once it listens
             self.store.connect()
         # a warning only, and `scontrol show config` is a subprocess: not before the first launch
@@ -154,6 +153,14 @@ class Supervisor:
         store = dist.PrefixStore(self.token + "/", self._raw_store)
         store.set(StoreKey.LIVENESS_PORT.value, str(self.liveness.port))
         return store
+
+    def _sweeper_store(self):
+        """A second client of the job's store, for the sweeper's thread (``sweep.py``)."""
+        import torch.distributed as dist
+
+        raw = dist.TCPStore(self.store_host, self.store_port, None, False, timedelta(seconds=30),
+                            wait_for_workers=False)
+        return dist.PrefixStore(self.token + "/", raw)
 
     def _check_slurm_timeouts(self) -> None:
         """SlurmdTimeout and KillWait are the site's: a warning line each, never fatal."""
@@ -219,7 +226,6 @@ class Supervisor:
         self.events.emit(EventKind.SUPERVISOR_REATTACHED, generation=state.table.generation, workers=taken,
                          previous_state_age_s=round(time.time() - written, 3))
         self._say(f"re-attached to {len(taken)} running worker(s) at generation {state.table.generation}")
-        self.liveness.relay(state.table.generation)
         return state, seen
 
     def _install_preempt_handler(self) -> None:
@@ -254,7 +260,6 @@ class Supervisor:
                 self._kill(action.worker_id)
         elif isinstance(action, Publish):
             publish_plan(self.store, action.plan, self.job_dir)
-            self.liveness.relay(action.plan.generation)  # the node pulses tell their ranks
             self.watch.stragglers.reset()  # ranks may be renumbered
             if action.recovery:
                 return [Published(action.plan.generation, time.time())]

@@ -77,7 +77,7 @@ class LivenessServer:
     and one per node's pulse process, whose newest line about each rank is kept
     (:meth:`pulses`)."""
 
-    def __init__(self, host: str, token: str, out: "queue.Queue[Observation]", relay_period_s: float = 0.25) -> None:
+    def __init__(self, host: str, token: str, out: "queue.Queue[Observation]") -> None:
         self._token = token.encode()
         self._out = out
         self._sel = selectors.DefaultSelector()
@@ -90,10 +90,6 @@ class LivenessServer:
         self._lock = threading.Lock()
         self._pulses: dict[str, Pulse] = {}
         self._heard: dict[str, float] = {}  # node -> when its pulse's newest line came
-        self._agents: set[socket.socket] = set()  # the node pulses' connections
-        self._plan_g = -1  # the newest published plan, announced to every node's pulse
-        self._announced = 0.0
-        self.relay_period_s = relay_period_s  # the announcement's period (the heartbeat period)
         self.rejected = 0
 
     def start(self) -> "LivenessServer":
@@ -112,28 +108,6 @@ class LivenessServer:
                     self._accept()
                 else:
                     self._read(key)
-            if self._plan_g >= 0 and time.monotonic() - self._announced >= self.relay_period_s:
-                self._announce()
-
-    def relay(self, generation: int) -> None:
-        """Plan ``generation`` is published (its store key is set): tell every node's pulse
-        now, and again each ``relay_period_s`` (``worker/pulse.py`` puts it into its ranks'
-        pages; ``worker/membership.py`` reads it there instead of asking the store)."""
-        self._plan_g = max(self._plan_g, generation)
-        self._announce()
-
-    def _announce(self) -> None:
-        self._announced = time.monotonic()
-        line = b'{"g":%d}\n' % self._plan_g
-        with self._lock:
-            agents = list(self._agents)
-        for conn in agents:
-            try:
-                conn.send(line)
-            except (BlockingIOError, InterruptedError):
-                pass  # a full buffer: the next announcement carries the same word
-            except OSError:
-                pass  # closed: the liveness thread drops it
 
     def _accept(self) -> None:
         try:
@@ -153,8 +127,6 @@ class LivenessServer:
             data = b""
         if not data:
             self._sel.unregister(conn)
-            with self._lock:
-                self._agents.discard(conn)
             conn.close()
             if state["who"] is not None and not state.get("pulse"):  # a pulse's end is not the rank's
                 wid, node, pid = state["who"]
@@ -183,10 +155,6 @@ class LivenessServer:
         state["who"] = who
         if hello.get("agent"):  # the node's pulse process (worker/pulse.py): lines follow
             state["pulse"] = True
-            with self._lock:
-                self._agents.add(conn)
-            if self._plan_g >= 0:
-                self._announce()
             self._pulse_lines(state)
             return
         self._out.put(Observation("connected", state["who"][0], state["who"][1],

@@ -16,7 +16,7 @@ import queue
 import threading
 from typing import Any, Callable, Iterable
 
-__all__ = ["Sweeper", "job_store"]
+__all__ = ["Sweeper"]
 
 log = logging.getLogger(__name__)
 
@@ -63,13 +63,3 @@ class Sweeper:
             except Exception as exc:  # the store is gone: the job is ending
                 log.debug("sweeper stops: %s", exc)
                 return
-
-
-def job_store(host: str, port: int, token: str) -> Any:
-    """Another client of the job's store under its token's prefix (for the sweeper's thread)."""
-    from datetime import timedelta
-
-    import torch.distributed as dist
-
-    return dist.PrefixStore(token + "/", dist.TCPStore(host, port, None, False, timedelta(seconds=30),
-                                                       wait_for_workers=False))
