@@ -56,7 +56,7 @@ class RecoveryConfig:
             as many on top of its G, which become its node's own when it joins the table.
     """
 
-    online_timeout_s: float = 30.0
+    online_timeout_s: float = 45.0
     fallback_timeout_s: float = 120.0
     fault_retry_times: int = 3
     isolate_state: str = "auto"

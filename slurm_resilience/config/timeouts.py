@@ -18,7 +18,7 @@ from slurm_resilience.config.reconnect import ReconnectConfig
 from slurm_resilience.config.recovery import RecoveryConfig
 from slurm_resilience.errors import ConfigError
 
-__all__ = ["check_hierarchy", "rules", "nccl_environ", "slurm_warnings", "NCCL_ASYNC_ERROR_HANDLING"]
+__all__ = ["check_hierarchy", "rules", "nccl_environ", "slurm_warnings", "timing_warnings", "NCCL_ASYNC_ERROR_HANDLING"]
 
 
 class Sections(Protocol):
@@ -100,6 +100,23 @@ def nccl_environ(c: ReconnectConfig, environ: Mapping[str, str]) -> dict[str, st
                               f"reconnect.pg_timeout_s={c.pg_timeout_s:g}: NCCL's monitor would kill a rank "
                               "before the toolkit aborts its collective")
     return {k: v for k, v in out.items() if k not in environ}
+
+
+def timing_warnings(cfg: Sections) -> list[str]:
+    """Pure: lines about timeouts that are legal but race each other (never fatal).
+
+    A survivor blocked inside a collective the toolkit does not own (DDP's backward, a
+    user's ``all_reduce``) waits on a live peer that abandoned it: gloo cannot interrupt
+    that call, so it returns only at ``reconnect.pg_timeout_s`` after it started (before
+    the fault). An online recovery given no more than that times out although it would
+    have succeeded, and the job falls back to relaunching every rank.
+    """
+    online, pg = cfg.recovery.online_timeout_s, cfg.reconnect.pg_timeout_s
+    if online <= pg:
+        return [f"recovery.online_timeout_s={online:g} is not above reconnect.pg_timeout_s={pg:g}: a survivor "
+                "blocked in a collective of its own loop (DDP) is released only by the group timeout, so an "
+                "online recovery may time out and fall back to a relaunch"]
+    return []
 
 
 def slurm_warnings(cfg: Sections, *, slurmd_timeout_s: float | None,

@@ -4,7 +4,7 @@ line naming both values; NCCL's watchdog variables; Slurm's timeouts."""
 import pytest
 
 from slurm_resilience.config import ReconnectConfig, load_config
-from slurm_resilience.config.timeouts import nccl_environ, rules, slurm_warnings
+from slurm_resilience.config.timeouts import nccl_environ, rules, slurm_warnings, timing_warnings
 from slurm_resilience.errors import ConfigError
 
 
@@ -84,9 +84,18 @@ def test_slurm_timeouts_are_checked_against_detection_and_the_online_deadline():
     cfg = load_config({})
     assert slurm_warnings(cfg, slurmd_timeout_s=300, kill_wait_s=30 - 1) == []
     assert slurm_warnings(cfg, slurmd_timeout_s=None, kill_wait_s=None) == []
-    lines = slurm_warnings(cfg, slurmd_timeout_s=2, kill_wait_s=30)
+    lines = slurm_warnings(cfg, slurmd_timeout_s=2, kill_wait_s=45)
     assert lines[0].startswith("SlurmdTimeout=2 is not above detect.heartbeat_timeout_s=2")
-    assert lines[1].startswith("KillWait=30 is not below recovery.online_timeout_s=30")
+    assert lines[1].startswith("KillWait=45 is not below recovery.online_timeout_s=45")
+
+
+def test_an_online_deadline_within_the_group_timeout_is_warned_about():
+    """A survivor blocked in its own loop's collective (DDP) is released by the group
+    timeout only: the defaults leave the online recovery room after it."""
+    assert timing_warnings(load_config({})) == []
+    lines = timing_warnings(load_config({"recovery": {"online_timeout_s": 30}}))
+    assert len(lines) == 1 and lines[0].startswith(
+        "recovery.online_timeout_s=30 is not above reconnect.pg_timeout_s=30")
 
 
 def test_slurm_config_durations_are_parsed():

@@ -25,11 +25,12 @@ from typing import Any, Callable, Sequence
 import yaml
 
 from ...config import ResilienceConfig, config_to_dict
-from ...config.timeouts import nccl_environ, slurm_warnings
+from ...config.timeouts import nccl_environ, slurm_warnings, timing_warnings
 from ...errors import ConfigError, SlurmCommandError
 from ...events import EventLog
 from ...exits import FAST_EXIT_ENV
 from ...files import makedirs_private, write_private
+from ...health import health_argv
 from ...lifecycle import JobPhase
 from ...model import RankTable
 from ...protocol import EventKind, Plan, Role, StoreKey, WorkerEnv, WorkerEvent, plan_key, read_token, write_token
@@ -37,7 +38,6 @@ from ...run_identity import check_run_id
 from . import loop, reattach
 from ..decide.classify import node_unhealthy
 from ..observe.detect import LivenessServer, NodeWatcher
-from ...health import health_argv
 from ..observe.checker import SpareChecker
 from ..adapters.isolate import Isolator
 from ..adapters.launcher import CleansContainers, Launcher, ReadsSlurmTimeouts, Requeues, StepHandle
@@ -108,9 +108,7 @@ class Supervisor:
         self.policy = Policy.from_config(config, mode=Mode.ONLINE, can_requeue=isinstance(launcher, Requeues))
         self.handles: dict[str, StepHandle] = {}
         self._nccl_env = nccl_environ(config.reconnect, os.environ)  # NCCL's watchdog, unless the user set it
-        self._signalled = threading.Event()
-        self._t0 = time.time()
-        self._last_status = 0.0
+        self._signalled, self._t0, self._last_status = threading.Event(), time.time(), 0.0
         self._saved_shape: tuple | None = None  # what the last state save held (_shape)
         self._unsaved = False  # a change not in the state file yet (saved with the next status)
 
@@ -124,8 +122,7 @@ class Supervisor:
             self.token = secrets.token_hex(16)
             write_token(self.job_dir, self.token)
             write_private(self.config_path, yaml.safe_dump(config_to_dict(self.cfg)))
-        self.metrics = Metrics()
-        self.events = EventLog(os.path.join(self.job_dir, "events.jsonl"), on_event=self._observe)
+        self.metrics, self.events = Metrics(), EventLog(os.path.join(self.job_dir, "events.jsonl"), on_event=self._observe)
         self.seen: queue.Queue = queue.Queue()
         self.liveness = LivenessServer(self.store_host, self.token, self.seen).start()
         self.store = StoreLink(self._connect_store)
@@ -133,7 +130,7 @@ class Supervisor:
         if self.store_port is None:  # hosted here: its port is known once it listens
             self.store.connect()
         # a warning only, and `scontrol show config` is a subprocess: not before the first launch
-        threading.Thread(target=self._check_slurm_timeouts, name="sr-slurm-timeouts", daemon=True).start()
+        threading.Thread(target=self._check_timeouts, name="sr-timeouts", daemon=True).start()
         self.isolator = Isolator(self.launcher, self.events.emit, self.cfg.recovery, job_id=self.job_id, say=self._say)
         self.checker = SpareChecker(
             self.launcher.run_check,
@@ -162,8 +159,10 @@ class Supervisor:
                             wait_for_workers=False)
         return dist.PrefixStore(self.token + "/", raw)
 
-    def _check_slurm_timeouts(self) -> None:
-        """SlurmdTimeout and KillWait are the site's: a warning line each, never fatal."""
+    def _check_timeouts(self) -> None:
+        """Racing timeouts, SlurmdTimeout and KillWait (the site's): a warning line each, never fatal."""
+        for line in timing_warnings(self.cfg):
+            self._say(f"warning: {line}")
         if not isinstance(self.launcher, ReadsSlurmTimeouts):
             return  # no Slurm (local mode)
         try:
