@@ -19,6 +19,8 @@ __all__ = [
     "SlurmEnv",
     "parse_sbatch_job_id",
     "validate_node_name",
+    "TaskExit",
+    "parse_task_exits",
 ]
 
 _NODE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
@@ -352,3 +354,36 @@ def config_seconds(value: str | None) -> float | None:
     or in another form."""
     m = re.fullmatch(r"\s*(\d+)\s*sec\s*", value or "")
     return float(m.group(1)) if m else None
+
+
+@dataclass(frozen=True)
+class TaskExit:
+    """One bad task exit that ``srun`` reported: ``srun: error: NODE: task(s) LIST: REASON``.
+
+    Attributes:
+        node: where the tasks ran.
+        tasks: their step task ids (the MPI ranks of an ``srun --mpi`` step).
+        reason: ``Exited with exit code N`` or the signal's name (``Killed``).
+    """
+
+    node: str
+    tasks: tuple[int, ...]
+    reason: str
+
+    def line(self) -> str:
+        """``n3 task 1: Killed``, for a fault's detail."""
+        word = "task" if len(self.tasks) == 1 else "tasks"
+        return f"{self.node} {word} {','.join(map(str, self.tasks))}: {self.reason}"
+
+
+_TASK_EXIT = re.compile(r"^srun: error: (\S+): tasks? ([0-9][0-9,-]*): (.+?)\s*$")
+
+
+def parse_task_exits(text: str) -> tuple[TaskExit, ...]:
+    """Pure: the bad task exits ``srun`` wrote to its stderr, in the order written (the
+    first is the root cause under ``--kill-on-bad-exit=1``: the others were ended after it)."""
+    found = []
+    for m in filter(None, map(_TASK_EXIT.match, text.splitlines())):
+        tasks = [range(int(lo), int(hi or lo) + 1) for lo, _, hi in (p.partition("-") for p in m[2].split(",") if p)]
+        found.append(TaskExit(m[1], tuple(t for r in tasks for t in r), m[3]))
+    return tuple(found)

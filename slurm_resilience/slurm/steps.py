@@ -60,9 +60,14 @@ class AttachedSrunStep:
 
 
 def srun_argv(*, job_id: str, name: str, nodes: Sequence[str], tasks_per_node: int = 1,
-              het_group: int | None = None, mpi: bool = False, options: Sequence[str] = ()) -> list[str]:
+              het_group: int | None = None, mpi: bool = False, options: Sequence[str] = (),
+              end_on_bad_exit: bool = False) -> list[str]:
     """Pure: the ``srun`` prefix of a job step on ``nodes`` (the one builder: a worker's
     step on one node, and the all-ranks step of relaunch mode). The command follows.
+
+    ``end_on_bad_exit``: Slurm ends the whole step when one task exits non-zero or by a
+    signal (``--kill-on-bad-exit=1``), and ``srun`` then exits non-zero; otherwise
+    (``=0``, whatever the site's ``KillOnBadExit``) the other tasks run on.
 
     ``options``: the site's step options (``job.srun_options`` as argv, see
     ``slurm.options.srun_args``), after the toolkit's own; with ``mpi`` an
@@ -84,7 +89,7 @@ def srun_argv(*, job_id: str, name: str, nodes: Sequence[str], tasks_per_node: i
         if het_group < 0:
             raise ValueError(f"het_group={het_group} must be >= 0")
         argv.append(f"--het-group={het_group}")
-    argv += [f"--job-name={name}", "--kill-on-bad-exit=0", *options]
+    argv += [f"--job-name={name}", f"--kill-on-bad-exit={int(end_on_bad_exit)}", *options]
     own_mpi = any(o == "--mpi" or o.startswith("--mpi=") for o in options)
     return [*argv, "--mpi=pmix"] if mpi and not own_mpi else argv
 

@@ -82,6 +82,7 @@ def test_srun_argv_torch_mode_wraps_command():
                      mpi=False, master_addr="10.0.0.2", port=20042, attempt=1, python="/usr/bin/python3")
     assert argv[:9] == ["srun", "--no-kill", "--overlap", "-N", "3", "-n", "3", "--ntasks-per-node=1", "-w"]
     assert argv[9] == "n2,n5,n4" and "--jobid=42" in argv and "--mpi=pmix" not in argv
+    assert "--kill-on-bad-exit=0" in argv  # a torch step is not ended by Slurm at a rank's death
     tail = argv[argv.index("--") + 1:]
     assert tail == ["/usr/bin/python3", "-m", "slurm_resilience.rankenv", "--master-addr", "10.0.0.2",
                     "--master-port", "20042", "--restart", "1", "--", "python", "t.py"]
@@ -128,6 +129,9 @@ if code == "hang":
 if code == "train":  # the program's rank 0 trains step 11 (docs/restart.md: SR_PROGRESS_FILE) and ends
     open(os.environ["SR_PROGRESS_FILE"], "a").write(f"11 {{time.time():.6f}}\\n")
     code = 0
+if code == "badexit":  # srun --kill-on-bad-exit=1 after MPI rank 1 was SIGKILLed
+    sys.stderr.write("srun: error: n3: task 1: Killed\\nsrun: error: n2: task 0: Terminated\\n")
+    code = 143
 if code == "print":  # a program that only prints its steps (run.step_pattern)
     print("restart 1: world 3, from step 10")
     print("step 11 loss 0.25", flush=True)
@@ -179,13 +183,13 @@ def fake_srun(tmp_path, monkeypatch):
     return launches
 
 
-def _supervisor(tmp_path, launcher, spares=("n5",), retries=3, out=None, step_pattern=""):
+def _supervisor(tmp_path, launcher, spares=("n5",), retries=3, out=None, step_pattern="", mpi=False):
     cfg = load_config({"recovery": {"fault_retry_times": retries}, "detect": {"node_poll_s": 0.1},
                        "run": {"warm": False, "step_pattern": step_pattern}})  # the cold srun path; warm: tests/e2e/test_warm_restart_slurm.py
     lay = layout(["n1", "n2", "n3", "n4", *spares], "n1", 3)
     return RelaunchExecutor(config=cfg, command=["python", "t.py"], job_dir=str(tmp_path / "job"), job_id="77",
                              layout=lay, allocation=["n1", "n2", "n3", "n4", *spares], launcher=launcher,
-                             poll_s=0.02, probe_every_s=0.05, out=out)
+                             poll_s=0.02, probe_every_s=0.05, out=out, mpi=mpi)
 
 
 def _kinds(tmp_path):
@@ -264,3 +268,18 @@ def test_loop_process_death_restarts_in_place_within_budget(tmp_path, fake_srun,
     assert {tuple(c["argv"][c["argv"].index("-w") + 1:][:1]) for c in launches} == {("n2,n3,n4",)}
     assert launcher.isolated == []
     assert _kinds(tmp_path).count("relaunch") == 2 and _kinds(tmp_path)[-1] == "job_failed"
+
+
+@pytest.mark.timeout(30)
+def test_loop_mpi_rank_death_ends_the_step_and_names_the_rank(tmp_path, fake_srun, monkeypatch):
+    # an MPI step ends at its first bad task exit (survivors would block in MPI forever);
+    # srun's own line names the root cause, and the step is relaunched in place
+    monkeypatch.setenv("FAKE_SRUN_CODES", "badexit,train")
+    launcher, out = FakeLauncher(), io.StringIO()
+    assert _supervisor(tmp_path, launcher, out=out, mpi=True).run() == 0
+    first, second = fake_srun()
+    assert "--kill-on-bad-exit=1" in first["argv"] and "--kill-on-bad-exit=0" not in first["argv"]
+    assert second["argv"][second["argv"].index("-w") + 1] == "n2,n3,n4" and launcher.isolated == []
+    said = out.getvalue()
+    assert "PROCESS_DIED" in said and "step exit code 143; first bad exit: n3 task 1: Killed" in said, said
+    assert "recovery 1: process-restart" in said and "recovery 1 done" in said

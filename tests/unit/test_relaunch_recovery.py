@@ -15,7 +15,7 @@ from slurm_resilience.model import Fault, FaultKind, RankTable
 from slurm_resilience.supervisor.decide import messages as m
 from slurm_resilience.supervisor.decide import relaunch_recovery
 from slurm_resilience.supervisor.decide.decide import EXIT_OK, decide
-from slurm_resilience.supervisor.executors.relaunch import first_progress, step_in_output
+from slurm_resilience.supervisor.observe.step_output import first_progress, step_in_output
 from slurm_resilience.supervisor.decide.state import Mode, Policy, SupervisorState
 
 WORKERS = ("n2", "n3", "n4")

@@ -19,6 +19,14 @@ def test_srun_argv_plain_and_het_group():
     assert not any(a.startswith("--het-group") for a in plain)
 
 
+def test_srun_argv_ends_the_step_on_a_bad_exit_only_when_asked():
+    argv = srun_argv(job_id="42", name="s", nodes=["n3"], mpi=True, end_on_bad_exit=True)
+    assert "--kill-on-bad-exit=1" in argv and "--kill-on-bad-exit=0" not in argv
+    # a site option comes after the toolkit's own, so srun takes the site's
+    site = srun_argv(job_id="42", name="s", nodes=["n3"], end_on_bad_exit=True, options=["--kill-on-bad-exit=0"])
+    assert site.index("--kill-on-bad-exit=0") > site.index("--kill-on-bad-exit=1")
+
+
 @pytest.mark.parametrize("node", ["-n1", "n1;x", ""])
 def test_srun_argv_rejects_bad_node(node):
     with pytest.raises(ValueError):

@@ -4,7 +4,15 @@ For scripts that do not use ``Session`` (an ordinary torchrun-style script, an
 mpi4py program) nothing can be repaired in-process: the unit of recovery is the
 job step. All ranks run as ONE step (``slurm.steps.srun_argv``)::
 
-    srun --no-kill --overlap -N W -n W --ntasks-per-node=1 -w NODES --jobid=J [--mpi=pmix] -- cmd
+    srun --no-kill --overlap -N W -n W --ntasks-per-node=1 -w NODES --jobid=J
+         --kill-on-bad-exit={0|1} [--mpi=pmix] -- cmd
+
+An MPI step (``--mpi``) runs with ``--kill-on-bad-exit=1``: an MPI without ULFM tells
+the survivors nothing when a rank dies, and they block in their next collective for
+ever, so Slurm ends the whole step at the first task that exits non-zero or by a
+signal, ``srun`` exits non-zero, and that exit is the fault (``srun: error: n3: task 1:
+Killed`` in the step's output names the rank: ``observe/step_output.py``). A torch
+step keeps ``=0``.
 
 ``decide`` answers a fault with PROCESS_RESTART (a process died on healthy nodes:
 the step again, in place, within ``recovery.fault_retry_times``) or NODE_REPLACEMENT
@@ -59,48 +67,13 @@ from ..decide.messages import (
     Relaunch, Requeue, Say, ShutDownStandbys, Start, StepFaults, StepTrained,
 )
 from ..adapters.status import status_dict, write_status
+from ..observe.step_output import (
+    PROGRESS_VAR, first_progress, name_first_exit, progress_path, read_from, read_tail, step_in_output,
+)
 from ..decide.state import Mode, Policy, SupervisorState
 from ..adapters.warm import WarmStep, ZygotePool
 
 PORT_BASE = 20000  # below Linux's ephemeral range (32768-60999), above the usual services
-PROGRESS_VAR = "SR_PROGRESS_FILE"
-
-
-def progress_path(job_dir: str, attempt: int) -> str:
-    """The relaunch's own progress file: a line there is this step's, never an older one's."""
-    return os.path.join(job_dir, f"progress-{attempt:03d}.log")
-
-
-def first_progress(data: bytes) -> tuple[int | None, float | None] | None:
-    """Pure: the first complete line of a progress file as (step, unix time), each None
-    where the line does not give it (any line is a step trained); None: no line yet.
-
-    ``STEP UNIX_TIME`` is what ``examples/train_torchrun.py`` writes; a line without a
-    time is timed when it is seen.
-    """
-    end = data.find(b"\n")
-    if end < 0:
-        return None
-    fields = data[:end].split()
-    if not fields or not fields[0].isdigit():
-        return None, None  # not STEP UNIX_TIME: its other fields say nothing
-    try:
-        t = float(fields[1]) if len(fields) > 1 else None
-    except ValueError:
-        t = None
-    return int(fields[0]), t
-
-
-def step_in_output(data: bytes, pattern: re.Pattern[str]) -> tuple[int | None, None] | None:
-    """Pure: the first complete line of a step's output that ``pattern`` (``run.step_pattern``)
-    matches, as (step, None) like :func:`first_progress` (step: its group ``step``, else
-    its first group, when that is a number); None: no line matches."""
-    for line in data[:data.rfind(b"\n") + 1].decode(errors="replace").splitlines():  # complete lines
-        m = pattern.search(line)
-        if m:
-            group = m.groupdict().get("step") or (m.group(1) if pattern.groups else None)
-            return (int(group) if group and group.isdigit() else None), None
-    return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,7 +123,7 @@ def step_argv(*, job_id: str, name: str, nodes: Sequence[str], command: Sequence
     ``step_container``: every task runs in it (``rankenv`` then runs as the image's
     ``python3``; a podman container per task, ``sr-JOB-{node}-restartN-{task}``)."""
     argv = srun_argv(job_id=job_id, name=name, nodes=nodes, tasks_per_node=tasks_per_node, mpi=mpi,
-                     options=[*srun_options, *container.srun_options(step_container)])
+                     end_on_bad_exit=mpi, options=[*srun_options, *container.srun_options(step_container)])
     if mpi:
         inner = list(command)
     else:
@@ -205,7 +178,7 @@ class RelaunchExecutor:
         self.step: _Step | WarmStep | None = None
         self.attempt = self.generation = 0  # the running step's relaunch number and table generation
         self.trained = False  # its first progress line was reported
-        self.out_pos = 0  # how far its output (step-NNN.log) was searched for run.step_pattern
+        self.out_pos = self.log_start = 0  # step-NNN.log: searched for run.step_pattern to here; this step's from
         self.step_pattern = re.compile(config.run.step_pattern) if config.run.step_pattern else None
         self.lost: set[str] = set()  # unreachable at the last probe: a warm kill does not wait on them
         self.zygotes: ZygotePool | None = None
@@ -264,6 +237,8 @@ class RelaunchExecutor:
                 self.lost = {n for n, ok in reachable.items() if ok is False}
                 if not faults:
                     return [AllDone()]
+                if code is not None:  # srun's last lines name the task that ended it
+                    faults = name_first_exit(faults, read_tail(self._step_log(self.attempt), self.log_start))
                 return [StepFaults(tuple(faults), self.clock(), step=self.step.name, bad_spares=self._bad_spares(state))]
             time.sleep(self.poll_s)
 
@@ -306,10 +281,10 @@ class RelaunchExecutor:
         ``run.step_pattern``, the first line of its output that matches, once."""
         if self.trained or self.step is None:
             return []
-        data = self._read(progress_path(self.job_dir, self.attempt), 0)
+        data = read_from(progress_path(self.job_dir, self.attempt), 0)
         got = None if data is None else first_progress(data)
         if got is None and self.step_pattern is not None:
-            data = self._read(self._step_log(self.attempt), self.out_pos) or b""
+            data = read_from(self._step_log(self.attempt), self.out_pos) or b""
             whole = data[:data.rfind(b"\n") + 1]  # complete lines only: the rest is read again
             self.out_pos += len(whole)
             got = step_in_output(whole, self.step_pattern)
@@ -320,16 +295,6 @@ class RelaunchExecutor:
         return [StepTrained(self.generation, t if t is not None else self.clock(), step)]
 
     # -- adapters ------------------------------------------------------------------------
-    @staticmethod
-    def _read(path: str, offset: int) -> bytes | None:
-        """The file's bytes from ``offset`` (at most 1 MiB); None: no file yet."""
-        try:
-            with open(path, "rb") as f:
-                f.seek(offset)
-                return f.read(1 << 20)
-        except FileNotFoundError:
-            return None
-
     def _step_log(self, attempt: int) -> str:
         return os.path.join(self.job_dir, f"step-{attempt:03d}.log")
 
@@ -339,7 +304,7 @@ class RelaunchExecutor:
         master = master_node(nodes, self.allocation)
         log_path = self._step_log(attempt)
         # run.step_pattern: its output is searched from here (a reused job dir's log has older lines)
-        self.out_pos = os.path.getsize(log_path) if os.path.exists(log_path) else 0
+        self.out_pos = self.log_start = os.path.getsize(log_path) if os.path.exists(log_path) else 0
         progress = progress_path(self.job_dir, attempt)
         with contextlib.suppress(FileNotFoundError):  # a reused job dir's: never this step's first step
             os.unlink(progress)
