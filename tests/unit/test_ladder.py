@@ -124,3 +124,19 @@ def test_shrink_then_grow_keeps_survivor_order():
     g = grow(s, "n1", ["w9"], {"n1": "10.0.0.1"})
     assert g.generation == s.generation + 1 and g.slots[-1].rank == 3 and g.slots[-1].worker_id == "w9"
     assert g.slots[-1].address == "10.0.0.1"
+
+
+def test_levels_and_marks_travel_as_their_strings():
+    """events.jsonl's ``level`` values are the enum's values, unchanged; so are the marks."""
+    import json
+
+    from slurm_resilience.supervisor.decide.ladder import RUNGS
+    from slurm_resilience.supervisor.decide.report import Mark
+
+    assert [lv.value for lv in Level] == ["online", "process-restart", "node-replacement", "scale-in", "requeue",
+                                           "fail", "straggler-migration", "scale-out"]
+    assert set(RUNGS) == set(Level) - {Level.STRAGGLER_MIGRATION, Level.SCALE_OUT}
+    assert json.dumps({"level": Level.SCALE_IN}) == '{"level": "scale-in"}' and Level.SCALE_IN == "scale-in"
+    assert f"{Level.NODE_REPLACEMENT}" == str(Level.NODE_REPLACEMENT) == "node-replacement"
+    assert [m.value for m in Mark] == ["detected", "classified", "replaced", "published", "reconnected", "restored",
+                                       "first_step"]

@@ -36,7 +36,8 @@ from .messages import (
 )
 from .plans import EXIT_FAILED, EXIT_OK, EXIT_REQUEUED, Decision, launch, launch_standbys, move, publish, requeue
 from .ranktable import initial_table
-from .report import recovery_phases
+from .ladder import Level
+from .report import Mark, recovery_phases
 from .state import Mode, Policy, SupervisorState
 
 __all__ = ["decide", "EXIT_OK", "EXIT_FAILED", "EXIT_REQUEUED"]
@@ -136,18 +137,18 @@ def _published(state: SupervisorState, obs: Published, policy: Policy) -> Decisi
     rec = state.recovery
     if rec is None or rec.generation != obs.generation:
         return state, []
-    timeout = policy.fallback_timeout_s if rec.level == recover.PROCESS_RESTART else policy.online_timeout_s
-    first = "published" not in rec.marks
-    rec = dataclasses.replace(rec, marks={**rec.marks, "published": obs.t}, deadline=obs.t + timeout)
+    timeout = policy.fallback_timeout_s if rec.level is Level.PROCESS_RESTART else policy.online_timeout_s
+    first = Mark.PUBLISHED not in rec.marks
+    rec = dataclasses.replace(rec, marks={**rec.marks, Mark.PUBLISHED: obs.t}, deadline=obs.t + timeout)
     acts: list[Action] = []
-    if first and rec.level != recover.PROCESS_RESTART:
+    if first and rec.level is not Level.PROCESS_RESTART:
         acts.append(Say(f"recovery {rec.number}: {rec.level}, generation {rec.generation} published "
-                        f"{(obs.t - rec.marks['detected']) * 1000:.1f} ms after detection"))
+                        f"{(obs.t - rec.marks[Mark.DETECTED]) * 1000:.1f} ms after detection"))
     return dataclasses.replace(state, recovery=rec), acts
 
 
-_MARKS = {WorkerEvent.RECONNECTED: "reconnected", WorkerEvent.RESTORED: "restored",
-          WorkerEvent.FIRST_STEP: "first_step", WorkerEvent.DONE: "first_step"}
+_MARKS = {WorkerEvent.RECONNECTED: Mark.RECONNECTED, WorkerEvent.RESTORED: Mark.RESTORED,
+          WorkerEvent.FIRST_STEP: Mark.FIRST_STEP, WorkerEvent.DONE: Mark.FIRST_STEP}
 
 
 def _mark(state: SupervisorState, obs: WorkerMark, policy: Policy) -> Decision:
@@ -161,15 +162,15 @@ def _mark(state: SupervisorState, obs: WorkerMark, policy: Policy) -> Decision:
     got.setdefault(obs.rank, obs.t)
     rec = dataclasses.replace(rec, worker_marks={**rec.worker_marks, key: got})
     state = dataclasses.replace(state, recovery=rec)
-    if len(rec.worker_marks.get("first_step", {})) < state.table.world_size or "published" not in rec.marks:
+    if len(rec.worker_marks.get(Mark.FIRST_STEP, {})) < state.table.world_size or Mark.PUBLISHED not in rec.marks:
         return state, []
     acts: list[Action] = [emit(EventKind.PHASE, recovery=rec.number, phase=phase, start=start, end=end,
                                duration_ms=round((end - start) * 1000, 3))
                           for phase, start, end in recovery_phases(rec.marks, rec.worker_marks)]
-    last = max(rec.worker_marks["first_step"].values())
-    total = last - rec.marks["detected"]
+    last = max(rec.worker_marks[Mark.FIRST_STEP].values())
+    total = last - rec.marks[Mark.DETECTED]
     acts += [emit(EventKind.RECOVERY_DONE, t=last, recovery=rec.number, level=rec.level,
-                  generation=rec.generation, detected=rec.marks["detected"], first_step=last,
+                  generation=rec.generation, detected=rec.marks[Mark.DETECTED], first_step=last,
                   detect_to_step_s=total),
              Say(f"recovery {rec.number} done: generation {rec.generation} trained a step "
                  f"{total * 1000:.0f} ms after detection")]

@@ -32,13 +32,32 @@ import enum
 from ...model import FaultKind
 
 
-class Level(enum.Enum):
+class Level(str, enum.Enum):
+    """A recovery's level: the ladder's rungs (:data:`RUNGS`, finest first, as in the
+    table above) and the two planned changes that run as a recovery. The value is the
+    string written to events.jsonl (``ladder``/``recovery_start``/``recovery_done``'s
+    ``level``) and compares equal to it; ``str`` and ``format`` give the value."""
+
     ONLINE = "online"
     PROCESS_RESTART = "process-restart"
     NODE_REPLACEMENT = "node-replacement"
     SCALE_IN = "scale-in"
     REQUEUE = "requeue"
     FAIL = "fail"
+    STRAGGLER_MIGRATION = "straggler-migration"
+    """Planned, not a rung: a straggler's node moves onto a spare at a safe point."""
+    SCALE_OUT = "scale-out"
+    """Planned, not a rung: a returned node joins the world again."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+
+RUNGS = (Level.ONLINE, Level.PROCESS_RESTART, Level.NODE_REPLACEMENT, Level.SCALE_IN, Level.REQUEUE, Level.FAIL)
+"""The levels the ladder chooses from, finest first (a timed-out one joins ``failed``)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -176,8 +195,6 @@ class RecoveryPlan:
     reason: str = ""
 
 
-_ORDER = [Level.ONLINE, Level.PROCESS_RESTART, Level.NODE_REPLACEMENT, Level.SCALE_IN,
-          Level.REQUEUE, Level.FAIL]
 
 
 def plan_recovery(cases: list[FaultCase], *, spares: list[str], world_size: int, policy: LadderPolicy,
@@ -207,7 +224,7 @@ def plan_recovery(cases: list[FaultCase], *, spares: list[str], world_size: int,
         if d.level is Level.SCALE_IN:
             lost_so_far += c.lost
         decisions.append((c, d))
-    worst = max((d.level for _, d in decisions), key=_ORDER.index)
+    worst = max((d.level for _, d in decisions), key=RUNGS.index)
     reason = "; ".join(f"{_who(c)} on {c.node}: {d.level.value} ({d.reason})" for c, d in decisions)
     isolate = tuple(sorted({c.node for c in node_faults if c.rank is not None or c.kind not in _PROCESS_FAULTS}))
     if worst in (Level.REQUEUE, Level.FAIL, Level.PROCESS_RESTART):

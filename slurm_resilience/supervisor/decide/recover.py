@@ -20,14 +20,13 @@ from ...lifecycle import JobPhase
 from ...model import Fault, FaultKind
 from ...protocol import EventKind, Plan, PlanAction, Role
 from .classify import classify_fault, is_node_fault
-from .ladder import FaultCase, LadderInput, Level, RecoveryPlan, choose_level, plan_recovery
+from .ladder import RUNGS, FaultCase, LadderInput, Level, RecoveryPlan, choose_level, plan_recovery
 from . import blame, local, relaunch_recovery, spares
 from .plans import Decision, abort, launch, move, publish, requeue
 from .messages import Action, Isolate, Kill, Relaunch, Say, StepFaults, Straggler, Suspects, emit
+from .report import Mark
 from .ranktable import Replacement, grow as grow_table, in_node_order, regenerate, shrink
 from .state import Mode, Policy, Recovery, SupervisorState, is_process_fault
-
-PROCESS_RESTART = Level.PROCESS_RESTART.value
 
 
 def on_suspects(state: SupervisorState, obs: Suspects, now: float, policy: Policy) -> Decision:
@@ -134,7 +133,7 @@ def incident(state: SupervisorState, faults: list[Fault], detected: float, now: 
         state, more = _isolate(state, node, next((f.kind for f in faults if f.node == node), faults[0].kind), policy,
                                state_override=isolate_state)
         acts += more
-    acts.append(emit(EventKind.LADDER, level=plan.level.value, reason=plan.reason))
+    acts.append(emit(EventKind.LADDER, level=plan.level, reason=plan.reason))
     state, more = carry_out(state, plan, tuple(cases), frozenset(), detected, now, policy, why=faults[0].detail)
     return state, acts + more
 
@@ -183,7 +182,7 @@ def carry_out(state: SupervisorState, plan: RecoveryPlan, cases: tuple[FaultCase
         lost = [r for rank in plan.lost for r in state.table.ranks_on(state.table.slots[rank].node)]
         table = dataclasses.replace(shrink(table, lost), generation=state.table.generation + 1)
     if policy.mode is Mode.RELAUNCH:
-        return _relaunch(state, table, plan.reason, level=plan.level.value, cases=cases, failed=failed,
+        return _relaunch(state, table, plan.reason, level=plan.level, cases=cases, failed=failed,
                          detected=detected, now=now)
     state, acts = move(state, JobPhase.RECOVERING, why)
     new_ids = {m.new_worker_id for m in moves}
@@ -196,16 +195,16 @@ def carry_out(state: SupervisorState, plan: RecoveryPlan, cases: tuple[FaultCase
         acts.append(act)
     acts += [emit(EventKind.LOCAL_STANDBY_ADOPTED, rank=m.rank, node=m.new_node, worker_id=m.new_worker_id,
                   generation=table.generation) for m in adopted]
-    state, more = begin(state, plan.level.value, cases, failed, detected, now, table.generation)
+    state, more = begin(state, plan.level, cases, failed, detected, now, table.generation)
     return state, acts + more + recheck
 
 
-def begin(state: SupervisorState, level: str, cases: tuple[FaultCase, ...], failed: frozenset[Level],
+def begin(state: SupervisorState, level: Level, cases: tuple[FaultCase, ...], failed: frozenset[Level],
           detected: float, now: float, generation: int) -> Decision:
     """A recovery starts; its deadline starts when its plan is out (``Published``)."""
     n = state.recoveries + 1
     rec = Recovery(number=n, generation=generation, level=level, cases=cases, failed=failed,
-                   marks={"detected": detected, "classified": now, "replaced": now}, deadline=math.inf)
+                   marks={Mark.DETECTED: detected, Mark.CLASSIFIED: now, Mark.REPLACED: now}, deadline=math.inf)
     return dataclasses.replace(state, recoveries=n, recovery=rec), [
         emit(EventKind.RECOVERY_START, recovery=n, t=detected, level=level, generation=generation)]
 
@@ -215,7 +214,7 @@ def on_tick(state: SupervisorState, now: float, policy: Policy) -> Decision:
     rec = state.recovery
     if rec is None or now <= rec.deadline:
         return state, []
-    failed = rec.failed | ({Level(rec.level)} if rec.level in {lv.value for lv in Level} else set())
+    failed = rec.failed | ({rec.level} if rec.level in RUNGS else set())
     d = choose_level(LadderInput(
         fault=FaultKind.PROCESS_HUNG, spares_left=0, retries_used=state.fault_retries_used,
         retry_budget=policy.ladder.retry_budget, world_size=state.table.world_size,
@@ -224,7 +223,7 @@ def on_tick(state: SupervisorState, now: float, policy: Policy) -> Decision:
     reason = f"recovery of generation {rec.generation} ({rec.level}) did not train a step within its time-out"
     plan = RecoveryPlan(level=d.level, reason=reason)
     state = dataclasses.replace(state, recovery=dataclasses.replace(rec, failed=failed))
-    return carry_out(state, plan, rec.cases, failed, rec.marks["detected"], now, policy, why=reason)
+    return carry_out(state, plan, rec.cases, failed, rec.marks[Mark.DETECTED], now, policy, why=reason)
 
 
 def _relaunch_all(state: SupervisorState, cases, failed, detected: float, now: float, policy: Policy,
@@ -246,7 +245,7 @@ def _relaunch_all(state: SupervisorState, cases, failed, detected: float, now: f
     if state.recovery is None:  # a fresh incident answered by relaunching (a retry in place)
         state = dataclasses.replace(state, fault_retries_used=state.fault_retries_used + 1)
     if policy.mode is Mode.RELAUNCH:
-        return _relaunch(state, table, reason, level=PROCESS_RESTART, cases=cases, failed=failed,
+        return _relaunch(state, table, reason, level=Level.PROCESS_RESTART, cases=cases, failed=failed,
                          detected=detected, now=now)
     old = [s.worker_id for s in state.table.slots]
     acts: list[Action] = []
@@ -271,14 +270,14 @@ def _relaunch_all(state: SupervisorState, cases, failed, detected: float, now: f
     state, more = move(state, to, reason)
     acts += more
     if state.recovery is not None:  # the same recovery, one level coarser
-        rec = dataclasses.replace(state.recovery, level=PROCESS_RESTART, generation=table.generation,
+        rec = dataclasses.replace(state.recovery, level=Level.PROCESS_RESTART, generation=table.generation,
                                   worker_marks={}, deadline=math.inf)
         return dataclasses.replace(state, recovery=rec), acts
-    state, more = begin(state, PROCESS_RESTART, cases, failed, detected, now, table.generation)
+    state, more = begin(state, Level.PROCESS_RESTART, cases, failed, detected, now, table.generation)
     return state, acts + more
 
 
-def _relaunch(state: SupervisorState, table, reason: str, *, level: str, cases, failed, detected: float,
+def _relaunch(state: SupervisorState, table, reason: str, *, level: Level, cases, failed, detected: float,
               now: float) -> Decision:
     """Relaunch mode: the next all-ranks step (in place, or with spares in lost slots); a
     recovery starts (it ends at the step's first progress line, ``relaunch_recovery``)."""
@@ -346,7 +345,7 @@ def on_straggler(state: SupervisorState, obs: Straggler, now: float, policy: Pol
                                       joining=tuple(ranks), reason=f"straggler rank {obs.rank} on {slot.node}"),
                           recovery=True)
     acts += more
-    state, more = begin(state, "straggler-migration", (), frozenset(), now, now, table.generation)
+    state, more = begin(state, Level.STRAGGLER_MIGRATION, (), frozenset(), now, now, table.generation)
     return state, acts + more
 
 
@@ -373,7 +372,7 @@ def grow(state: SupervisorState, node: str, now: float, policy: Policy) -> Decis
                                       joining=table.ranks_on(node),
                                       reason=f"scale out onto returned node {node}"), recovery=True)
     acts += more
-    state, more = begin(state, "scale-out", (), frozenset(), now, now, table.generation)
+    state, more = begin(state, Level.SCALE_OUT, (), frozenset(), now, now, table.generation)
     return state, acts + more
 
 

@@ -23,7 +23,7 @@ from typing import Sequence
 from ...model import Fault
 from ...protocol import EventKind, RecoveryPhase
 from .messages import Action, Published, Say, StepFaults, StepTrained, emit
-from .report import recovery_phases
+from .report import Mark, recovery_phases
 from .plans import Decision
 from .state import Recovery, SupervisorState
 
@@ -68,9 +68,9 @@ def on_relaunched(state: SupervisorState, obs: Published) -> Decision:
     There is no deadline: the step's own exit or a node fault ends a relaunch that
     does not train (relaunch mode has no time-outs to fall back on)."""
     rec = state.recovery
-    if rec is None or rec.generation != obs.generation or "published" in rec.marks:
+    if rec is None or rec.generation != obs.generation or Mark.PUBLISHED in rec.marks:
         return state, []
-    rec = dataclasses.replace(rec, marks={**rec.marks, "published": obs.t})
+    rec = dataclasses.replace(rec, marks={**rec.marks, Mark.PUBLISHED: obs.t})
     return dataclasses.replace(state, recovery=rec), [
         Say(f"recovery {rec.number}: relaunch {state.relaunches} started on {','.join(state.table.node_list)} "
             f"{(obs.t - rec.marks['detected']) * 1000:.1f} ms after detection")]
@@ -79,15 +79,15 @@ def on_relaunched(state: SupervisorState, obs: Published) -> Decision:
 def on_step_trained(state: SupervisorState, obs: StepTrained) -> Decision:
     """The relaunched program trained a step: the recovery is done (phases, ``recovery_done``)."""
     rec = state.recovery
-    if rec is None or rec.generation != obs.generation or "published" not in rec.marks:
+    if rec is None or rec.generation != obs.generation or Mark.PUBLISHED not in rec.marks:
         return state, []  # the job's first start, or a step of an older relaunch
-    t = max(obs.t, rec.marks["published"])  # a line's own time, never before the step started
+    t = max(obs.t, rec.marks[Mark.PUBLISHED])  # a line's own time, never before the step started
     phases = _phases(rec, t)
-    total = t - rec.marks["detected"]
+    total = t - rec.marks[Mark.DETECTED]
     step = {} if obs.step is None else {"step": obs.step}
     acts: list[Action] = [*phases,
                           emit(EventKind.RECOVERY_DONE, t=t, recovery=rec.number, level=rec.level,
-                               generation=rec.generation, detected=rec.marks["detected"], first_step=t,
+                               generation=rec.generation, detected=rec.marks[Mark.DETECTED], first_step=t,
                                detect_to_step_s=total, **step),
                           Say(f"recovery {rec.number} done: relaunch {state.relaunches} trained a step "
                               f"{total * 1000:.0f} ms after detection")]
@@ -109,13 +109,13 @@ def unfinished(state: SupervisorState, why: str) -> Decision:
 def _phases(rec: Recovery, first_step: float | None) -> list[Action]:
     """The phases observed so far: without ``published`` only classify and replace."""
     marks = dict(rec.marks)
-    if "published" not in marks:
-        marks["published"] = marks["replaced"]
+    if Mark.PUBLISHED not in marks:
+        marks[Mark.PUBLISHED] = marks[Mark.REPLACED]
         keep = (RecoveryPhase.CLASSIFY, RecoveryPhase.REPLACE)
     else:
         keep = tuple(p for p in RecoveryPhase if p not in _NOT_OBSERVED
                      and (first_step is not None or p is not RecoveryPhase.FIRST_STEP))
-    worker = {"first_step": {0: first_step if first_step is not None else marks["published"]}}
+    worker = {Mark.FIRST_STEP: {0: first_step if first_step is not None else marks[Mark.PUBLISHED]}}
     return [emit(EventKind.PHASE, recovery=rec.number, phase=phase, start=start, end=end,
                  duration_ms=round((end - start) * 1000, 3))
             for phase, start, end in recovery_phases(marks, worker) if phase in keep]

@@ -31,6 +31,7 @@ from ...model import FaultKind, RankTable
 from ...protocol import Role
 from .blame import ErrorSeen
 from .ladder import FaultCase, Level, LadderPolicy
+from .report import Mark
 
 
 class Mode(enum.Enum):
@@ -109,9 +110,9 @@ class Recovery:
     level: Level
     cases: tuple[FaultCase, ...]
     failed: frozenset[Level]
-    marks: Mapping[str, float]  # detected, classified, replaced, published (unix times)
+    marks: Mapping[Mark, float]  # detected, classified, replaced, published (unix times)
     deadline: float
-    worker_marks: Mapping[str, Mapping[int, float]] = dataclasses.field(default_factory=dict)
+    worker_marks: Mapping[Mark, Mapping[int, float]] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
