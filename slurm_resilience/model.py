@@ -33,6 +33,10 @@ class FaultKind(enum.Enum):
     NODE_UNHEALTHY = "node_unhealthy"
     """Slurm marks the node down, drained, failing or not responding."""
 
+    NODE_PARTITIONED = "node_partitioned"
+    """The node is cut from its peers while the supervisor and Slurm still reach it
+    (its peers' probes fail both ways: ``supervisor/observe/partition.py``)."""
+
 
 @dataclass(frozen=True)
 class Fault:

@@ -21,7 +21,7 @@ from typing import Any
 from .model import FaultKind
 from .protocol import EventKind, WorkerEvent
 
-_NODE_FAULTS = (FaultKind.NODE_LOST.value, FaultKind.NODE_UNHEALTHY.value)
+_NODE_FAULTS = (FaultKind.NODE_LOST.value, FaultKind.NODE_UNHEALTHY.value, FaultKind.NODE_PARTITIONED.value)
 STATES = ("starting", "training", "checkpoint", "recovering", "lost", "standby")
 _STEP_KINDS = {WorkerEvent.RESTORED.logged, WorkerEvent.FIRST_STEP.logged, WorkerEvent.CHECKPOINT_SAVED.logged,
                WorkerEvent.DONE.logged}

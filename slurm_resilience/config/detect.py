@@ -67,6 +67,10 @@ class DetectConfig:
             max(progress_soft_s, factor/2 x longest recent step), block =
             max(progress_block_s, factor/2 x longest recent step), hard =
             max(progress_hard_s, factor x longest recent step) (>= 2).
+        peer_probe_s: every rank of the job without progress this long (and at least twice
+            the longest recent step): the node pulses probe each other, and a node cut from
+            its peers only is replaced (NODE_PARTITIONED, ``supervisor/observe/partition.py``);
+            repeated at this interval while the stall lasts (>= 0; 0 turns it off).
     """
 
     heartbeat_period_s: float = 0.25
@@ -84,6 +88,7 @@ class DetectConfig:
     progress_hard_s: float = 20.0
     progress_block_s: float | None = None
     progress_factor: float = 10.0
+    peer_probe_s: float = 2.0
 
     @property
     def silence_s(self) -> float:
@@ -119,6 +124,8 @@ class DetectConfig:
             )
         if self.straggler_threshold <= 1 or self.straggler_window < 1:
             raise ConfigError("detect.straggler_threshold must be > 1 and detect.straggler_window >= 1")
+        if self.peer_probe_s < 0:
+            raise ConfigError(f"detect.peer_probe_s={self.peer_probe_s} must be >= 0 (0 turns the peer probes off)")
         for name in ("node_poll_s", "probe_timeout_s", "slurmd_probe_deadline_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"detect.{name}={getattr(self, name)} must be > 0")

@@ -31,6 +31,16 @@ main thread holds the GIL still has a pulse; a rank whose process is gone is rep
 at once (its ``pidfd`` turns readable), a stopped one (``state`` T) within a period.
 A rank that leaves cleanly removes its ``.rank`` file first and is dropped silently.
 
+Peer probes (a node cut from its peers only, still reaching the supervisor and Slurm:
+``supervisor/observe/partition.py``): the pulse answers probes on an endpoint of its
+own, on the node's address (``SR_NODE_ADDR``, else the address its supervisor connection
+leaves from), announced in every line as ``"probe": [addr, port]``. A probe proves the
+job's secret (an HMAC of the token) and gets one byte back, so a port of another job
+answers nothing. When the supervisor sends ``{"probe": {"id": n, "peers": {node: [addr,
+port]}}}`` on the liveness connection, the pulse probes those peers at once, in
+parallel, from the node's address, each with a ``PROBE_TIMEOUT_S`` deadline (a dropped
+SYN gets no answer), and reports ``"reach": {"id": n, "ok": [...], "bad": [...]}``.
+
 When the supervisor restarts, its new liveness port is what the ranks' heartbeat
 threads write into their pages; the pulse reconnects there. With no rank left for
 ``idle_exit_s`` it exits (a rank starting later starts a new one).
@@ -38,6 +48,7 @@ threads write into their pages; the pulse reconnects there. With no rank left fo
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import mmap
 import os
@@ -57,6 +68,19 @@ BEAT_AT, RELAYED_AT = LAYOUT.size, LAYOUT.size + BEAT.size
 RELAYED = struct.Struct("<d")
 PAGE = 4096
 BOARD, RANK, LOCK = ".board", ".rank", "pulse.lock"
+NODE_ADDR_ENV = "SR_NODE_ADDR"
+
+
+def _load_peer_probe():
+    """``peer_probe.py`` beside this file, by path: ``python -I`` puts no package on sys.path."""
+    spec = importlib.util.spec_from_file_location("sr_peer_probe", os.path.join(os.path.dirname(__file__),
+                                                                                "peer_probe.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+peer_probe = _load_peer_probe()
 
 
 def read_board(page: mmap.mmap) -> tuple[int, int, int, int]:
@@ -214,10 +238,26 @@ def run(*, directory: str, host: str, period: float, hello: dict, idle_exit_s: f
     sock: socket.socket | None = None
     port = 0
     idle_since = time.monotonic()
+    probe, source, inbox = peer_probe.PeerProbe(str(hello.get("token", ""))), os.environ.get(NODE_ADDR_ENV), b""
+    next_line = 0.0
     while True:
         scan(directory, ranks)
         fds = [r.pidfd for r in ranks.values() if r.pidfd is not None]
-        ready = set(select.select(fds, [], [], period)[0]) if fds else (time.sleep(period) or set())
+        extra = probe.fds() + ([sock] if sock is not None else [])
+        wait = max(0.0, next_line - time.monotonic())
+        ready = set(select.select(fds + extra, [], [], wait)[0]) if fds or extra else (time.sleep(wait) or set())
+        probe.serve(ready, time.monotonic())
+        if sock is not None and sock in ready:
+            asked, inbox = peer_probe.requests(sock, inbox)
+            for request in asked if asked is not None else ():
+                probe.start(request, source)
+            if asked is None:  # the supervisor closed it: reconnect now, not at the next line
+                sock.close()
+                sock, next_line = None, 0.0
+        reach = probe.take()
+        if time.monotonic() < next_line and reach is None and not any(fd in ready for fd in fds):
+            continue
+        next_line = time.monotonic() + period
         scan(directory, ranks)
         live, gone = fold(ranks, ready)
         if ranks:
@@ -234,11 +274,17 @@ def run(*, directory: str, host: str, period: float, hello: dict, idle_exit_s: f
                     continue  # the supervisor is restarting; its new port is not known yet
             if not new:
                 continue
-            port, sock = new, _connect(host, new, hello)
+            port, sock, inbox = new, _connect(host, new, hello), b""
             if sock is None:
                 continue
+            probe.listen(source or sock.getsockname()[0])
         t = time.time()
-        if _send(sock, {"t": t, "ranks": live, "gone": gone}):
+        line = {"t": t, "ranks": live, "gone": gone}
+        if probe.endpoint is not None:
+            line["probe"] = probe.endpoint
+        if reach is not None:
+            line["reach"] = reach
+        if _send(sock, line):
             stamp_relayed(ranks, live, t)
         else:
             sock.close()

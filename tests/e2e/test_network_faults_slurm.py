@@ -1,5 +1,5 @@
 """End to end on the real local Slurm: network faults between nodes with their own
-addresses (``local-cluster partition-node``, ``heal``, ``flap-node``).
+addresses (``local-cluster partition-node``, ``partition-peers``, ``heal``, ``flap-node``).
 
 One job takes a partition and the heal after it: the node of rank 1 is cut from
 everyone (its processes keep running; no FIN, no RST), the supervisor calls it lost
@@ -10,7 +10,9 @@ checkpoint or done event), nothing lands in the node's checkpoint directory. The
 job ends bit-identical to the fault-free run.
 
 A flap shorter than the detection deadline costs a stall and nothing else: no
-recovery, no spare spent, bit-identical.
+recovery, no spare spent. The same job then has that node cut from its peers only
+(``partition-peers``): the node pulses' peer probes blame it and it is replaced
+(``supervisor/observe/partition.py``), bit-identical.
 """
 
 import os
@@ -123,20 +125,40 @@ def test_partitioned_node_is_replaced_and_fenced_when_it_heals(cluster, jobs_roo
 
 
 FLAP_S = 0.4  # well under the detection deadline (heartbeat timeout)
+AFTER_FLAP = 12  # steps every rank does after the flap before the next fault (no recovery meanwhile)
 
 
-def test_a_short_flap_costs_no_recovery(cluster, jobs_root, reference):
-    run = lab.submit(jobs_root / "net-flap", steps=STEPS, step_time=FAULT_STEP_TIME)
+def test_a_short_flap_costs_no_recovery_and_a_node_cut_from_its_peers_is_replaced(cluster, jobs_root, reference):
+    """One job, two faults. A flap under the detection deadline: a stall, no recovery, no
+    spare spent. Then the same node is cut from the other ranks' nodes only (slurmctld,
+    the supervisor and the spare still reach it): its heartbeats and pulse lines go on,
+    every rank waits in a collective that never returns; the pulses' peer probes blame
+    it (NODE_PARTITIONED), it is replaced by the spare, and the job ends bit-identical."""
+    run = lab.submit(jobs_root / "net-flap-peers", steps=STEPS, step_time=FAULT_STEP_TIME)
     status = run.wait_for_step(FAULT_AT, timeout=300)  # a busy lab queues the job first
     victim = status["ranks"][1]["node"]
+    spare = status["spares"][0]["node"]
+    peers = sorted({r["node"] for r in status["ranks"]} - {victim})
     try:
         flap_at = lab.net_fault("flap-node", victim, f"{FLAP_S}")
+        run.wait_for_step(FAULT_AT + AFTER_FLAP, timeout=120)
+        assert [e for e in _events(run.job_dir) if e["kind"] in ("fault_detected", "recovery_done")] == []
+        assert len([e for e in _events(run.job_dir) if e["kind"] == "plan"]) == 1
+        cut_at = lab.net_fault("partition-peers", victim, "--peers", ",".join(peers))
         assert run.wait() == 0, run.output()
     finally:
         lab.net_fault("heal")
+        lab.cluster("revive-node", victim, timeout=60)
     assert lab.compare_runs(reference, run.job_dir / "final.pt") == []
     events = _events(run.job_dir)
-    assert [e for e in events if e["kind"] in ("fault_detected", "recovery_done")] == []
+    faults = [e for e in events if e["kind"] == "fault_detected"]
+    assert faults and all(f["fault"]["kind"] == "node_partitioned" and f["fault"]["node"] == victim
+                          for f in faults), faults
+    assert faults[0]["observed_at"] >= cut_at and faults[0]["fault"]["detail"].startswith("cut from its peers")
+    done = [e for e in events if e["kind"] == "recovery_done"]
+    assert [d["level"] for d in done] == ["node-replacement"], done
     plans = [e for e in events if e["kind"] == "plan"]
-    assert victim in plans[-1]["nodes"] and len(plans) == 1, plans
-    print(f"flap of {FLAP_S} s on {victim} at {flap_at:.3f}: no recovery, {len(plans)} plan")
+    assert plans[-1]["nodes"][1] == spare and victim not in plans[-1]["nodes"]
+    summary = lab.summarize(run.job_dir, cut_at)
+    print(f"flap of {FLAP_S} s on {victim} at {flap_at:.3f}: no recovery; then cut from {peers}: detected "
+          f"{faults[0]['observed_at'] - cut_at:.2f} s after the cut, fault → first step {summary['mttr_s']:.3f} s")

@@ -9,6 +9,7 @@ Slurm state DOWN/DRAIN/FAIL/NOT_RESP.   False                NODE_LOST
 Slurm state DOWN/DRAIN/FAIL/NOT_RESP.   True / None          NODE_UNHEALTHY
 any                                     False                NODE_LOST
 heartbeat stale, node silent            no Slurm answer      NODE_LOST
+node cut from its peers (peer probes)   True / None          NODE_PARTITIONED
 process exited                          True / None          PROCESS_DIED
 heartbeat stale                         True / None          PROCESS_HUNG
 ======================================  ===================  ==============
@@ -58,6 +59,7 @@ def classify_fault(
     slurm_node_state: str | None,
     now: float,
     slurmd_answers: bool | None = None,
+    peers_cut: str = "",
 ) -> Fault:
     """Classify one observation; ``detail`` says which rule fired and why.
 
@@ -65,6 +67,7 @@ def classify_fault(
         slurmd_reachable: None when not probed.
         slurm_node_state: scontrol ``State=`` value (e.g. ``IDLE+DRAIN``, ``DOWN*``).
         slurmd_answers: the silent-node probe (None: not asked).
+        peers_cut: the evidence that the node is cut from its peers ("" when none).
 
     Raises:
         RecoveryError: nothing in the observation indicates a fault.
@@ -83,6 +86,8 @@ def classify_fault(
     elif slurmd_answers is False and heartbeat_stale and not process_exited:
         kind = FaultKind.NODE_LOST
         detail = "every rank on the node silent and slurmd did not answer a Slurm request in time"
+    elif peers_cut and not process_exited:
+        kind, detail = FaultKind.NODE_PARTITIONED, peers_cut
     elif process_exited:
         kind = FaultKind.PROCESS_DIED
         detail = "process exited (connection closed or step ended)"
@@ -98,8 +103,8 @@ def classify_fault(
 
 
 def is_node_fault(kind: FaultKind) -> bool:
-    """True when the node itself must be replaced (NODE_LOST, NODE_UNHEALTHY)."""
-    return kind in (FaultKind.NODE_LOST, FaultKind.NODE_UNHEALTHY)
+    """True when the node itself must be replaced (NODE_LOST, NODE_UNHEALTHY, NODE_PARTITIONED)."""
+    return kind in (FaultKind.NODE_LOST, FaultKind.NODE_UNHEALTHY, FaultKind.NODE_PARTITIONED)
 
 
 def find_faults(nodes: Sequence[str], *, exit_code: int | None, reachable: Mapping[str, bool | None],

@@ -58,6 +58,7 @@ class Suspect:
     slurmd_answers: bool | None = None
     probe_s: float | None = None
     error: ProgramError | None = None  # the program's own error, as the rank reported it before it exited
+    peers_cut: str = ""  # its node is cut from its peers: the evidence (observe/partition.py)
 
 
 @dataclasses.dataclass(frozen=True)

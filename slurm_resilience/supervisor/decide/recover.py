@@ -48,7 +48,8 @@ def on_suspects(state: SupervisorState, obs: Suspects, now: float, policy: Polic
         slot = state.slot_of(s.worker_id)
         fault = classify_fault(rank=slot.rank if slot else None, node=w.node, process_exited=s.process_exited,
                                slurmd_reachable=s.slurmd_reachable, heartbeat_stale=s.heartbeat_stale,
-                               slurm_node_state=s.node_state, now=now, slurmd_answers=s.slurmd_answers)
+                               slurm_node_state=s.node_state, now=now, slurmd_answers=s.slurmd_answers,
+                               peers_cut=s.peers_cut)
         if s.evidence and fault.kind is FaultKind.PROCESS_HUNG:  # the watchdog's evidence, not "stale"
             fault = dataclasses.replace(fault, detail=f"{s.evidence}; {fault.detail.split(', ', 1)[-1]}")
         probe = {} if s.probe_s is None else {"slurmd_answers": s.slurmd_answers, "probe_s": round(s.probe_s, 4)}

@@ -191,7 +191,7 @@ class Supervisor:
         self.watch = Watch(cfg=self.cfg, store=self.store, seen=self.seen, launcher=self.launcher,
                            handles=self.handles, events=self.events, preempted=self._signalled.is_set,
                            events_seen=seen, pulses=self.liveness.pulses, sweep=self._sweeper.put,
-                           heard=self.liveness.heard)
+                           heard=self.liveness.heard, peers=self.liveness)
         self._install_preempt_handler()
         self.state = state
         self.watcher = NodeWatcher(self.launcher.node_states, lambda: self.state.watched_nodes(),

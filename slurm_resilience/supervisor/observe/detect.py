@@ -90,6 +90,9 @@ class LivenessServer:
         self._lock = threading.Lock()
         self._pulses: dict[str, Pulse] = {}
         self._heard: dict[str, float] = {}  # node -> when its pulse's newest line came
+        self._endpoints: dict[str, tuple[str, int]] = {}  # node -> its pulse's peer-probe endpoint
+        self._reach: dict[str, dict] = {}  # node -> its pulse's newest peer-probe answer
+        self._conns: dict[str, socket.socket] = {}  # node -> its pulse's connection (for requests)
         self.rejected = 0
 
     def start(self) -> "LivenessServer":
@@ -155,6 +158,8 @@ class LivenessServer:
         state["who"] = who
         if hello.get("agent"):  # the node's pulse process (worker/pulse.py): lines follow
             state["pulse"] = True
+            with self._lock:
+                self._conns[who[1]] = conn
             self._pulse_lines(state)
             return
         self._out.put(Observation("connected", state["who"][0], state["who"][1],
@@ -170,12 +175,18 @@ class LivenessServer:
         node = state["who"][1]
         now = time.time()
         fresh: dict[str, Pulse] = {}
+        endpoint = reach = None
         for line in lines:
             try:
                 msg = json.loads(line)
                 for wid, pid in dict(msg.get("gone") or {}).items():
                     fresh.pop(str(wid), None)
                     self._out.put(Observation("closed", str(wid), node, now, int(pid), detail="pulse: process gone"))
+                if msg.get("probe"):
+                    endpoint = (str(msg["probe"][0]), int(msg["probe"][1]))
+                if msg.get("reach"):
+                    r = msg["reach"]
+                    reach = {"id": int(r["id"]), "ok": set(map(str, r["ok"])), "bad": set(map(str, r["bad"]))}
                 for wid, entry in dict(msg["ranks"]).items():
                     _pid, progress, phase, step, st, cpu = entry[:6]
                     phase = int(phase)  # worker/pulse.py: 0 computing, 1 waiting, 2 busy
@@ -189,11 +200,37 @@ class LivenessServer:
                 self._heard[node] = now
             if fresh:
                 self._pulses.update(fresh)
+            if endpoint is not None:
+                self._endpoints[node] = endpoint
+            if reach is not None:
+                self._reach[node] = reach
 
     def heard(self) -> dict[str, float]:
         """When each node's pulse last sent a line (a snapshot, one entry per node)."""
         with self._lock:
             return dict(self._heard)
+
+    def endpoints(self) -> dict[str, tuple[str, int]]:
+        """Each node pulse's peer-probe endpoint (``worker/peer_probe.py``), a snapshot."""
+        with self._lock:
+            return dict(self._endpoints)
+
+    def reach(self) -> dict[str, dict]:
+        """Each node pulse's newest peer-probe answer ``{"id", "ok", "bad"}``, a snapshot."""
+        with self._lock:
+            return dict(self._reach)
+
+    def ask_probes(self, requests: Mapping[str, Mapping[str, Any]]) -> list[str]:
+        """Send each node's pulse its probe request; returns the nodes it could not be sent to."""
+        with self._lock:
+            conns = {n: self._conns.get(n) for n in requests}
+        failed = []
+        for node, req in requests.items():
+            try:
+                conns[node].sendall((json.dumps({"probe": req}) + "\n").encode())
+            except (AttributeError, OSError):  # no pulse connection, or a full or closed one
+                failed.append(node)
+        return failed
 
     def pulses(self) -> dict[str, "Pulse"]:
         """The newest pulse of each worker (a snapshot)."""

@@ -283,6 +283,17 @@ class ProgressWatch:
             self._warm.discard(wid)
         return changes
 
+    def stalled_s(self, wids: Sequence[str], now: float) -> float:
+        """How long every one of ``wids`` has shown the same progress (0: one never seen)."""
+        seen = [self._moved.get(w) for w in wids]
+        if not seen or any(m is None for m in seen):
+            return 0.0
+        return max(0.0, now - max(m[1] for m in seen))
+
+    def longest_step_s(self) -> float:
+        """The longest recent step time (0: none measured yet)."""
+        return max(self._times, default=0.0)
+
     def _note_step(self, wid: str, step: int, now: float, paused: bool) -> None:
         prev = self._stepped.get(wid)
         if paused or prev is None or step < prev[0]:

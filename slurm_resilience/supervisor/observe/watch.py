@@ -34,6 +34,7 @@ from .detect import Observation as Seen, present_keys, read_heartbeats, stale_wo
 from ..adapters.launcher import Launcher, StepHandle
 from .probe import NodeProbed, NodeProber, silent_nodes
 from .silence import silence
+from . import partition
 from ..decide.messages import (
     AllDone, Connected, LivenessChange, NodeBack, Observation, Preempted, Straggler, Suspect, Suspects, Tick, WorkerMark,
 )
@@ -57,10 +58,11 @@ class Watch:
                  handles: Mapping[str, StepHandle], events: EventLog, preempted: Callable[[], bool],
                  events_seen: int = 0, pulses: Callable[[], Mapping[str, Any]] = dict,
                  sweep: Callable[[list[str]], None] | None = None,
-                 heard: Callable[[], Mapping[str, float]] = dict) -> None:
+                 heard: Callable[[], Mapping[str, float]] = dict, peers: partition.PeerLink | None = None) -> None:
         """``pulses``: the newest pulse per worker (``LivenessServer.pulses``); ``sweep``:
         removes read event keys off the loop (``sweep.Sweeper.put``; None: here, one by one);
-        ``heard``: when each node's pulse last sent a line (``LivenessServer.heard``)."""
+        ``heard``: when each node's pulse last sent a line (``LivenessServer.heard``); ``peers``:
+        the node pulses' peer probes (``LivenessServer``; None: no partition blame)."""
         self.sweep, self.heard = sweep, heard
         self._hb_heard: dict[str, float] = {}  # node -> its ranks' newest heartbeat (each poll)
         self._rank_nodes: tuple[object, dict[str, list[str]]] = (None, {})  # (table, node -> its ranks)
@@ -68,6 +70,7 @@ class Watch:
         self._last_silence = 0.0
         self.cfg, self.store, self.seen, self.launcher = cfg, store, seen, launcher
         self.pulses = pulses
+        self.partition = None if peers is None else partition.PartitionWatch(peers, cfg.detect.peer_probe_s)
         d = cfg.detect
         # A pulse vouches for a stale heartbeat while it is at most 4 periods (>= 1 s) old: on a
         # frozen node both stop together, and the node must not be found later than before.
@@ -108,6 +111,7 @@ class Watch:
                 if h.exit_code() is not None and state.watched(wid):
                     suspects.setdefault(wid, {"t": now})["process_exited"] = True
             out += self._heartbeats(state, suspects, now)
+            partition.look(self, state, suspects, now)
             out += self._drain(state, suspects, 0.0)  # a socket closed during the O(N) read
         if self.prober is not None and self.cfg.detect.silence_s and now - self._last_silence >= SILENCE_LOOK_S:
             self._last_silence = now
@@ -311,7 +315,8 @@ class Watch:
                                  slurmd_reachable=reachable, still_running=h is not None and h.exit_code() is None,
                                  finished=finished, evidence=o.get("evidence", ""),
                                  slurmd_answers=None if res is None else res.answered,
-                                 probe_s=None if res is None else res.ended - o["t"], error=error))
+                                 probe_s=None if res is None else res.ended - o["t"], error=error,
+                                 peers_cut=o.get("peers_cut", "")))
         return Suspects(tuple(items))
 
     def _program_error(self, worker_id: str) -> ProgramError | None:

@@ -1,0 +1,142 @@
+"""A node cut from its peers only: the pulses probe each other, one node is blamed.
+
+A node whose network to the other nodes fails while the supervisor and slurmctld still
+reach it (a bad port or cable on the data network, a firewall rule) shows no sign of
+trouble of its own: its heartbeats and pulse lines keep coming, its slurmd answers, and
+every rank waits in a collective that never returns (gloo and NCCL name no culprit).
+The watchdog alone calls every rank hung at the hard step timeout and relaunches all of
+them, the cut node included, which hangs again.
+
+So once every rank of the table has shown the same progress for ``detect.peer_probe_s``
+(at least twice the longest recent step), the supervisor asks each node's pulse to
+probe its peers (``worker/peer_probe.py``: a connect from the node's own address that
+proves the job's secret and gets one byte back, ``PROBE_TIMEOUT_S`` each, in parallel)
+and :func:`blame` reads the answers: the one node that every failed probe leads to or
+from, with at least two distinct peers on the far ends, while some probe that does not
+involve it succeeded, is cut from its peers. Its ranks become suspects with that
+evidence; ``classify`` makes it ``NODE_PARTITIONED``, a node fault: replaced by a spare
+and isolated like a lost node. No single explanation (two cut nodes, a split in
+halves, a single failed link, no answers): no blame, and the watchdog decides as
+before. The probes repeat at the same interval while the stall lasts.
+
+Probes per round: every other node while there are at most ``PROBE_FANOUT`` + 1
+nodes, else the nodes at ring distances 1, 2, 4, ... ahead (``PROBE_FANOUT`` of
+them): O(N log N) connects, and a cut node is still probed by several peers.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Mapping, Protocol, Sequence
+
+__all__ = ["PROBE_FANOUT", "PeerLink", "PartitionWatch", "blame", "look", "probe_plan"]
+
+PROBE_FANOUT = 8
+ANSWER_WAIT_S = 1.5  # after a request: answers still missing are not waited for longer
+
+
+class PeerLink(Protocol):
+    """The liveness server's side of the peer probes (``detect.LivenessServer``)."""
+
+    def endpoints(self) -> dict[str, tuple[str, int]]: ...
+
+    def reach(self) -> dict[str, dict]: ...
+
+    def ask_probes(self, requests: Mapping[str, Mapping[str, Any]]) -> list[str]: ...
+
+
+def probe_plan(nodes: Sequence[str], endpoints: Mapping[str, tuple[str, int]],
+               fanout: int = PROBE_FANOUT) -> dict[str, dict[str, list]]:
+    """Pure: node -> {peer: [addr, port]} it should probe (only nodes with an endpoint)."""
+    known = [n for n in nodes if n in endpoints]
+    count = len(known)
+    if count < 2:
+        return {}
+    if count - 1 <= fanout:
+        dists = list(range(1, count))
+    else:
+        dists, d = [], 1
+        while d < count and len(dists) < fanout:
+            dists.append(d)
+            d *= 2
+    return {a: {known[(i + d) % count]: list(endpoints[known[(i + d) % count]]) for d in dists}
+            for i, a in enumerate(known)}
+
+
+def blame(answers: Mapping[str, tuple[set[str], set[str]]]) -> tuple[str, str] | None:
+    """Pure: ``answers`` node -> (peers it reached, peers it did not); the node cut from
+    its peers and the evidence, or None when no single node explains the failures."""
+    failed = [(a, b) for a, (_, bad) in answers.items() for b in bad]
+    if not failed:
+        return None
+    common = set.intersection(*({a, b} for a, b in failed))
+    if len(common) != 1:
+        return None
+    cut = common.pop()
+    far = {b if a == cut else a for a, b in failed}
+    fine = sum(1 for a, (ok, _) in answers.items() if a != cut for b in ok if b != cut)
+    if len(far) < 2 or not fine:
+        return None
+    return cut, (f"cut from its peers: {len(failed)} peer probe(s) to or from it failed (peers "
+                 f"{','.join(sorted(far)[:8])}{'...' if len(far) > 8 else ''}), while {fine} between the "
+                 "other nodes answered")
+
+
+class PartitionWatch:
+    """When to ask for probes, and what their answers blame (one round at a time)."""
+
+    def __init__(self, link: PeerLink, probe_s: float, clock=time.time) -> None:
+        self._link, self.probe_s, self._clock = link, probe_s, clock
+        self._round = 0
+        self._asked: tuple[int, float, frozenset[str]] | None = None  # (id, when, nodes asked)
+        self.rounds = 0  # rounds asked so far (for tests and the status)
+
+    def look(self, nodes: Sequence[str], stalled_s: float, longest_step_s: float) -> tuple[str, str] | None:
+        """One look: ask for a round when the job has stalled long enough, read the answers
+        of the round in flight. Returns (node, evidence) once per blamed round."""
+        now = self._clock()
+        interval = max(self.probe_s, 2 * longest_step_s)
+        if self.probe_s <= 0 or stalled_s < interval:
+            self._asked = None  # moving again (or off): a later stall starts afresh
+            return None
+        if self._asked is None or now - self._asked[1] >= interval:
+            plan = probe_plan(nodes, self._link.endpoints())
+            if not plan:
+                return None
+            self._round += 1
+            self.rounds += 1
+            failed = self._link.ask_probes({n: {"id": self._round, "peers": p} for n, p in plan.items()})
+            self._asked = (self._round, now, frozenset(plan) - set(failed))
+            return None
+        rid, when, asked = self._asked
+        got = {n: (r["ok"], r["bad"]) for n, r in self._link.reach().items() if r["id"] == rid and n in asked}
+        if not got or (len(got) < len(asked) and now - when < ANSWER_WAIT_S):
+            return None
+        missing = asked - set(got)  # asked but silent: its probes of others are unknown, not failed
+        found = blame(got)
+        self._asked = (rid, when, frozenset())  # this round is read; the next one after the interval
+        if found is None:
+            return None
+        node, why = found
+        return node, why + (f"; no answer from {','.join(sorted(missing))}" if missing else "")
+
+
+def look(watch: Any, state: Any, suspects: dict[str, dict[str, Any]], now: float) -> None:
+    """One look from the ``Watch`` (each heartbeat period): the ranks of a node blamed as
+    cut from its peers become suspects with the evidence (``peers_cut``)."""
+    pw = watch.partition
+    if pw is None or state.recovery is not None:
+        return
+    by_node: dict[str, list[str]] = {}
+    for wid, w in state.workers.items():
+        if state.watched(wid):
+            by_node.setdefault(w.node, []).append(wid)
+    ranks = [s.worker_id for s in state.table.slots if state.watched(s.worker_id)]
+    if not ranks:
+        return
+    found = pw.look(sorted(by_node), watch.progress.stalled_s(ranks, now), watch.progress.longest_step_s())
+    if found is None:
+        return
+    node, why = found
+    for wid in by_node.get(node, []):
+        suspects.setdefault(wid, {"t": now})["peers_cut"] = why
