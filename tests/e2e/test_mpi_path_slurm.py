@@ -7,7 +7,9 @@
   ends the job, the supervisor relaunches mpirun with the spare node in the lost
   node's place, the program resumes from its own snapshot, bit-identical;
 * relaunch: an mpi4py program on Debian's Open MPI (no ULFM) takes the relaunch path
-  and says why.
+  and says why; a rank SIGKILLed on a healthy node ends the step (``srun
+  --kill-on-bad-exit=1``), which is relaunched in place and resumes from the program's
+  snapshot, bit-identical to a fault-free run.
 """
 
 from __future__ import annotations
@@ -159,14 +161,47 @@ def test_g2_node_killed_relaunches_on_the_spare_node(cluster, tmp_path, referenc
     _same(reference, out)
 
 
-def test_debian_open_mpi_takes_the_relaunch_path_and_says_why(cluster, tmp_path):
-    proc = _run(tmp_path, sys.executable, str(lab.REPO / "examples" / "mpi_train.py"), "--steps", "3",
-                "--step-time", "0", "--ckpt", str(tmp_path / "ckpt"), "--out", str(tmp_path / "final.npy"),
-                nodes=1, g=1)
-    output = _finish(proc, tmp_path / "job")
+def _plain_rank_pid(marker: str, rank: int) -> int | None:
+    """The process of MPI rank ``rank`` of examples/mpi_train.py whose argv holds ``marker``."""
+    for d in Path("/proc").iterdir():
+        try:
+            argv = (d / "cmdline").read_bytes().split(b"\0")
+            if not d.name.isdigit() or marker.encode() not in argv:
+                continue
+            env = (d / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"PMIX_RANK={rank}".encode() in env:
+            return int(d.name)
+    return None
+
+
+def test_debian_open_mpi_relaunch_path_survives_a_killed_rank(cluster, tmp_path):
+    """The relaunch path, and a rank killed on a healthy node: the step is launched with
+    ``--kill-on-bad-exit=1``, so Slurm ends it (the survivors would block in their
+    Allreduce for ever), the supervisor relaunches it in place, the program resumes from
+    its snapshot and ends bit-identical to a fault-free run of the same 2 ranks."""
+    program = [sys.executable, str(lab.REPO / "examples" / "mpi_train.py"), "--steps", "40"]
+    ref = tmp_path / "ref.npy"
+    subprocess.run(["mpirun", "--allow-run-as-root", "--oversubscribe", "-n", "2", *program, "--step-time", "0",
+                    "--ckpt", str(tmp_path / "ref-ckpt"), "--out", str(ref)],
+                   check=True, capture_output=True, timeout=60)
+    ckpt = str(tmp_path / "ckpt")
+    proc = _run(tmp_path, *program, "--step-time", "0.1", "--ckpt", ckpt, "--out", str(tmp_path / "final.npy"),
+                nodes=2, g=1)
+    job = tmp_path / "job"
+    _wait(lambda: _last_step(job / "progress-000.log") >= 12, 60, "step 12 (after the snapshot of step 10)", proc)
+    victim = _wait(lambda: _plain_rank_pid(ckpt, 1), 10, "rank 1's process", proc)
+    os.kill(victim, signal.SIGKILL)  # a rank of the job this test started
+    output = _finish(proc, job)
     assert proc.returncode == 0, output
     line = "MPI recovery path: relaunch of the whole step: "
     assert f"{line}{sys.executable}'s mpi4py loads Open MPI v4.1" in output, output
-    events = read_events(str(tmp_path / "job" / "events.jsonl"))
-    assert events[0]["kind"] == "mpi_path" and events[0]["path"] == "relaunch"
-    assert "no ULFM" in events[0]["reason"] and (tmp_path / "final.npy").exists()
+    events = read_events(str(job / "events.jsonl"))
+    assert events[0]["kind"] == "mpi_path" and events[0]["path"] == "relaunch" and "no ULFM" in events[0]["reason"]
+    relaunches = [e for e in events if e["kind"] == "relaunch"]
+    assert len(relaunches) == 1, [e["kind"] for e in events]
+    assert "process-restart" in output and re.search(r"first bad exit: n\d+ task 1: Killed", output), output
+    first = int((job / "progress-001.log").read_text().split()[0])
+    assert first in (11, 21, 31), first  # resumed from a snapshot, not from step 0
+    assert (tmp_path / "final.npy").read_bytes() == ref.read_bytes()
