@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import ast
 
-from test_architecture import PACKAGE, _is_type_checking, _modules, _targets, _describe, find_cycles
+from importgraph import PACKAGE, describe, find_cycles, import_graph, is_type_checking, modules
 
 SUP = f"{PACKAGE}.supervisor"
 
@@ -45,23 +45,12 @@ def _all_nodes(tree: ast.AST):
 
 def full_graph() -> dict[str, dict[str, int]]:
     """module → {package module it imports: line}, every import counted."""
-    mods = _modules()
-    known = set(mods)
-    graph: dict[str, dict[str, int]] = {}
-    for name, path in mods.items():
-        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
-        edges: dict[str, int] = {}
-        for node in _all_nodes(tree):
-            for target in _targets(node, name, path.name == "__init__.py", known):
-                if target != name:
-                    edges.setdefault(target, node.lineno)
-        graph[name] = edges
-    return graph
+    return import_graph(_all_nodes)
 
 
 def external_imports(module: str) -> dict[str, int]:
     """Top-level names of the modules outside the package that ``module`` imports: line."""
-    path = _modules()[module]
+    path = modules()[module]
     out: dict[str, int] = {}
     for node in _all_nodes(ast.parse(path.read_text(encoding="utf-8"))):
         if isinstance(node, ast.Import):
@@ -101,7 +90,7 @@ def violations(graph: dict[str, dict[str, int]]) -> list[str]:
 
 
 def test_every_supervisor_module_has_a_layer():
-    stray = [m for m in _modules() if m.startswith(SUP + ".") and layer_of(m) not in ALLOWED]
+    stray = [m for m in modules() if m.startswith(SUP + ".") and layer_of(m) not in ALLOWED]
     assert not stray, f"supervisor modules outside decide/observe/executors/adapters: {stray}"
 
 
@@ -112,7 +101,7 @@ def test_layers_import_only_what_the_table_allows():
 
 def test_decide_is_pure():
     bad = []
-    for mod in _modules():
+    for mod in modules():
         if layer_of(mod) in PURE_LAYERS:
             for name, line in external_imports(mod).items():
                 if name.split(".")[0] in IMPURE:
@@ -124,7 +113,7 @@ def test_no_import_cycle_type_only_imports_included():
     graph = full_graph()
     cycles = find_cycles(graph)
     assert not cycles, "import cycles (every import counted):\n  " + "\n  ".join(
-        _describe(graph, c) for c in cycles)
+        describe(graph, c) for c in cycles)
 
 
 # The checker itself, on made-up graphs.
@@ -149,4 +138,4 @@ def test_violations_catch_each_rule():
 def test_type_checking_and_function_imports_count():
     src = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import a\ndef f():\n    import b\n"
     names = [a.name for n in _all_nodes(ast.parse(src)) if isinstance(n, ast.Import) for a in n.names]
-    assert names == ["a", "b"] and _is_type_checking(ast.parse("TYPE_CHECKING").body[0].value)
+    assert names == ["a", "b"] and is_type_checking(ast.parse("TYPE_CHECKING").body[0].value)
