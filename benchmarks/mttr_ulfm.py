@@ -11,9 +11,11 @@ node, the same steps, the fault once rank 0 has done --kill-at steps.
     mpi-relaunch-node   examples/mpi_train.py (plain mpi4py) on Debian's Open MPI 4.1, the
                         relaunch path (`srun --mpi=pmix`), rank 1's node killed; MTTR = kill
                         -> the relaunched program's first step (its SR_PROGRESS_FILE line)
-    mpi-relaunch-rank   the relaunch path with MPI rank 1 SIGKILLed: the survivors hang in
-                        their Allreduce and the step never ends (the relaunch path watches
-                        step exits and nodes only); given up 60 s after the kill
+    mpi-relaunch-rank   the relaunch path with MPI rank 1 SIGKILLed on a healthy node: the
+                        step runs under `srun --kill-on-bad-exit=1`, so Slurm ends it (the
+                        survivors would block in their Allreduce), the supervisor relaunches
+                        it in place; MTTR = kill -> the relaunched program's first step;
+                        given up 60 s after the kill
 
 Every MTTR includes the restarted program's snapshot load where there is a relaunch.
 
@@ -166,7 +168,8 @@ def run_mpi_case(name: str, root: Path, args) -> dict:
             if (job / "progress-001.log").exists() else []
         t_back = float(lines[0][1]) if lines else None
         level = ("node lost: mpirun relaunched with the spare node (PRRTE ended the job)" if ulfm else
-                 "relaunch of the whole step (srun --mpi=pmix) on the spare node") + ", resumed from the snapshot"
+                 "relaunch of the whole step (srun --mpi=pmix) on the spare node" if node else
+                 "step ended by srun --kill-on-bad-exit=1, relaunched in place") + ", resumed from the snapshot"
     return {"exit_code": code, "mttr_s": round(t_back - t_kill, 3) if t_back else None, "level": level,
             "path_line": path[0] if path else None}
 
