@@ -16,6 +16,13 @@ from typing import Sequence
 from .errors import ResilienceError
 from .files import makedirs_private
 
+
+__all__ = [
+    "EXIT_USAGE", "cmd_supervise", "cmd_local", "cmd_submit", "cmd_run", "cmd_restart_supervise", "cmd_timeline",
+    "cmd_status", "cmd_inject", "build_parser", "main"
+]
+
+
 EXIT_USAGE = 2
 
 
@@ -241,6 +248,7 @@ def cmd_restart_supervise(args) -> int:
 
 
 def cmd_timeline(args) -> int:
+    """Print the job's recovery timeline from events.jsonl; with --png, draw it too."""
     from .events import format_timeline, read_events
 
     path = os.path.join(args.job_dir, "events.jsonl")
@@ -267,12 +275,14 @@ def cmd_timeline(args) -> int:
 
 
 def cmd_status(args) -> int:
+    """Show the job's status.json (with --watch, until it ends)."""
     from .views import watch_status
 
     return watch_status(args.job_dir, interval=args.interval, once=not args.watch, out=sys.stdout)
 
 
 def cmd_inject(args) -> int:
+    """Inject a fault into a running job (see :mod:`slurm_resilience.inject`)."""
     from .inject import inject
 
     print(json.dumps(inject(args.fault, args.job, rank=args.rank, seconds=args.seconds,
@@ -281,6 +291,7 @@ def cmd_inject(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``slurm-resilience`` argument parser, one subcommand per ``cmd_*``."""
     ap = argparse.ArgumentParser(prog="slurm-resilience", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("submit", help="submit a resilient job with sbatch")
@@ -346,6 +357,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """``slurm-resilience``: run one subcommand; a ResilienceError is one line on stderr and exit 2."""
     started = time.time()  # the batch step's start, in a requeue's breakdown (store.json)
     args = build_parser().parse_args(argv)
     args.started = started

@@ -16,6 +16,9 @@ import os
 import tempfile
 
 
+__all__ = ["makedirs_private", "write_private", "fsync_dir"]
+
+
 def makedirs_private(directory: str) -> None:
     """Create every missing level of ``directory`` 0700 (os.makedirs applies the mode
     to the last level only)."""
@@ -33,6 +36,7 @@ def makedirs_private(directory: str) -> None:
 
 
 def write_private(path: str, data: str | bytes, *, mode: int = 0o600, durable: bool = True) -> str:
+    """Write ``data`` to ``path`` atomically (temp file, rename), private (``mode``); fsynced when ``durable``."""
     directory = os.path.dirname(path) or "."
     makedirs_private(directory)
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=directory)

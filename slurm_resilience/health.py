@@ -29,6 +29,12 @@ import tempfile
 from typing import Callable, Sequence
 from .checkpoint.layout import current_user
 
+
+__all__ = [
+    "GIB", "check_local_dir", "parse_gpu_query", "check_gpus", "check_command", "run_checks", "health_argv", "main"
+]
+
+
 GIB = 1 << 30
 
 
@@ -66,6 +72,7 @@ def parse_gpu_query(text: str, expected: int) -> str | None:
 
 
 def check_gpus(expected: int, timeout_s: float) -> str | None:
+    """None when nvidia-smi lists ``expected`` GPUs and none has pending retired pages; else why not."""
     argv = ["nvidia-smi", "--query-gpu=index,retired_pages.pending", "--format=csv,noheader"]
     try:
         out = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, check=False)
@@ -123,6 +130,7 @@ def _line(text: str) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m slurm_resilience.health``: run the checks, print "ok" or why not; exit 0 or 1."""
     ap = argparse.ArgumentParser(prog="python -m slurm_resilience.health", description=__doc__.splitlines()[0])
     ap.add_argument("--local-dir", required=True)
     ap.add_argument("--min-free-gb", type=float, default=0.0)

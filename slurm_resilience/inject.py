@@ -46,6 +46,13 @@ from typing import Any
 
 from .errors import ResilienceError
 
+
+__all__ = [
+    "INJECTED", "NETWORK_FAULTS", "FAULTS", "inject", "read_injections", "network_args", "network_fault",
+    "corrupt_newest", "fill"
+]
+
+
 INJECTED = "injected.jsonl"
 NETWORK_FAULTS = ("partition-node", "partition-peers", "partition-supervisor", "flap-node", "lossy-node", "heal")
 FAULTS = ("kill-rank", "kill-node", "freeze-node", "hang-rank", "slow-rank", "kill-spare", "kill-supervisor",

@@ -30,6 +30,15 @@ from .errors import ResilienceError
 from .events import read_events
 from .protocol import EventKind, RecoveryPhase, WorkerEvent
 
+
+__all__ = [
+    "REPO", "LOCAL_CLUSTER", "EXAMPLE", "ZERO_EXAMPLE", "LOCAL_CONFIG", "LAB_RECORD", "DEFAULT_LAB", "LabError",
+    "local_cluster_script", "cluster", "net_fault", "podman_test_image", "podman_section", "kill_node", "freeze_node",
+    "thaw_and_revive", "JobRun", "submit", "compare_states", "compare_runs", "rank_digests", "PHASES", "summarize",
+    "checkpoint_overhead", "format_summary"
+]
+
+
 REPO = Path(__file__).resolve().parents[1]
 LOCAL_CLUSTER = REPO / "scripts" / "local-cluster"
 EXAMPLE = REPO / "examples" / "train_mlp.py"
@@ -353,6 +362,7 @@ def _span(start: float, end: float) -> dict[str, float]:
 
 
 def format_summary(summary: dict[str, Any], fault_at: float | None) -> str:
+    """The phases of one recovery as a table, in ms from the fault (or from the first phase)."""
     lines = []
     t0 = fault_at if fault_at is not None else min(p["start"] for p in summary["phases"].values())
     lines.append(f"{'phase':<32}{'at (ms)':>10}{'duration (ms)':>16}")

@@ -16,6 +16,13 @@ from typing import Mapping
 from .model import RankTable
 
 
+__all__ = [
+    "PlanAction", "Plan", "StoreKey", "EventKind", "WorkerEvent", "RecoveryPhase", "plan_key", "heartbeat_key",
+    "pg_prefix", "event_key", "done_key", "EVENT_COUNTER", "SHUTDOWN_KEY", "Role", "WorkerEnv", "TOKEN_FILE",
+    "write_token", "read_token", "RUN_JOB_DIR_VAR", "PREEMPT_REQUEST_FILE", "preempt_request_path"
+]
+
+
 class PlanAction(enum.Enum):
     """What the ranks of a generation do.
 
@@ -208,10 +215,12 @@ class RecoveryPhase(_Named):
 
 # Functions and constants kept for the call sites (each is the StoreKey above).
 def plan_key(generation: int) -> str:
+    """``StoreKey.PLAN.of(generation)``."""
     return StoreKey.PLAN.of(generation)
 
 
 def heartbeat_key(worker_id: str) -> str:
+    """``StoreKey.HEARTBEAT.of(worker_id)``."""
     return StoreKey.HEARTBEAT.of(worker_id)
 
 
@@ -221,10 +230,12 @@ def pg_prefix(generation: int) -> str:
 
 
 def event_key(n: int) -> str:
+    """``StoreKey.EVENT.of(n)``."""
     return StoreKey.EVENT.of(n)
 
 
 def done_key(rank: int) -> str:
+    """``StoreKey.DONE.of(rank)``."""
     return StoreKey.DONE.of(rank)
 
 
@@ -316,6 +327,7 @@ def write_token(job_dir: str, token: str) -> None:
 
 
 def read_token(job_dir: str) -> str:
+    """The job's store token from ``JOBDIR/token``."""
     with open(os.path.join(job_dir, TOKEN_FILE)) as f:
         return f.read().strip()
 

@@ -30,6 +30,10 @@ import re
 import sys
 from typing import Mapping, Sequence
 
+
+__all__ = ["expand_tasks_per_node", "rank_env", "main"]
+
+
 _REQUIRED = ("SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS", "SLURM_NODEID")
 # Most precise first: the step's own view, then what srun or sbatch exported.
 _WORLD_VARS = ("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS")
@@ -86,6 +90,7 @@ def rank_env(slurm: Mapping[str, str], *, master_addr: str, master_port: int, re
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m slurm_resilience.rankenv -- cmd``: exec ``cmd`` with this task's rank variables set."""
     ap = argparse.ArgumentParser(prog="python -m slurm_resilience.rankenv")
     ap.add_argument("--master-addr", required=True)
     ap.add_argument("--master-port", type=int, required=True)

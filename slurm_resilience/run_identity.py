@@ -37,6 +37,13 @@ from typing import Mapping
 from .errors import ConfigError
 from .files import makedirs_private, write_private
 
+
+__all__ = [
+    "RUN_ID_ENV", "RUN_FILE", "RunIdentity", "new_run_id", "check_run_id", "choose", "read_recorded", "establish",
+    "from_environ", "continued"
+]
+
+
 RUN_ID_ENV = "SR_RUN_ID"
 RUN_FILE = "run.json"
 _RUN_ID = re.compile(r"[0-9a-f]{32}")

@@ -21,6 +21,12 @@ from typing import Any
 from .model import FaultKind
 from .protocol import EventKind, WorkerEvent
 
+
+__all__ = [
+    "STATES", "Lane", "Recovery", "recoveries", "RECOVERED_FAULTS", "injected_fault_times", "lanes", "step_series"
+]
+
+
 _NODE_FAULTS = (FaultKind.NODE_LOST.value, FaultKind.NODE_UNHEALTHY.value, FaultKind.NODE_PARTITIONED.value)
 STATES = ("starting", "training", "checkpoint", "recovering", "lost", "standby")
 _STEP_KINDS = {WorkerEvent.RESTORED.logged, WorkerEvent.FIRST_STEP.logged, WorkerEvent.CHECKPOINT_SAVED.logged,
@@ -29,12 +35,16 @@ _STEP_KINDS = {WorkerEvent.RESTORED.logged, WorkerEvent.FIRST_STEP.logged, Worke
 
 @dataclasses.dataclass(frozen=True)
 class Lane:
+    """One rank's row of the timeline: its states over time."""
+
     label: str
     spans: tuple[tuple[float, float, str], ...]  # (start, end, state), in time order
 
 
 @dataclasses.dataclass(frozen=True)
 class Recovery:
+    """One recovery as the timeline draws it, read from its events."""
+
     number: int
     level: str
     fault_at: float  # the fault's first sign the supervisor saw (``observed_at``), or as given
@@ -121,6 +131,7 @@ def _paint(base: list[tuple[float, float, str]], start: float, end: float, state
 
 
 def lanes(events: list[dict[str, Any]], fault_times: dict[int, float] | None = None) -> list[Lane]:
+    """One lane per rank, in rank order: its states from the first event to the last."""
     t0 = min(e["t"] for e in events)
     t_end = max(e["t"] for e in events)
     nodes = _nodes_by_rank(events)

@@ -18,6 +18,10 @@ from typing import Any
 
 from .timeline_lanes import lanes, recoveries, step_series
 
+
+__all__ = ["STATE_COLOURS", "PHASE_COLOURS", "MAX_PANELS", "SPLIT_RATIO", "plot_timeline", "breaks_axis"]
+
+
 STATE_COLOURS = {"starting": "#d9d9d9", "training": "#59a14f", "checkpoint": "#4e79a7",
                  "recovering": "#f28e2b", "lost": "#e15759", "standby": "#bab0ac"}
 PHASE_COLOURS = {"detect": "#e15759", "classify": "#4e79a7", "replace": "#f28e2b", "ranktable": "#b07aa1",

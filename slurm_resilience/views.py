@@ -12,7 +12,11 @@ from .lifecycle import JobPhase
 from .protocol import WorkerEvent
 
 
+__all__ = ["load_status", "checkpoint_latest", "requeue_count", "render_status", "watch_status"]
+
+
 def load_status(job_dir: str) -> dict[str, Any]:
+    """The job's status.json as a dict."""
     path = os.path.join(job_dir, "status.json")
     try:
         with open(path) as f:
@@ -69,6 +73,7 @@ def render_status(st: dict[str, Any], *, rate: float | None, tiers: dict[str, in
 
 
 def watch_status(job_dir: str, *, interval: float, once: bool, out) -> int:
+    """Print the job's status once, or every ``interval`` s until it succeeds or fails; returns 0."""
     prev: tuple[float, int] | None = None
     while True:
         st = load_status(job_dir)

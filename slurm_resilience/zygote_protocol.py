@@ -33,6 +33,13 @@ from typing import Mapping, Sequence
 
 from .rankenv import rank_env
 
+
+__all__ = [
+    "KEY_FILE", "INFO_DIR", "AGENT_STORE_VAR", "STORE_WAIT_S", "STEP_VARS", "Kind", "ForkRequest", "Reply", "encode",
+    "decode", "warm_entry", "task_slurm_vars", "warm_env", "hosts_store", "fork_refusal", "step_exit_code"
+]
+
+
 KEY_FILE = "zygote.key"
 INFO_DIR = "zygotes"  # job_dir/zygotes/<node>.json: {"addr", "port", "pid"}, written when ready
 # torch's env:// rendezvous connects every rank, rank 0 included, as a client to a store
@@ -97,6 +104,8 @@ class ForkRequest:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Reply:
+    """The zygote's answer: FORKED (``rank``, ``pid``), REFUSED (``reason``), EXITED (``code``) or KILLED."""
+
     kind: Kind
     rank: int | None = None
     pid: int | None = None

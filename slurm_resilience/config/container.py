@@ -13,6 +13,9 @@ from dataclasses import dataclass
 from slurm_resilience.errors import ConfigError
 
 
+__all__ = ["Runtime", "ContainerConfig", "parse_mount"]
+
+
 class Runtime(enum.Enum):
     """How a step enters its container.
 

@@ -18,6 +18,9 @@ from .replay import logger_rank
 from .statesync import TrainingState
 
 
+__all__ = ["StateFacade"]
+
+
 class StateFacade:
     """Training state and per-generation wrappers (see the module docstring)."""
 

@@ -51,6 +51,37 @@ def test_no_mixin():
     assert not found, "mixin classes: " + ", ".join(found)
 
 
+def _defined(tree: ast.Module) -> set[str]:
+    """Names bound anywhere in a module (defs, classes, assignments, imports): a generous test."""
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update((a.asname or a.name).split(".")[0] for a in node.names)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+    return names
+
+
+def test_every_name_in_all_exists():
+    """``__all__`` lists only names the module defines or imports, or, for a package whose
+    ``__getattr__`` loads names lazily, names its table holds as strings."""
+    missing = []
+    for name, path in modules().items():
+        src = path.read_text(encoding="utf-8")
+        tree = ast.parse(src)
+        listed = next((node.value for node in tree.body if isinstance(node, ast.Assign)
+                       and any(getattr(t, "id", None) == "__all__" for t in node.targets)), None)
+        if not isinstance(listed, (ast.List, ast.Tuple)):
+            continue
+        own = {id(e) for e in listed.elts}
+        held = _defined(tree) | {c.value for c in ast.walk(tree) if isinstance(c, ast.Constant)
+                                 and isinstance(c.value, str) and id(c) not in own}
+        missing += [f"{name}.{e.value}" for e in listed.elts if isinstance(e, ast.Constant) and e.value not in held]
+    assert not missing, "in __all__ but not defined: " + ", ".join(missing)
+
+
 # The checker itself, on made-up graphs.
 
 def test_find_cycles_names_each_cycle_once():
