@@ -8,7 +8,8 @@
   node's place, the program resumes from its own snapshot, bit-identical;
 * relaunch: an mpi4py program on Debian's Open MPI (no ULFM) takes the relaunch path
   and says why; a rank SIGKILLed on a healthy node ends the step (``srun
-  --kill-on-bad-exit=1``), which is relaunched in place and resumes from the program's
+  --kill-on-bad-exit=1``), a rank SIGSTOPped is found by its step's silent progress
+  file; each time the step is relaunched in place and resumes from the program's
   snapshot, bit-identical to a fault-free run.
 """
 
@@ -53,9 +54,10 @@ def reference(tmp_path_factory) -> Path:
     return out
 
 
-def _run(root: Path, *program: str, nodes: int = 2, g: int = 2) -> subprocess.Popen:
+def _run(root: Path, *program: str, nodes: int = 2, g: int = 2, config: Path | None = None) -> subprocess.Popen:
     argv = [sys.executable, "-m", "slurm_resilience.cli", "run", "--wait", "--mpi", "--nodes", str(nodes),
-            "--spares", "1", "--tasks-per-node", str(g), "--job-dir", str(root / "job"), "--", *program]
+            "--spares", "1", "--tasks-per-node", str(g), "--job-dir", str(root / "job"),
+            *(["--config", str(config)] if config else []), "--", *program]
     return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, **ENV})
 
@@ -176,32 +178,41 @@ def _plain_rank_pid(marker: str, rank: int) -> int | None:
     return None
 
 
-def test_debian_open_mpi_relaunch_path_survives_a_killed_rank(cluster, tmp_path):
-    """The relaunch path, and a rank killed on a healthy node: the step is launched with
-    ``--kill-on-bad-exit=1``, so Slurm ends it (the survivors would block in their
-    Allreduce for ever), the supervisor relaunches it in place, the program resumes from
-    its snapshot and ends bit-identical to a fault-free run of the same 2 ranks."""
+def test_debian_open_mpi_relaunch_path_survives_a_killed_then_a_stopped_rank(cluster, tmp_path):
+    """The relaunch path, and two faults on healthy nodes. Rank 1 SIGKILLed: the step is
+    launched with ``--kill-on-bad-exit=1``, so Slurm ends it (the survivors would block
+    in their Allreduce for ever) and the supervisor relaunches it in place. Then rank 1
+    of that relaunch SIGSTOPped: nothing exits, the progress lines stop, and past the hard
+    step timeout (``detect.progress_hard_s``, 3 s here) the step is hung, ended and
+    relaunched again. Each relaunch resumes from the program's snapshot; the end is
+    bit-identical to a fault-free run of the same 2 ranks."""
     program = [sys.executable, str(lab.REPO / "examples" / "mpi_train.py"), "--steps", "40"]
     ref = tmp_path / "ref.npy"
     subprocess.run(["mpirun", "--allow-run-as-root", "--oversubscribe", "-n", "2", *program, "--step-time", "0",
                     "--ckpt", str(tmp_path / "ref-ckpt"), "--out", str(ref)],
                    check=True, capture_output=True, timeout=60)
+    config = tmp_path / "config.yaml"
+    config.write_text("detect:\n  progress_soft_s: 2.5\n  progress_hard_s: 3.0\n")
     ckpt = str(tmp_path / "ckpt")
     proc = _run(tmp_path, *program, "--step-time", "0.1", "--ckpt", ckpt, "--out", str(tmp_path / "final.npy"),
-                nodes=2, g=1)
+                nodes=2, g=1, config=config)
     job = tmp_path / "job"
     _wait(lambda: _last_step(job / "progress-000.log") >= 12, 60, "step 12 (after the snapshot of step 10)", proc)
-    victim = _wait(lambda: _plain_rank_pid(ckpt, 1), 10, "rank 1's process", proc)
-    os.kill(victim, signal.SIGKILL)  # a rank of the job this test started
-    output = _finish(proc, job)
+    os.kill(_wait(lambda: _plain_rank_pid(ckpt, 1), 10, "rank 1's process", proc), signal.SIGKILL)
+    _wait(lambda: _last_step(job / "progress-001.log") >= 22, 60, "relaunch 1's step 22", proc)
+    os.kill(_wait(lambda: _plain_rank_pid(ckpt, 1), 10, "rank 1's process", proc), signal.SIGSTOP)
+    output = _finish(proc, job)  # the processes of the job this test started, ended by its own steps
     assert proc.returncode == 0, output
     line = "MPI recovery path: relaunch of the whole step: "
     assert f"{line}{sys.executable}'s mpi4py loads Open MPI v4.1" in output, output
     events = read_events(str(job / "events.jsonl"))
     assert events[0]["kind"] == "mpi_path" and events[0]["path"] == "relaunch" and "no ULFM" in events[0]["reason"]
-    relaunches = [e for e in events if e["kind"] == "relaunch"]
-    assert len(relaunches) == 1, [e["kind"] for e in events]
-    assert "process-restart" in output and re.search(r"first bad exit: n\d+ task 1: Killed", output), output
-    first = int((job / "progress-001.log").read_text().split()[0])
-    assert first in (11, 21, 31), first  # resumed from a snapshot, not from step 0
+    faults = [e["fault"] for e in events if e["kind"] == "fault_detected"]
+    assert [f["kind"] for f in faults] == ["process_died", "process_hung"], output
+    assert re.search(r"first bad exit: n\d+ task 1: Killed", faults[0]["detail"]), faults[0]
+    assert "past the hard step timeout 3.0 s" in faults[1]["detail"], faults[1]
+    assert [e["level"] for e in events if e["kind"] == "recovery_done"] == ["process-restart"] * 2, output
+    for attempt in (1, 2):  # resumed from a snapshot, not from step 0
+        first = int((job / f"progress-{attempt:03d}.log").read_text().split()[0])
+        assert first in (11, 21, 31), (attempt, first)
     assert (tmp_path / "final.npy").read_bytes() == ref.read_bytes()

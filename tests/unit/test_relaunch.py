@@ -132,6 +132,11 @@ if code == "train":  # the program's rank 0 trains step 11 (docs/restart.md: SR_
 if code == "badexit":  # srun --kill-on-bad-exit=1 after MPI rank 1 was SIGKILLed
     sys.stderr.write("srun: error: n3: task 1: Killed\\nsrun: error: n2: task 0: Terminated\\n")
     code = 143
+if code == "stall":  # an MPI program whose rank 1 is stopped after step 3: the others wait in MPI
+    for step in (1, 2, 3):
+        open(os.environ["SR_PROGRESS_FILE"], "a").write(f"{{step}} {{time.time():.6f}}\\n")
+        time.sleep(0.02)
+    time.sleep(60)
 if code == "print":  # a program that only prints its steps (run.step_pattern)
     print("restart 1: world 3, from step 10")
     print("step 11 loss 0.25", flush=True)
@@ -183,8 +188,8 @@ def fake_srun(tmp_path, monkeypatch):
     return launches
 
 
-def _supervisor(tmp_path, launcher, spares=("n5",), retries=3, out=None, step_pattern="", mpi=False):
-    cfg = load_config({"recovery": {"fault_retry_times": retries}, "detect": {"node_poll_s": 0.1},
+def _supervisor(tmp_path, launcher, spares=("n5",), retries=3, out=None, step_pattern="", mpi=False, detect=None):
+    cfg = load_config({"recovery": {"fault_retry_times": retries}, "detect": {"node_poll_s": 0.1, **(detect or {})},
                        "run": {"warm": False, "step_pattern": step_pattern}})  # the cold srun path; warm: tests/e2e/test_warm_restart_slurm.py
     lay = layout(["n1", "n2", "n3", "n4", *spares], "n1", 3)
     return RelaunchExecutor(config=cfg, command=["python", "t.py"], job_dir=str(tmp_path / "job"), job_id="77",
@@ -283,3 +288,19 @@ def test_loop_mpi_rank_death_ends_the_step_and_names_the_rank(tmp_path, fake_sru
     said = out.getvalue()
     assert "PROCESS_DIED" in said and "step exit code 143; first bad exit: n3 task 1: Killed" in said, said
     assert "recovery 1: process-restart" in said and "recovery 1 done" in said
+
+
+@pytest.mark.timeout(30)
+def test_loop_mpi_step_without_progress_past_the_hard_timeout_is_hung_and_relaunched(tmp_path, fake_srun,
+                                                                                      monkeypatch):
+    # a stopped rank ends nothing: the step's progress lines stop; past the hard step
+    # timeout the step is a PROCESS_HUNG fault, killed (its own step) and relaunched in place
+    monkeypatch.setenv("FAKE_SRUN_CODES", "stall,train")
+    fast = {"heartbeat_period_s": 0.1, "heartbeat_timeout_s": 0.3, "slurmd_probe_deadline_s": 0.2,
+            "progress_soft_s": 0.4, "progress_hard_s": 0.5}
+    launcher, out = FakeLauncher(), io.StringIO()
+    assert _supervisor(tmp_path, launcher, out=out, mpi=True, detect=fast).run() == 0
+    assert len(fake_srun()) == 2 and launcher.killed == ["sr-restart-0"] and launcher.isolated == []
+    said = out.getvalue()
+    assert "fault: the step on n[2-4]: PROCESS_HUNG (no progress line for" in said, said
+    assert "past the hard step timeout 0.5 s" in said and "recovery 1 done" in said

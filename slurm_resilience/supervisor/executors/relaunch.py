@@ -12,7 +12,10 @@ the survivors nothing when a rank dies, and they block in their next collective 
 ever, so Slurm ends the whole step at the first task that exits non-zero or by a
 signal, ``srun`` exits non-zero, and that exit is the fault (``srun: error: n3: task 1:
 Killed`` in the step's output names the rank: ``observe/step_output.py``). A torch
-step keeps ``=0``.
+step keeps ``=0``. A stopped MPI rank (SIGSTOP, a dead loop) ends nothing: an MPI
+step whose progress lines stop past the hard step timeout (``detect.progress_hard_s``,
+or ``progress_factor`` x its longest recent step) is a PROCESS_HUNG fault
+(``step_output.stalled_step``), its step killed and relaunched like a dead one.
 
 ``decide`` answers a fault with PROCESS_RESTART (a process died on healthy nodes:
 the step again, in place, within ``recovery.fault_retry_times``) or NODE_REPLACEMENT
@@ -20,7 +23,7 @@ the step again, in place, within ``recovery.fault_retry_times``) or NODE_REPLACE
 here as :class:`~.messages.Relaunch`. The program resumes from its own snapshot;
 ``SR_RESTART`` tells it how many relaunches came before.
 
-    watch (step exit, slurmd probe, Slurm node state) → StepFaults / AllDone
+    watch (step exit, slurmd probe, Slurm node state, an MPI step's progress) → StepFaults / AllDone
       → decide (the ladder, without ONLINE and SCALE_IN) → Relaunch | Isolate | Exit
 
 The recovery ends at the relaunched program's first step: each step's tasks get
@@ -68,7 +71,8 @@ from ..decide.messages import (
 )
 from ..adapters.status import status_dict, write_status
 from ..observe.step_output import (
-    PROGRESS_VAR, first_progress, name_first_exit, progress_path, read_from, read_tail, step_in_output,
+    PROGRESS_VAR, ProgressTail, first_progress, name_first_exit, progress_path, read_from, read_tail,
+    stalled_step, step_in_output,
 )
 from ..decide.state import Mode, Policy, SupervisorState
 from ..adapters.warm import WarmStep, ZygotePool
@@ -181,6 +185,7 @@ class RelaunchExecutor:
         self.out_pos = self.log_start = 0  # step-NNN.log: searched for run.step_pattern to here; this step's from
         self.step_pattern = re.compile(config.run.step_pattern) if config.run.step_pattern else None
         self.lost: set[str] = set()  # unreachable at the last probe: a warm kill does not wait on them
+        self.pace: ProgressTail | None = None  # an MPI step's progress lines (a hang ends nothing)
         self.zygotes: ZygotePool | None = None
         self.preempted = threading.Event()  # job.preempt_signal reached the supervisor (relaunch_preempt.py)
         self._preempt_seen = False
@@ -233,6 +238,12 @@ class RelaunchExecutor:
                 states = self._states(nodes)
                 next_states = now + self.cfg.detect.node_poll_s
             faults = find_faults(nodes, exit_code=code, reachable=reachable, states=states, now=self.clock())
+            if code is None and not faults and self.pace is not None:  # an MPI step: hung ranks end nothing
+                self.pace.poll(now)
+                quiet = None if self.pace.seen_at is None else now - self.pace.seen_at
+                hung = stalled_step(nodes, quiet_s=quiet, steps=self.pace.steps, now=self.clock(),
+                                    hard_s=self.cfg.detect.progress_hard_s, factor=self.cfg.detect.progress_factor)
+                faults = [hung] if hung else []
             if code is not None or faults:
                 self.lost = {n for n, ok in reachable.items() if ok is False}
                 if not faults:
@@ -309,6 +320,7 @@ class RelaunchExecutor:
         with contextlib.suppress(FileNotFoundError):  # a reused job dir's: never this step's first step
             os.unlink(progress)
         relaunch_preempt.clear_request(self.job_dir)
+        self.pace = ProgressTail(progress) if self.mpi else None
         if self.zygotes is not None:
             if attempt == 0:  # the zygotes started with the job; later ones are long up
                 self.zygotes.wait_ready(nodes, self.cfg.run.zygote_start_s)

@@ -8,23 +8,28 @@ Three signs, each from a file of the job dir:
   stands in for a progress line (:func:`step_in_output`);
 * the same output holds ``srun``'s own lines: ``srun: error: n3: task 1: Killed``
   names the rank that ended an MPI step under ``--kill-on-bad-exit=1``
-  (:func:`name_first_exit`).
+  (:func:`name_first_exit`);
+* the progress file read as it grows (:class:`ProgressTail`): an MPI step whose lines
+  stop past the hard step timeout is hung (:func:`stalled_step`): one rank stopped
+  (SIGSTOP, a dead loop) leaves the others blocked in MPI, and nothing exits.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import os
 import re
 from typing import Sequence
 
 from ...model import Fault, FaultKind
-from ...slurm.parse import parse_task_exits
+from ...slurm.parse import compress_hostlist, parse_task_exits
+from .progress import derive_timeouts
 
 PROGRESS_VAR = "SR_PROGRESS_FILE"
 
 __all__ = ["PROGRESS_VAR", "progress_path", "first_progress", "step_in_output", "name_first_exit", "read_from",
-           "read_tail"]
+           "read_tail", "ProgressTail", "stalled_step"]
 
 
 def progress_path(job_dir: str, attempt: int) -> str:
@@ -96,3 +101,47 @@ def read_tail(path: str, start: int, limit: int = 1 << 16) -> bytes:
             return f.read()
     except FileNotFoundError:
         return b""
+
+
+class ProgressTail:
+    """One step's progress file, read as it grows: ``seen_at``, when its last line was
+    seen (the caller's monotonic clock: no skew between nodes), and ``steps``, the recent
+    step times (from the lines' own times: one writer, one clock)."""
+
+    def __init__(self, path: str, *, keep: int = 8) -> None:
+        self.path, self.offset = path, 0
+        self.seen_at: float | None = None  # None: no line yet (start-up, snapshot load)
+        self.last_t: float | None = None
+        self.steps: collections.deque[float] = collections.deque(maxlen=keep)
+
+    def poll(self, now: float) -> None:
+        """Read the complete lines written since the last call."""
+        data = read_from(self.path, self.offset) or b""
+        whole = data[:data.rfind(b"\n") + 1]
+        if not whole:
+            return
+        self.offset += len(whole)
+        self.seen_at = now
+        for line in whole.splitlines():
+            got = first_progress(line + b"\n")
+            t = got[1] if got else None
+            if t is not None and self.last_t is not None and t >= self.last_t:
+                self.steps.append(t - self.last_t)
+            self.last_t = t if t is not None else self.last_t
+
+
+def stalled_step(nodes: Sequence[str], *, quiet_s: float | None, steps: Sequence[float], hard_s: float,
+                 factor: float, now: float) -> Fault | None:
+    """Pure: the whole step's PROCESS_HUNG fault when its progress file has been quiet
+    (``quiet_s``) past the hard step timeout, ``max(hard_s, factor x the longest recent
+    step)`` (``progress.derive_timeouts``, the torch path's rule); None before the
+    step's first line (``quiet_s`` None: start-up is not a hang) or while it moves."""
+    if quiet_s is None:
+        return None
+    limit = derive_timeouts(steps, stale_s=hard_s, soft_s=hard_s, hard_s=hard_s, factor=factor).hard_s
+    if quiet_s <= limit:
+        return None
+    return Fault(FaultKind.PROCESS_HUNG, None, compress_hostlist(nodes), now,
+                 f"no progress line for {quiet_s:.1f} s, past the hard step timeout {limit:.1f} s "
+                 f"(detect.progress_hard_s, or progress_factor x the longest recent step, "
+                 f"{max(steps, default=0.0):.2f} s): a rank stopped and the others wait in MPI")
