@@ -59,7 +59,8 @@ median, and everything goes to --json (default mttr.json).
     ulfm-rank / mpi-relaunch-rank   an MPI program with one rank SIGKILLed, through
                       `slurm-resilience run --mpi`: repaired in place (ULFM, a spare rank)
                       vs the relaunch path (srun --mpi=pmix, Debian's Open MPI); run them
-                      together (--cases ulfm-rank,mpi-relaunch-rank): benchmarks/mttr_ulfm.py
+                      together (--cases ulfm-rank,mpi-relaunch-rank): benchmarks/mttr_ulfm.py;
+                      mpi-relaunch-hang: rank 1 SIGSTOPped on the relaunch path
 
 Needs the cluster: scripts/local-cluster start; eval "$(scripts/local-cluster env)".
 """
@@ -80,7 +81,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from mttr_baseline import BASELINES, FAULTS, config_note, run_baseline  # noqa: E402
 from mttr_cases import CASES, run_case  # noqa: E402
 from mttr_run import RUN_CASES, run_relaunch  # noqa: E402
-from mttr_ulfm import MPI_CASES, run_mpi_case  # noqa: E402
+from mttr_ulfm import MPI_CASES, MPI_FAULTS, run_mpi_case  # noqa: E402
 from provenance import stamped  # noqa: E402
 
 
@@ -96,7 +97,7 @@ def fault_of(name: str) -> str:
         return FAULTS[name]
     if name in CASES:
         return CASES[name].fault
-    return "rank-kill" if name in MPI_CASES else "node-kill"  # the run-* cases kill a node
+    return MPI_FAULTS.get(name, "node-kill")  # the run-* cases kill a node
 
 
 def summarize(runs: dict[str, list[dict]]) -> dict[str, dict]:

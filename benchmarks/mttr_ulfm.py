@@ -16,6 +16,11 @@ node, the same steps, the fault once rank 0 has done --kill-at steps.
                         survivors would block in their Allreduce), the supervisor relaunches
                         it in place; MTTR = kill -> the relaunched program's first step;
                         given up 60 s after the kill
+    mpi-relaunch-hang   the relaunch path with MPI rank 1 SIGSTOPped: nothing exits, the
+                        step's progress lines stop, and past the hard step timeout
+                        (detect.progress_hard_s, 20 s by default) the supervisor cancels the
+                        step and relaunches it in place; MTTR = stop -> the relaunched
+                        program's first step
 
 Every MTTR includes the restarted program's snapshot load where there is a relaunch.
 
@@ -118,7 +123,8 @@ def run_mpi_case(name: str, root: Path, args) -> dict:
         print(f"warning: {exc}", file=sys.stderr)
     job = root / "job"
     ulfm, node = name.startswith("ulfm-"), name.endswith("-node")
-    give_up = 60.0 if name == "mpi-relaunch-rank" else 300.0
+    give_up = 60.0 if name in ("mpi-relaunch-rank", "mpi-relaunch-hang") else 300.0
+    sig = signal.SIGSTOP if name.endswith("-hang") else signal.SIGKILL
     if ulfm:
         program = [os.path.join(VENV, "bin", "python"), str(lab.REPO / "examples" / "mpi_ulfm_train.py"),
                    "--out", str(root / "final.npz"), "--snapshot", str(root / "snap")]
@@ -142,7 +148,7 @@ def run_mpi_case(name: str, root: Path, args) -> dict:
             if pid is None:
                 raise RuntimeError("rank 1's process not found")
             t_kill = time.time()
-            os.kill(pid, signal.SIGKILL)  # a rank of the job this benchmark started
+            os.kill(pid, sig)  # a rank of the job this benchmark started (its step kills a stopped one)
         try:
             code = proc.wait(timeout=give_up)
         except subprocess.TimeoutExpired:
@@ -169,9 +175,14 @@ def run_mpi_case(name: str, root: Path, args) -> dict:
         t_back = float(lines[0][1]) if lines else None
         level = ("node lost: mpirun relaunched with the spare node (PRRTE ended the job)" if ulfm else
                  "relaunch of the whole step (srun --mpi=pmix) on the spare node" if node else
-                 "step ended by srun --kill-on-bad-exit=1, relaunched in place") + ", resumed from the snapshot"
+                 "step ended by srun --kill-on-bad-exit=1, relaunched in place" if sig is signal.SIGKILL else
+                 "progress lines stopped past the hard step timeout, step cancelled and relaunched in place"
+                 ) + ", resumed from the snapshot"
     return {"exit_code": code, "mttr_s": round(t_back - t_kill, 3) if t_back else None, "level": level,
             "path_line": path[0] if path else None}
 
 
-MPI_CASES = ("ulfm-rank", "ulfm-node", "mpi-relaunch-node", "mpi-relaunch-rank")
+MPI_FAULTS = {"ulfm-rank": "rank-kill", "ulfm-node": "node-kill", "mpi-relaunch-node": "node-kill",
+              "mpi-relaunch-rank": "rank-kill", "mpi-relaunch-hang": "rank-hang"}
+"""Each MPI case's fault (``mttr.fault_of``)."""
+MPI_CASES = tuple(MPI_FAULTS)
