@@ -66,7 +66,7 @@ def test_unknown_key(tmp_path):
         "unknown key 'detect.heartbeat' in cfg.yaml; valid keys: heartbeat_period_s, heartbeat_timeout_s,"
         " standby_heartbeat_timeout_s, node_poll_s, probe_timeout_s, slurmd_probe_deadline_s, node_silence_s,"
         " straggler_threshold, straggler_window, headless_timeout_s, pulse, progress_soft_s, progress_hard_s, progress_block_s,"
-        " progress_factor"
+        " progress_factor, peer_probe_s"
     )
 
 

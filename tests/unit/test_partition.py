@@ -90,24 +90,24 @@ def test_the_watch_asks_only_after_the_stall_and_blames_from_the_round_in_flight
     nodes = ["n1", "n2", "n3"]
     link, now = FakeLink(nodes), [100.0]
     pw = PartitionWatch(link, probe_s=3.0, clock=lambda: now[0])
-    assert pw.look(nodes, stalled_s=2.9, longest_step_s=0.1) is None and not link.asked
-    assert pw.look(nodes, stalled_s=3.0, longest_step_s=1.6) is None and not link.asked  # 2 x the step
-    assert pw.look(nodes, stalled_s=3.0, longest_step_s=0.1) is None
+    assert pw.look(lambda: nodes, stalled_s=2.9, longest_step_s=0.1) is None and not link.asked
+    assert pw.look(lambda: nodes, stalled_s=3.0, longest_step_s=1.6) is None and not link.asked  # 2 x the step
+    assert pw.look(lambda: nodes, stalled_s=3.0, longest_step_s=0.1) is None
     (req,) = link.asked
     rid = req["n1"]["id"]
     assert set(req) == set(nodes) and set(req["n1"]["peers"]) == {"n2", "n3"}
     now[0] += 0.6
     link.answers = {n: {"id": rid, "ok": ok, "bad": bad} for n, (ok, bad) in _answers(nodes, cut={"n2"}).items()}
     link.answers["n1"] = {"id": rid - 1, "ok": set(), "bad": set()}  # an older round's answer: not this one
-    assert pw.look(nodes, stalled_s=3.6, longest_step_s=0.1) is None  # n1 not in yet, and within the wait
+    assert pw.look(lambda: nodes, stalled_s=3.6, longest_step_s=0.1) is None  # n1 not in yet, and within the wait
     now[0] += 1.0
-    node, why = pw.look(nodes, stalled_s=4.6, longest_step_s=0.1)
+    node, why = pw.look(lambda: nodes, stalled_s=4.6, longest_step_s=0.1)
     assert node == "n2" and why.endswith("no answer from n1")
-    assert pw.look(nodes, stalled_s=4.7, longest_step_s=0.1) is None and len(link.asked) == 1  # read once
+    assert pw.look(lambda: nodes, stalled_s=4.7, longest_step_s=0.1) is None and len(link.asked) == 1  # read once
     now[0] += 3.0
-    pw.look(nodes, stalled_s=7.7, longest_step_s=0.1)
+    pw.look(lambda: nodes, stalled_s=7.7, longest_step_s=0.1)
     assert len(link.asked) == 2  # the stall lasts: the next round
-    assert pw.look(nodes, stalled_s=0.0, longest_step_s=0.1) is None  # moving again
+    assert pw.look(lambda: nodes, stalled_s=0.0, longest_step_s=0.1) is None  # moving again
 
 
 def test_a_partitioned_node_is_a_node_fault_and_the_setting_is_checked():
@@ -205,3 +205,22 @@ def test_real_pulses_announce_their_endpoints_on_the_node_address_and_probe_on_r
             p.stdin.flush()
             p.wait(timeout=10)
         srv.close()
+
+
+def test_the_watchdog_keeps_how_long_the_whole_job_has_stalled():
+    from slurm_resilience.supervisor.observe.detect import Pulse
+    from slurm_resilience.supervisor.observe.progress import ProgressWatch
+
+    pw = ProgressWatch(stale_s=2, soft_s=10, hard_s=20, factor=10)
+
+    def look(now, **progress):
+        pulses = {w: Pulse(now, v, True, 1, "S", 0) for w, v in progress.items()}
+        pw.observe({w: now for w in progress}, pulses, now)
+
+    look(100.0, a=1, b=1)
+    assert pw.stalled_s(100.0) == 0.0
+    look(101.0, a=1, b=2)  # b moved at 101
+    look(104.0, a=1, b=2)
+    assert pw.stalled_s(104.0) == 3.0  # since the newest move of any rank
+    pw.observe({"a": 105.0, "c": 105.0}, {"a": Pulse(105.0, 1, True, 1, "S", 0)}, 105.0)
+    assert pw.stalled_s(105.0) == 0.0  # c never seen: unknown, not stalled

@@ -18,9 +18,10 @@ STATUS_FILE = "status.json"
 
 
 def status_dict(state: SupervisorState, *, mode: str, retry_budget: int,
-                endpoints: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """The status file's content (pure but for the pid and clock)."""
-    workers = state.workers
+                endpoints: Mapping[str, Any] | None = None, steps: Mapping[str, int] | None = None) -> dict[str, Any]:
+    """The status file's content (pure but for the pid and clock). ``steps``: newer steps
+    per worker than the state holds (the heartbeats'), read in place of building new records."""
+    workers, newer = state.workers, steps or {}
     return {
         "job_id": state.job_id, "mode": mode, "requeue_count": state.requeue_count,
         "supervisor_pid": os.getpid(), "phase": state.phase.name, "generation": state.table.generation,
@@ -31,7 +32,7 @@ def status_dict(state: SupervisorState, *, mode: str, retry_budget: int,
         # a slot whose launch failed (or relaunch mode) has no worker record: pid None, step 0
         "ranks": [{"rank": s.rank, "node": s.node, "worker_id": s.worker_id,
                    "pid": getattr(workers.get(s.worker_id), "pid", None),
-                   "step": getattr(workers.get(s.worker_id), "step", 0)}
+                   "step": newer.get(s.worker_id, getattr(workers.get(s.worker_id), "step", 0))}
                   for s in state.table.slots],
         "tasks_per_node": state.tasks_per_node,
         # one entry per warm standby (a spare node holds G of them)

@@ -345,8 +345,7 @@ class Supervisor:
         self._last_status = now
         if self._unsaved:
             self._save(state)
-        workers = {wid: dataclasses.replace(w, step=self.watch.steps.get(wid, w.step)) for wid, w in state.workers.items()}
-        status = status_dict(dataclasses.replace(state, workers=workers), mode=Mode.ONLINE.value,
+        status = status_dict(state, mode=Mode.ONLINE.value, steps=self.watch.steps,
                              retry_budget=self.cfg.recovery.fault_retry_times,
                              endpoints={"host": self.store_host, "store_port": self.store_port,
                                         "liveness_port": self.liveness.port,

@@ -27,7 +27,7 @@ them): O(N log N) connects, and a cut node is still probed by several peers.
 from __future__ import annotations
 
 import time
-from typing import Any, Mapping, Protocol, Sequence
+from typing import Any, Callable, Mapping, Protocol, Sequence
 
 __all__ = ["PROBE_FANOUT", "PeerLink", "PartitionWatch", "blame", "look", "probe_plan"]
 
@@ -91,16 +91,18 @@ class PartitionWatch:
         self._asked: tuple[int, float, frozenset[str]] | None = None  # (id, when, nodes asked)
         self.rounds = 0  # rounds asked so far (for tests and the status)
 
-    def look(self, nodes: Sequence[str], stalled_s: float, longest_step_s: float) -> tuple[str, str] | None:
+    def look(self, nodes: Callable[[], Sequence[str]], stalled_s: float,
+             longest_step_s: float) -> tuple[str, str] | None:
         """One look: ask for a round when the job has stalled long enough, read the answers
-        of the round in flight. Returns (node, evidence) once per blamed round."""
+        of the round in flight. Returns (node, evidence) once per blamed round. ``nodes``
+        is called only when a round is asked for (O(1) while the job moves)."""
         now = self._clock()
         interval = max(self.probe_s, 2 * longest_step_s)
         if self.probe_s <= 0 or stalled_s < interval:
             self._asked = None  # moving again (or off): a later stall starts afresh
             return None
         if self._asked is None or now - self._asked[1] >= interval:
-            plan = probe_plan(nodes, self._link.endpoints())
+            plan = probe_plan(nodes(), self._link.endpoints())
             if not plan:
                 return None
             self._round += 1
@@ -122,21 +124,15 @@ class PartitionWatch:
 
 
 def look(watch: Any, state: Any, suspects: dict[str, dict[str, Any]], now: float) -> None:
-    """One look from the ``Watch`` (each heartbeat period): the ranks of a node blamed as
-    cut from its peers become suspects with the evidence (``peers_cut``)."""
+    """One look from the ``Watch`` (each heartbeat period, O(1) while the job moves): the
+    ranks of a node blamed as cut from its peers become suspects with the evidence."""
     pw = watch.partition
-    if pw is None or state.recovery is not None:
+    if pw is None or state.recovery is not None or not state.table.slots:
         return
-    by_node: dict[str, list[str]] = {}
-    for wid, w in state.workers.items():
-        if state.watched(wid):
-            by_node.setdefault(w.node, []).append(wid)
-    ranks = [s.worker_id for s in state.table.slots if state.watched(s.worker_id)]
-    if not ranks:
-        return
-    found = pw.look(sorted(by_node), watch.progress.stalled_s(ranks, now), watch.progress.longest_step_s())
+    found = pw.look(lambda: state.watched_nodes(), watch.progress.stalled_s(now), watch.progress.longest_step_s())
     if found is None:
         return
     node, why = found
-    for wid in by_node.get(node, []):
-        suspects.setdefault(wid, {"t": now})["peers_cut"] = why
+    for wid, w in state.workers.items():
+        if w.node == node and state.watched(wid):
+            suspects.setdefault(wid, {"t": now})["peers_cut"] = why

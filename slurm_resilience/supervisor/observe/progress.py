@@ -226,6 +226,7 @@ class ProgressWatch:
         self._warm: set[str] = set()  # completed a step since it was first seen or the last recovery
         self._times: collections.deque[float] = collections.deque(maxlen=window)
         self.verdicts: dict[str, tuple[Verdict, str]] = {}
+        self._latest: float | None = None  # the newest move of any rank at the last look (None: one unseen)
 
     def timeouts(self) -> Timeouts:
         return derive_timeouts(self._times, **self._floors)
@@ -240,6 +241,7 @@ class ProgressWatch:
         Returns the changes of verdict ``(worker, old, new, evidence)``."""
         signs: dict[str, Signs] = {}
         carried = hb_progress or {}
+        latest: float | None = 0.0 if hb_t else None
         for wid, t in hb_t.items():
             p = pulses.get(wid)
             h = carried.get(wid)
@@ -249,6 +251,7 @@ class ProgressWatch:
             hr = None if h is None else (t, h[0], h[1], h[2])
             if pr is None and hr is None:
                 signs[wid] = Signs(hb_age=now - t)
+                latest = None
                 continue
             if pr is None or hr is None:
                 newest = pr or hr
@@ -262,14 +265,19 @@ class ProgressWatch:
                     newest = pr if pr[0] >= hr[0] else hr
                     first = pr[0] if pr[0] <= hr[0] else hr[0]
                 value = newest[1]
-            self._note_step(wid, step, now, paused)
+            prev = self._stepped.get(wid)
+            if paused or prev is None or step != prev[0]:  # the common case (same step) costs no call
+                self._note_step(wid, step, now, paused)
             last = self._moved.get(wid)
             if paused or last is None or last[0] != value:
                 self._moved[wid] = last = (value, newest[0] if paused else first)
+            if latest is not None and last[1] > latest:
+                latest = last[1]
             signs[wid] = Signs(hb_age=now - t, pulse_age=None if p is None else now - p.t,
                                state=None if p is None else p.state, waiting=newest[2] == 1, busy=newest[2] == 2,
                                stalled_s=max(0.0, newest[0] - last[1]), hb_progress=h is not None,
                                stepped=wid in self._warm)
+        self._latest = latest
         new = assess(signs, self.timeouts())
         changes = []
         for wid, (verdict, why) in new.items():
@@ -283,12 +291,10 @@ class ProgressWatch:
             self._warm.discard(wid)
         return changes
 
-    def stalled_s(self, wids: Sequence[str], now: float) -> float:
-        """How long every one of ``wids`` has shown the same progress (0: one never seen)."""
-        seen = [self._moved.get(w) for w in wids]
-        if not seen or any(m is None for m in seen):
-            return 0.0
-        return max(0.0, now - max(m[1] for m in seen))
+    def stalled_s(self, now: float) -> float:
+        """How long every rank of the last look has shown the same progress (0: one of them
+        never seen, or no rank). O(1): kept by :meth:`observe`."""
+        return 0.0 if self._latest is None else max(0.0, now - self._latest)
 
     def longest_step_s(self) -> float:
         """The longest recent step time (0: none measured yet)."""

@@ -68,6 +68,7 @@ class Watch:
         self._rank_nodes: tuple[object, dict[str, list[str]]] = (None, {})  # (table, node -> its ranks)
         self._ranks_of: tuple[object, dict[str, int]] = (None, {})  # (table, worker -> rank)
         self._last_silence = 0.0
+        self._live: tuple[tuple | None, list[str]] = (None, [])  # (what it was built from, live workers)
         self.cfg, self.store, self.seen, self.launcher = cfg, store, seen, launcher
         self.pulses = pulses
         self.partition = None if peers is None else partition.PartitionWatch(peers, cfg.detect.peer_probe_s)
@@ -84,10 +85,8 @@ class Watch:
         self.connected_at: dict[str, float] = {}
         self.stragglers = StragglerWatch(StragglerPolicy(
             threshold=cfg.detect.straggler_threshold, window=cfg.detect.straggler_window))
-        self._hole: tuple[int, float] | None = None  # (event number, since) not yet written
-        self._late: dict[int, float] = {}  # skipped holes still looked for (number → since)
-        self._last_hb = self._last_return = 0.0
-        self._preempt_sent = False
+        self._hole, self._late = None, {}  # (event number, since) not yet written; skipped holes (number → since)
+        self._last_hb, self._last_return, self._preempt_sent = 0.0, 0.0, False
         self.prober = (NodeProber(launcher.node_reachable, launcher.probe_slurmd, cfg.detect.slurmd_probe_deadline_s)
                        if hasattr(launcher, "probe_slurmd") else None)
         self._held: dict[str, dict[str, dict[str, Any]]] = {}  # silent node → its suspects, probe running
@@ -162,7 +161,10 @@ class Watch:
                 return out
 
     def _heartbeats(self, state: SupervisorState, suspects: dict, now: float) -> list[Observation]:
-        live = [wid for wid in state.workers if state.watched(wid) and wid in self.connected_at]
+        key = (state.workers, state.table, state.standbys, state.local_standbys, len(self.connected_at))
+        if self._live[0] != key:  # rebuilt only when what ``watched`` reads changed, not each period
+            self._live = (key, [wid for wid in state.workers if state.watched(wid) and wid in self.connected_at])
+        live = self._live[1]
         if not live:
             return []
         # A rank's beat comes in its node's pulse line while that line is fresh (the pulse
