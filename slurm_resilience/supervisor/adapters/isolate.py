@@ -31,6 +31,10 @@ from typing import Callable
 from ...config import RecoveryConfig
 from ...protocol import EventKind
 
+
+__all__ = ["MARKS", "node_state_for", "Isolator"]
+
+
 log = logging.getLogger(__name__)
 MARKS = ("DOWN", "DRAIN")
 

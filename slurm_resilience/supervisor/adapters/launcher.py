@@ -14,6 +14,9 @@ import subprocess
 from typing import Mapping, Protocol, Sequence, runtime_checkable
 
 
+__all__ = ["StepHandle", "Launcher", "Requeues", "CleansContainers", "ReadsSlurmTimeouts"]
+
+
 class StepHandle(Protocol):
     """One launched worker process (or the job step that hosts it). A handle taken
     over by a restarted supervisor (``Launcher.attach``) has no Popen of its own."""
@@ -27,6 +30,8 @@ class StepHandle(Protocol):
 
 
 class Launcher(Protocol):
+    """Starts, attaches to and kills worker processes on nodes (Slurm steps, or local processes)."""
+
     def launch(self, *, name: str, node: str, argv: Sequence[str],
                env: Mapping[str, str], log_path: str) -> StepHandle:
         """Start ``argv`` on ``node`` with ``env`` added; output to ``log_path``."""

@@ -13,6 +13,10 @@ from ...files import makedirs_private, write_private
 from ...model import RankTable
 from ...protocol import SHUTDOWN_KEY, Plan, plan_key
 
+
+__all__ = ["LATEST_NAME", "publish_plan", "shut_down_standbys", "write_table"]
+
+
 LATEST_NAME = "ranktable.json"
 
 

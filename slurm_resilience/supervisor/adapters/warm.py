@@ -32,6 +32,9 @@ from ...zygote_protocol import (
 )
 
 
+__all__ = ["ZygotePool", "WarmStep"]
+
+
 class _Zygote:
     def __init__(self, node: str, step) -> None:
         self.node, self.step, self.conn = node, step, None

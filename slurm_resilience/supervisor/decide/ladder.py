@@ -32,6 +32,12 @@ import enum
 from ...model import FaultKind
 
 
+__all__ = [
+    "Level", "RUNGS", "LadderPolicy", "LadderInput", "Decision", "choose_level", "FaultCase", "RecoveryPlan",
+    "plan_recovery"
+]
+
+
 class Level(str, enum.Enum):
     """A recovery's level: the ladder's rungs (:data:`RUNGS`, finest first, as in the
     table above) and the two planned changes that run as a recovery. The value is the
@@ -96,6 +102,8 @@ class LadderInput:
 
 @dataclasses.dataclass(frozen=True)
 class Decision:
+    """The level chosen for one fault and why (for FAIL: why each level was ruled out)."""
+
     level: Level
     reason: str
 

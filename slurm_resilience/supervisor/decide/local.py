@@ -91,6 +91,7 @@ def drop(state: SupervisorState, node: str, *, kill: bool) -> Decision:
 
 
 def is_local(state: SupervisorState, worker_id: str) -> bool:
+    """Whether ``worker_id`` is one of its node's own warm standbys (``recovery.local_standbys``)."""
     w = state.workers.get(worker_id)
     return w is not None and worker_id in state.local_standbys.get(w.node, ())
 

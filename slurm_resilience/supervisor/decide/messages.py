@@ -17,6 +17,14 @@ from ...model import Fault, RankTable
 from ...program_error import ProgramError
 
 
+__all__ = [
+    "Start", "Connected", "Suspect", "Suspects", "StepFaults", "WorkerMark", "Published", "Tick", "AllDone",
+    "Preempted", "NodeBack", "SpareChecked", "Straggler", "LivenessChange", "StepTrained", "Observation", "Launch",
+    "Relaunch", "CheckSpare", "Kill", "Publish", "Isolate", "Emit", "Say", "Phase", "ShutDownStandbys", "Reap",
+    "DrainEvents", "Requeue", "Exit", "Action", "emit"
+]
+
+
 # ---------------------------------------------------------------- observations
 
 @dataclasses.dataclass(frozen=True)
@@ -200,6 +208,8 @@ class CheckSpare:
 
 @dataclasses.dataclass(frozen=True)
 class Kill:
+    """End one worker's process (its Slurm step, or the launcher's process)."""
+
     worker_id: str
 
 
@@ -223,6 +233,8 @@ class Isolate:
 
 @dataclasses.dataclass(frozen=True)
 class Emit:
+    """Write one event to events.jsonl (build it with :func:`emit`)."""
+
     kind: EventKind
     fields: Mapping[str, Any]
 
@@ -245,7 +257,7 @@ class Phase:
 
 @dataclasses.dataclass(frozen=True)
 class ShutDownStandbys:
-    pass
+    """Tell every warm standby the job is over: it exits cleanly (the store's shutdown key)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -282,4 +294,5 @@ Action = (Launch | Relaunch | CheckSpare | Kill | Publish | Isolate | Emit | Say
 
 
 def emit(kind: EventKind, **fields: Any) -> Emit:
+    """An :class:`Emit` of ``kind`` with these fields."""
     return Emit(kind, fields)

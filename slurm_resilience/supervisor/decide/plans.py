@@ -16,6 +16,13 @@ from .messages import (
 )
 from .state import Mode, Policy, SupervisorState, WorkerRecord
 
+
+__all__ = [
+    "EXIT_OK", "EXIT_FAILED", "EXIT_REQUEUED", "Decision", "move", "publish", "launch", "launch_standbys", "requeue",
+    "abort"
+]
+
+
 EXIT_OK, EXIT_FAILED, EXIT_REQUEUED = 0, 3, 4
 
 Decision = tuple[SupervisorState, list[Action]]
@@ -40,6 +47,7 @@ def publish(state: SupervisorState, plan: Plan, *, recovery: bool = False) -> De
 
 def launch(state: SupervisorState, node: str, role: Role, generation: int,
            worker_id: str | None = None) -> tuple[SupervisorState, Launch]:
+    """Start a worker (a new id on ``node`` unless given): its record, and the :class:`Launch` action."""
     if worker_id is None:
         state, worker_id = state.new_id(node)
     state = state.with_worker(WorkerRecord(worker_id=worker_id, node=node, role=role))

@@ -317,6 +317,7 @@ def _fail_message(state: SupervisorState, cases, plan: RecoveryPlan, policy: Pol
 
 # -- planned changes ----------------------------------------------------------------
 def on_straggler(state: SupervisorState, obs: Straggler, now: float, policy: Policy) -> Decision:
+    """A straggler: logged; with ``migrate_stragglers`` and a spare, its node moves onto the spare."""
     if state.recovery is not None or obs.rank >= state.table.world_size:
         return state, []
     slot = state.table.slots[obs.rank]

@@ -16,6 +16,9 @@ from .plans import Decision
 from .state import Policy, SupervisorState
 
 
+__all__ = ["check", "stale", "recheck_due"]
+
+
 def check(state: SupervisorState, node: str) -> Decision:
     """Start a check on ``node`` unless one is in flight."""
     if node in state.checking:
@@ -24,6 +27,7 @@ def check(state: SupervisorState, node: str) -> Decision:
 
 
 def stale(state: SupervisorState, node: str, now: float, policy: Policy) -> bool:
+    """Whether ``node``'s spare check never passed or is older than ``recovery.spare_check_max_age_s``."""
     passed = state.spare_passed.get(node)
     return passed is None or now - passed > policy.spare_check_max_age_s
 

@@ -34,6 +34,9 @@ from .ladder import FaultCase, Level, LadderPolicy
 from .report import Mark
 
 
+__all__ = ["Mode", "Policy", "WorkerRecord", "Recovery", "SupervisorState", "is_process_fault"]
+
+
 class Mode(enum.Enum):
     """How ranks are carried: which executor acts on the decisions.
 
@@ -235,4 +238,5 @@ class SupervisorState:
 
 
 def is_process_fault(kind: FaultKind) -> bool:
+    """A fault of a rank's process (died or hung), not of its node."""
     return kind in (FaultKind.PROCESS_DIED, FaultKind.PROCESS_HUNG)

@@ -16,11 +16,16 @@ from ..decide.messages import Action, Observation
 from ..decide.state import SupervisorState
 
 
+__all__ = ["UnhandledActionError", "Executor", "carry_out"]
+
+
 class UnhandledActionError(ResilienceError):
     """An executor was given an action type it does not carry out."""
 
 
 class Executor(Protocol):
+    """Carries out ``decide``'s actions and reports what happened; one per mode (online, relaunch)."""
+
     HANDLES: ClassVar[frozenset[type]]
     """The action types this executor carries out; any other is an UnhandledActionError."""
 

@@ -33,6 +33,13 @@ from typing import Mapping, Sequence
 
 from ...files import write_private
 
+
+__all__ = [
+    "STORE_FILE", "STORE_BACKLOG", "EXIT_SUPERVISOR_LOST", "bind_store", "host_store", "read_store_address", "ORDERLY",
+    "keep", "keep_supervisor"
+]
+
+
 STORE_FILE = "store.json"
 STORE_BACKLOG = 1024  # every rank and standby may connect before the store serves
 EXIT_SUPERVISOR_LOST = 5  # the supervisor was killed more often than job.supervisor_respawns

@@ -22,6 +22,9 @@ from ..decide.state import Policy, SupervisorState
 from .contract import Executor, carry_out
 
 
+__all__ = ["run"]
+
+
 def run(executor: Executor, state: SupervisorState, policy: Policy, first: Iterable[Observation] = (),
         clock: Callable[[], float] = time.time) -> tuple[int, SupervisorState]:
     """Until a decision says Exit: returns (exit code, final state)."""

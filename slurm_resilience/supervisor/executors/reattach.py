@@ -26,6 +26,10 @@ from ...files import write_private
 from ...protocol import Plan, PlanAction, Role
 from ..decide.state import SupervisorState, WorkerRecord
 
+
+__all__ = ["STATE_FILE", "STATE_VERSION", "save", "load", "adopt_plans"]
+
+
 STATE_FILE = "supervisor.json"
 STATE_VERSION = 2
 

@@ -26,6 +26,9 @@ import time
 from ...protocol import preempt_request_path as request_path
 
 
+__all__ = ["persist_wait_s", "write_request", "clear_request"]
+
+
 def persist_wait_s(grace_s: float, preempt_signal: str) -> float:
     """Pure: how long the supervisor waits for the step to exit after the request: the
     plan's grace, at most half the signal's lead time (``USR1@90`` → 45 s), so that the
