@@ -57,7 +57,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import enum
-from typing import Mapping, Sequence
+from typing import Mapping, NamedTuple, Sequence
 
 __all__ = ["Verdict", "Signs", "Timeouts", "assess", "derive_timeouts", "progress_in", "ProgressWatch"]
 
@@ -84,9 +84,9 @@ class Verdict(enum.Enum):
 ACTED_ON = frozenset({Verdict.HUNG, Verdict.SILENT})  # the executor makes these a Suspect
 
 
-@dataclasses.dataclass(frozen=True)
-class Signs:
-    """What was seen of one rank. Ages in seconds; None: never seen (no pulse process)."""
+class Signs(NamedTuple):
+    """What was seen of one rank. Ages in seconds; None: never seen (no pulse process).
+    A named tuple, not a frozen dataclass: the watchdog makes N of them a period."""
 
     hb_age: float
     pulse_age: float | None = None
