@@ -36,6 +36,10 @@ from ..protocol import StoreKey
 from .parking import ParkingLot
 from .reconnect import gloo_group
 
+
+__all__ = ["BACKENDS", "install", "release"]
+
+
 log = logging.getLogger(__name__)
 
 BACKENDS = {"gloo": "sr_gloo", "nccl": "sr_nccl"}

@@ -25,6 +25,10 @@ from .membership import EXIT_ABORTED, EXIT_OK
 from .reconnect import Generation
 from .statesync import TrainingState
 
+
+__all__ = ["Endings", "state_digest", "save_private"]
+
+
 log = logging.getLogger(__name__)
 
 

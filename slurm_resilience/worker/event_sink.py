@@ -17,6 +17,9 @@ import torch.distributed as dist
 from ..protocol import StoreKey, WorkerEvent
 
 
+__all__ = ["EventSink"]
+
+
 class EventSink:
     """Sends a rank's events through its own store client.
 

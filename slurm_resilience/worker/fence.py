@@ -22,6 +22,10 @@ from ..errors import SlurmCommandError
 from ..slurm import commands
 from ..slurm.parse import expand_hostlist, node_state_flags, parse_scontrol_jobs
 
+
+__all__ = ["ISOLATED", "slurm_fence", "ask_slurm"]
+
+
 ISOLATED = frozenset({"DOWN", "DRAIN", "DRAINED", "DRAINING", "FAIL", "FAILING"})
 
 

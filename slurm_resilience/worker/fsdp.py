@@ -43,6 +43,10 @@ from .rebind import GenerationHooks
 from .reshard import slice_range
 from .statesync import _capture_rng, _restore_rng
 
+
+__all__ = ["PARTS", "RebuiltFSDP", "FsdpPart", "make_fsdp"]
+
+
 PARTS = ("model", "optimizer", "scheduler")
 
 

@@ -24,6 +24,13 @@ import torch
 
 from ..errors import ResilienceError
 
+
+__all__ = [
+    "SEP", "NESTED", "REPLICATED", "ROWS", "check_placement", "split_tree", "join_tree", "shard_full_leaves",
+    "local_shape", "contiguous_stride"
+]
+
+
 SEP = "/"
 NESTED = "nested"
 REPLICATED = "replicated"

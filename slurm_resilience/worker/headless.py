@@ -41,6 +41,14 @@ from typing import Any, Callable, Iterable
 from ..errors import JobEnded
 from ..slurm.parse import compress_hostlist, expand_hostlist
 
+
+__all__ = [
+    "SETTLE_S", "STAGGER_S", "REOPEN_S", "EXIT_HEADLESS", "HeadlessEnded", "headless_due", "manifest_ranks",
+    "requeue_turn", "should_requeue", "RequeueStep", "requeue_step", "exclusion", "batch_host_mark", "StoreWatch",
+    "GuardedStore"
+]
+
+
 log = logging.getLogger(__name__)
 
 SETTLE_S = 5.0  # rank 0 waits this long at most for the other ranks' persisted marks

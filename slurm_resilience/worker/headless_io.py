@@ -28,6 +28,10 @@ from .fence import ask_slurm
 from .headless import (SETTLE_S, STAGGER_S, RequeueStep, batch_host_mark, exclusion, manifest_ranks, requeue_step,
                        requeue_turn, should_requeue)
 
+
+__all__ = ["HEADLESS_DIR", "ENGINE_DRAIN_S", "persist", "commit", "mark", "record", "marked", "requeue", "end_headless"]
+
+
 HEADLESS_DIR = "headless"
 ENGINE_DRAIN_S = 5.0  # a checkpoint in flight gets this long to end (its peers are leaving too)
 _MARK = re.compile(r"r(\d+)-rank(\d+)$")

@@ -30,6 +30,9 @@ from ..protocol import StoreKey, WorkerEnv
 from .progress import ProgressBoard, ensure_pulse, pulse_dir, stop_pulse, tidy_if_unused
 
 
+__all__ = ["open_store", "connect_liveness", "STORE_EVERY", "Heartbeat"]
+
+
 def open_store(env: WorkerEnv, timeout_s: float = 60.0) -> dist.Store:
     """A client of the supervisor's store, scoped to the job's secret prefix."""
     base = dist.TCPStore(
@@ -40,6 +43,7 @@ def open_store(env: WorkerEnv, timeout_s: float = 60.0) -> dist.Store:
 
 
 def connect_liveness(env: WorkerEnv, port: int | None = None) -> socket.socket:
+    """Connect to the supervisor's liveness socket and say who this worker is (token, id, node, pid)."""
     sock = socket.create_connection((env.store_addr, port or env.liveness_port), timeout=30)
     hello = {"token": env.token, "worker_id": env.worker_id, "node": env.node, "pid": os.getpid()}
     sock.sendall((json.dumps(hello) + "\n").encode())

@@ -27,6 +27,10 @@ from .reconnect import Generation
 if TYPE_CHECKING:
     from ..config import ReconnectConfig
 
+
+__all__ = ["EXIT_OK", "EXIT_FENCED", "EXIT_ABORTED", "Admission", "admit", "torchrun_environ", "slot_of", "Membership"]
+
+
 log = logging.getLogger(__name__)
 
 EXIT_OK = 0  # stopped for a requeue, persisted, or a standby at the job's end

@@ -17,6 +17,10 @@ import threading
 import time
 from typing import Callable
 
+
+__all__ = ["ParkingLot"]
+
+
 log = logging.getLogger(__name__)
 
 

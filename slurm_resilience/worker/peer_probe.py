@@ -17,6 +17,10 @@ import json
 import socket
 import threading
 
+
+__all__ = ["PROBE_TIMEOUT_S", "probe_digest", "reach_one", "PeerProbe", "requests"]
+
+
 PROBE_TIMEOUT_S = 0.5  # one peer probe: connect, prove the secret, one byte back
 
 

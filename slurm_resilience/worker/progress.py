@@ -31,6 +31,10 @@ from typing import Iterator
 from .pulse import (BEAT, BEAT_AT, BOARD, BUSY, COMPUTING, LAYOUT, LOCK, PAGE, RANK, WAITING, read_board,
                     read_relayed, tidy)
 
+
+__all__ = ["PULSE_SCRIPT", "pulse_dir", "ProgressBoard", "ensure_pulse", "tidy_if_unused", "stop_pulse"]
+
+
 log = logging.getLogger(__name__)
 
 PULSE_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "pulse.py")

@@ -58,6 +58,14 @@ import struct
 import sys
 import time
 
+
+__all__ = [
+    "COMPUTING", "WAITING", "BUSY", "LAYOUT", "BEAT", "BEAT_AT", "RELAYED_AT", "RELAYED", "PAGE", "BOARD", "RANK",
+    "LOCK", "NODE_ADDR_ENV", "read_board", "read_beat", "read_relayed", "proc_stat", "Watched", "scan", "fold",
+    "stamp_relayed", "tidy", "run", "main"
+]
+
+
 # A rank's page (little-endian): progress u64, waiting u32, liveness port u32, step u64;
 # then the heartbeat: beat time f64, generation i32, rank i32, compute ms f64; then the
 # time the pulse last relayed it, f64 (written by the pulse only).
@@ -234,6 +242,7 @@ def _ports(ranks: dict[str, Watched]) -> list[int]:
 
 
 def run(*, directory: str, host: str, period: float, hello: dict, idle_exit_s: float = 3.0) -> int:
+    """The pulse's loop: one line per ``period`` for the node's ranks; returns 0 once idle ``idle_exit_s``."""
     ranks: dict[str, Watched] = {}
     sock: socket.socket | None = None
     port = 0
@@ -292,6 +301,7 @@ def run(*, directory: str, host: str, period: float, hello: dict, idle_exit_s: f
 
 
 def main() -> int:
+    """``python -I pulse.py``: :func:`run` with the settings of the JSON line on stdin."""
     cfg = json.loads(sys.stdin.readline())
     sys.stdin.close()
     return run(directory=str(cfg["dir"]), host=str(cfg["host"]), period=float(cfg["period"]),

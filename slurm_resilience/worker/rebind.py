@@ -28,6 +28,10 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..errors import ResilienceError
 
+
+__all__ = ["GenerationHooks", "static_buckets", "RebuiltDDP"]
+
+
 log = logging.getLogger(__name__)
 
 

@@ -26,6 +26,10 @@ from ..errors import StepAborted
 from ..model import RankTable
 from ..protocol import StoreKey
 
+
+__all__ = ["NODE_ADDR_ENV", "choose_backend", "Generation", "wait_slice", "Parked", "gloo_group", "set_gloo_interface"]
+
+
 NODE_ADDR_ENV = "SR_NODE_ADDR"
 """The node's own address for gloo pairs (set per node by the local cluster's TaskProlog)."""
 

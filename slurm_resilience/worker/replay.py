@@ -19,6 +19,9 @@ from __future__ import annotations
 import os
 
 
+__all__ = ["MARK", "high_water", "is_replay", "logger_rank", "read_mark", "write_mark"]
+
+
 MARK = "high_water"
 """The file under the job directory that holds the job's high-water step."""
 

@@ -41,6 +41,13 @@ from ..checkpoint.shared_read import read_rank_state
 from ..errors import StepAborted
 from ..protocol import StoreKey
 
+
+__all__ = [
+    "SHARDS", "LAYOUTS", "SHARED", "shard_range", "layout_of", "shard_meta", "Piece", "plan_pieces", "choose_step",
+    "assign_sources", "local_holdings", "old_lengths", "lengths_of", "needed", "restore_sharded"
+]
+
+
 SHARDS = "shards"
 LAYOUTS = "layouts"  # optional replicated entry of a sharded object's state: key -> layout
 SHARED = -1  # source "rank" of a shard on the shared tier: every rank reads it itself

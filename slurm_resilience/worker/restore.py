@@ -35,6 +35,13 @@ import torch
 
 from ..checkpoint.state_tree import flatten_state, unflatten_state
 
+
+__all__ = [
+    "CHUNK_BYTES", "RestorePlan", "choose_source", "assign_sources", "TensorSpec", "Piece", "chunk_plan",
+    "chunk_length", "stream_state", "serialize", "deserialize", "broadcast_state"
+]
+
+
 CHUNK_BYTES = 16 << 20  # bytes per chunk round: the size of the send and the receive buffer
 
 
@@ -118,6 +125,7 @@ def chunk_plan(sizes: Sequence[int], chunk_bytes: int) -> list[list[Piece]]:
 
 
 def chunk_length(chunk: Sequence[Piece]) -> int:
+    """Bytes of one chunk: where its last piece ends (0 for an empty chunk)."""
     return chunk[-1].at + chunk[-1].length if chunk else 0
 
 
@@ -243,12 +251,14 @@ class _ByteViews:
 
 
 def serialize(state: dict[str, Any]) -> torch.Tensor:
+    """``state`` as one uint8 tensor of its ``torch.save`` bytes."""
     buf = io.BytesIO()
     torch.save(state, buf)
     return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
 
 
 def deserialize(data: torch.Tensor) -> dict[str, Any]:
+    """The state a :func:`serialize` tensor holds (on any device)."""
     return torch.load(io.BytesIO(data.cpu().numpy().tobytes()), weights_only=False)
 
 

@@ -22,6 +22,9 @@ from .reconnect import Generation
 from .statesync import TrainingState
 
 
+__all__ = ["SafePoint"]
+
+
 class SafePoint:
     """Completes steps for the training loop; ``complete`` says when to re-form."""
 

@@ -34,6 +34,9 @@ from .reconnect import Generation
 from .restore import assign_sources, broadcast_state, choose_source, stream_state
 
 
+__all__ = ["TrainingState", "StateSync"]
+
+
 class TrainingState:
     """What recovery restores: registered objects, extras, RNG, step and data position."""
 

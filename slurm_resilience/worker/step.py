@@ -12,6 +12,9 @@ if TYPE_CHECKING:
     from ..data.loader import ResumableLoader
 
 
+__all__ = ["Step", "ComputeTime"]
+
+
 class Step:
     """One training step; use as ``with step:`` so an interrupted step is redone.
 

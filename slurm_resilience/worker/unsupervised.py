@@ -28,6 +28,10 @@ from .facade import StateFacade
 from .reconnect import choose_backend
 from .step import Step
 
+
+__all__ = ["supervised", "FallbackEnv", "fallback_environ", "UnsupervisedSession"]
+
+
 _TORCHRUN = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 

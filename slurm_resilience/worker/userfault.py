@@ -14,6 +14,10 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
+
+__all__ = ["is_distributed_error", "plan_wait_s"]
+
+
 # What gloo and NCCL put in the RuntimeError of a failed collective (torch 2.13 raises a
 # plain RuntimeError for most of them, not a DistError subclass).
 _MARKERS = (
