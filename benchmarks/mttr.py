@@ -30,7 +30,11 @@ after recovery (the last rank's). Cases:
     partition-node    rank 1's node cut from everyone by iptables (its processes run on, no FIN)
                       → lost → the spare adopts its ranks
     partition-peers   rank 1's node cut from the other ranks' nodes only (slurmctld and the
-                      supervisor, on a node of its own, still reach it)
+                      supervisor, on a node of its own, still reach it) → the pulses' peer
+                      probes blame it (NODE_PARTITIONED) → the spare adopts its ranks
+    partition-supervisor rank 1's node cut from the supervisor's store and liveness ports
+                      only (its peers and slurmctld still reach it) → silent, its slurmd
+                      answers, its peers reach its pulse → NODE_PARTITIONED → the spare
     flap-node         rank 1's node cut for 0.5 s, then back: no recovery; the window ends
                       when every rank has passed its step at the heal (status.json, 0.5 s)
 

@@ -159,7 +159,19 @@ register(Case("partition-node", inject=lambda st: lab.net_fault("partition-node"
               cleanup=_heal_and_revive, expect="node-replacement", fault="node-partition"))
 # cut from the other ranks' nodes only; slurmctld and the supervisor (a node of its own)
 # still reach it
-register(Case("partition-peers", inject=_peers, cleanup=_heal_and_revive, fault="peer-partition"))
+register(Case("partition-peers", inject=_peers, cleanup=_heal_and_revive, expect="node-replacement",
+              fault="peer-partition"))
+
+
+def _from_supervisor(st: Status) -> float:
+    ep = st["endpoints"]
+    ports = ",".join(str(p) for p in (ep.get("store_port"), ep.get("liveness_port")) if p)
+    return lab.net_fault("partition-supervisor", _victim(st), "--supervisor-addr", ep["host"], "--ports", ports)
+
+
+# cut from the supervisor's store and liveness ports only; its peers and slurmctld still reach it
+register(Case("partition-supervisor", inject=_from_supervisor, cleanup=_heal_and_revive, expect="node-replacement",
+              fault="supervisor-partition"))
 # down for FLAP_S, under the detection deadline: no recovery; the window ends when every
 # rank has passed the step it was at when the link came back
 FLAP_S = 0.5

@@ -97,8 +97,8 @@ def test_the_watch_asks_only_after_the_stall_and_blames_from_the_round_in_flight
     rid = req["n1"]["id"]
     assert set(req) == set(nodes) and set(req["n1"]["peers"]) == {"n2", "n3"}
     now[0] += 0.6
-    link.answers = {n: {"id": rid, "ok": ok, "bad": bad} for n, (ok, bad) in _answers(nodes, cut={"n2"}).items()}
-    link.answers["n1"] = {"id": rid - 1, "ok": set(), "bad": set()}  # an older round's answer: not this one
+    link.answers = {n: {rid: {"ok": ok, "bad": bad}} for n, (ok, bad) in _answers(nodes, cut={"n2"}).items()}
+    link.answers["n1"] = {rid - 1: {"ok": set(), "bad": set()}}  # an older round's answer: not this one
     assert pw.look(lambda: nodes, stalled_s=3.6, longest_step_s=0.1) is None  # n1 not in yet, and within the wait
     now[0] += 1.0
     node, why = pw.look(lambda: nodes, stalled_s=4.6, longest_step_s=0.1)
@@ -196,8 +196,8 @@ def test_real_pulses_announce_their_endpoints_on_the_node_address_and_probe_on_r
         plan = probe_plan(["n1", "n2", "n3"], eps)
         assert srv.ask_probes({n: {"id": 7, "peers": plan[n]} for n in ("n1", "n2")}) == []
         got = _until(lambda: r if len(r := srv.reach()) == 2 else None)
-        assert got["n1"] == {"id": 7, "ok": {"n2"}, "bad": {"n3"}}
-        assert got["n2"] == {"id": 7, "ok": {"n1"}, "bad": {"n3"}}
+        assert got["n1"] == {7: {"ok": {"n2"}, "bad": {"n3"}}}
+        assert got["n2"] == {7: {"ok": {"n1"}, "bad": {"n3"}}}
         assert srv.ask_probes({"n9": {"id": 8, "peers": {}}}) == ["n9"]  # no pulse there
     finally:
         for p in ranks:
@@ -224,3 +224,24 @@ def test_the_watchdog_keeps_how_long_the_whole_job_has_stalled():
     assert pw.stalled_s(104.0) == 3.0  # since the newest move of any rank
     pw.observe({"a": 105.0, "c": 105.0}, {"a": Pulse(105.0, 1, True, 1, "S", 0)}, 105.0)
     assert pw.stalled_s(105.0) == 0.0  # c never seen: unknown, not stalled
+
+
+def test_a_silent_node_its_peers_still_reach_is_cut_from_the_supervisor_only():
+    nodes = ["n1", "n2", "n3", "n4", "n5"]
+    link, now = FakeLink(nodes), [10.0]
+    pw = PartitionWatch(link, probe_s=2.0, clock=lambda: now[0])
+    assert pw.about("n4", nodes) is None  # asked; waiting
+    (req,) = link.asked
+    assert set(req) == {"n5", "n1", "n2"} and all(set(r["peers"]) == {"n4"} for r in req.values())  # the ring after n4
+    rid = req["n5"]["id"]
+    link.answers = {"n5": {rid: {"ok": {"n4"}, "bad": set()}}, "n1": {rid: {"ok": {"n4"}, "bad": set()}}}
+    assert pw.about("n4", nodes) is None  # n2 not in yet
+    now[0] += 2.0
+    why = pw.about("n4", nodes)
+    assert why.startswith("cut from the supervisor only") and why.endswith("(n1,n5)")
+    assert pw.about("n4", nodes) is None and len(link.asked) == 2  # a new question, asked afresh
+    rid = link.asked[1]["n5"]["id"]
+    link.answers = {n: {rid: {"ok": set(), "bad": {"n4"}}} for n in ("n5", "n1", "n2")}
+    assert pw.about("n4", nodes) == ""  # nobody reaches it: not cut from us only (frozen, powered off)
+    link.eps.pop("n4")
+    assert pw.about("n4", nodes) == ""  # its pulse never announced an endpoint: nothing to ask

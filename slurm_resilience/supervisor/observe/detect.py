@@ -91,7 +91,7 @@ class LivenessServer:
         self._pulses: dict[str, Pulse] = {}
         self._heard: dict[str, float] = {}  # node -> when its pulse's newest line came
         self._endpoints: dict[str, tuple[str, int]] = {}  # node -> its pulse's peer-probe endpoint
-        self._reach: dict[str, dict] = {}  # node -> its pulse's newest peer-probe answer
+        self._reach: dict[str, dict[int, dict]] = {}  # node -> request id -> its pulse's answer (newest 4)
         self._conns: dict[str, socket.socket] = {}  # node -> its pulse's connection (for requests)
         self.rejected = 0
 
@@ -186,7 +186,7 @@ class LivenessServer:
                     endpoint = (str(msg["probe"][0]), int(msg["probe"][1]))
                 if msg.get("reach"):
                     r = msg["reach"]
-                    reach = {"id": int(r["id"]), "ok": set(map(str, r["ok"])), "bad": set(map(str, r["bad"]))}
+                    reach = (int(r["id"]), {"ok": set(map(str, r["ok"])), "bad": set(map(str, r["bad"]))})
                 for wid, entry in dict(msg["ranks"]).items():
                     _pid, progress, phase, step, st, cpu = entry[:6]
                     phase = int(phase)  # worker/pulse.py: 0 computing, 1 waiting, 2 busy
@@ -203,7 +203,10 @@ class LivenessServer:
             if endpoint is not None:
                 self._endpoints[node] = endpoint
             if reach is not None:
-                self._reach[node] = reach
+                answers = self._reach.setdefault(node, {})
+                answers[reach[0]] = reach[1]
+                for old in sorted(answers)[:-4]:
+                    del answers[old]
 
     def heard(self) -> dict[str, float]:
         """When each node's pulse last sent a line (a snapshot, one entry per node)."""
@@ -215,10 +218,10 @@ class LivenessServer:
         with self._lock:
             return dict(self._endpoints)
 
-    def reach(self) -> dict[str, dict]:
-        """Each node pulse's newest peer-probe answer ``{"id", "ok", "bad"}``, a snapshot."""
+    def reach(self) -> dict[str, dict[int, dict]]:
+        """Each node pulse's newest peer-probe answers: ``{node: {request id: {"ok", "bad"}}}``."""
         with self._lock:
-            return dict(self._reach)
+            return {n: dict(a) for n, a in self._reach.items()}
 
     def ask_probes(self, requests: Mapping[str, Mapping[str, Any]]) -> list[str]:
         """Send each node's pulse its probe request; returns the nodes it could not be sent to."""

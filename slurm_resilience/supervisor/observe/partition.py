@@ -19,6 +19,13 @@ and isolated like a lost node. No single explanation (two cut nodes, a split in
 halves, a single failed link, no answers): no blame, and the watchdog decides as
 before. The probes repeat at the same interval while the stall lasts.
 
+The same probes answer a second question: a *silent* node (no heartbeat, no pulse
+line) whose slurmd still answers Slurm was called hung in its processes and restarted
+in place. When its peers still reach its pulse (:meth:`PartitionWatch.about`, asked of
+``ABOUT_PEERS`` nodes, held at most ``ANSWER_WAIT_S``), it is the path between it and
+the supervisor that failed: ``NODE_PARTITIONED`` too, and a restart in place there
+would never rejoin.
+
 Probes per round: every other node while there are at most ``PROBE_FANOUT`` + 1
 nodes, else the nodes at ring distances 1, 2, 4, ... ahead (``PROBE_FANOUT`` of
 them): O(N log N) connects, and a cut node is still probed by several peers.
@@ -29,10 +36,11 @@ from __future__ import annotations
 import time
 from typing import Any, Callable, Mapping, Protocol, Sequence
 
-__all__ = ["PROBE_FANOUT", "PeerLink", "PartitionWatch", "blame", "look", "probe_plan"]
+__all__ = ["PROBE_FANOUT", "PeerLink", "PartitionWatch", "blame", "held_for_peers", "look", "probe_plan"]
 
 PROBE_FANOUT = 8
 ANSWER_WAIT_S = 1.5  # after a request: answers still missing are not waited for longer
+ABOUT_PEERS = 3  # nodes asked whether they reach a silent node
 
 
 class PeerLink(Protocol):
@@ -40,7 +48,7 @@ class PeerLink(Protocol):
 
     def endpoints(self) -> dict[str, tuple[str, int]]: ...
 
-    def reach(self) -> dict[str, dict]: ...
+    def reach(self) -> dict[str, dict[int, dict]]: ...
 
     def ask_probes(self, requests: Mapping[str, Mapping[str, Any]]) -> list[str]: ...
 
@@ -89,6 +97,7 @@ class PartitionWatch:
         self._link, self.probe_s, self._clock = link, probe_s, clock
         self._round = 0
         self._asked: tuple[int, float, frozenset[str]] | None = None  # (id, when, nodes asked)
+        self._about: dict[str, tuple[int, float, frozenset[str]]] = {}  # silent node -> (id, when, peers asked)
         self.rounds = 0  # rounds asked so far (for tests and the status)
 
     def look(self, nodes: Callable[[], Sequence[str]], stalled_s: float,
@@ -111,7 +120,7 @@ class PartitionWatch:
             self._asked = (self._round, now, frozenset(plan) - set(failed))
             return None
         rid, when, asked = self._asked
-        got = {n: (r["ok"], r["bad"]) for n, r in self._link.reach().items() if r["id"] == rid and n in asked}
+        got = {n: (a[rid]["ok"], a[rid]["bad"]) for n, a in self._link.reach().items() if rid in a and n in asked}
         if not got or (len(got) < len(asked) and now - when < ANSWER_WAIT_S):
             return None
         missing = asked - set(got)  # asked but silent: its probes of others are unknown, not failed
@@ -121,6 +130,53 @@ class PartitionWatch:
             return None
         node, why = found
         return node, why + (f"; no answer from {','.join(sorted(missing))}" if missing else "")
+
+
+    def about(self, node: str, nodes: Sequence[str]) -> str | None:
+        """A silent node whose slurmd answers: does its pulse still answer its peers? The
+        first call asks up to ``ABOUT_PEERS`` nodes after it in ``nodes`` (a ring); None
+        while their answers are awaited (at most ``ANSWER_WAIT_S``), then the evidence
+        that it is cut from the supervisor only, or "" (no peer reached it, none asked)."""
+        now = self._clock()
+        if node not in self._about:
+            eps = self._link.endpoints()
+            ring = [n for n in nodes if n in eps and n != node]
+            if node not in eps or not ring:
+                return ""
+            at = sum(1 for n in ring if n < node)
+            peers = (ring[at:] + ring[:at])[:ABOUT_PEERS]
+            self._round += 1
+            failed = self._link.ask_probes({n: {"id": self._round, "peers": {node: list(eps[node])}} for n in peers})
+            if set(peers) <= set(failed):
+                return ""
+            self._about[node] = (self._round, now, frozenset(peers) - set(failed))
+            return None
+        rid, when, peers = self._about[node]
+        got = {n: a[rid] for n, a in self._link.reach().items() if rid in a and n in peers}
+        if len(got) < len(peers) and now - when < ANSWER_WAIT_S:
+            return None
+        del self._about[node]
+        reached = sorted(n for n, r in got.items() if node in r["ok"])
+        if not reached or 2 * len(reached) < len(got):
+            return ""
+        return ("cut from the supervisor only: no heartbeat or pulse line of it arrives, yet its slurmd answers "
+                f"and its pulse answers its peers ({','.join(reached)})")
+
+
+def held_for_peers(watch: Any, state: Any, node: str, verdict: Any, held: dict[str, dict[str, Any]]) -> bool:
+    """A silent node whose slurmd answered (``verdict``, ``probe.NodeProbed``): True while
+    its suspects wait for its peers' word; when they reach it, each suspect carries the
+    evidence (``peers_cut``): the node, not its processes, is what failed."""
+    pw = watch.partition
+    if pw is None or not verdict.answered:
+        return False
+    cut = pw.about(node, state.watched_nodes())
+    if cut is None:
+        return True
+    for o in held.values():
+        if cut:
+            o["peers_cut"] = cut
+    return False
 
 
 def look(watch: Any, state: Any, suspects: dict[str, dict[str, Any]], now: float) -> None:

@@ -8,13 +8,12 @@ stragglers), the workers' events in the store (logged; recovery marks), done key
 the preemption request, and excluded nodes that may have come back.
 
 Suspects of a silent node (every worker there heartbeat-stale, ``probe.silent_nodes``)
-are held while a probe thread asks that node's slurmd a Slurm request
-(``probe.NodeProber``, bounded by ``detect.slurmd_probe_deadline_s``); they go to
-``decide`` with its answer, so the loop never waits on the node. The probe starts
-early: once every rank on a node has been quiet for ``heartbeat_timeout_s -
-slurmd_probe_deadline_s - heartbeat_period_s``, so that its verdict is usually in
-when the heartbeats go stale. A verdict counts only if its probe started after the
-node's newest heartbeat (the node was silent throughout).
+are held while a probe thread asks that node's slurmd a Slurm request (``probe.NodeProber``,
+bounded by ``detect.slurmd_probe_deadline_s``), and, if it answered, while its peers say
+whether they reach it (``partition.held_for_peers``); then they go to ``decide``, so the
+loop never waits on the node. The probe starts early (every rank on the node quiet for
+``heartbeat_timeout_s - slurmd_probe_deadline_s - heartbeat_period_s``), and a verdict
+counts only if its probe started after the node's newest heartbeat.
 """
 
 from __future__ import annotations
@@ -69,8 +68,7 @@ class Watch:
         self._ranks_of: tuple[object, dict[str, int]] = (None, {})  # (table, worker -> rank)
         self._last_silence = 0.0
         self._live: tuple[tuple | None, list[str]] = (None, [])  # (what it was built from, live workers)
-        self.cfg, self.store, self.seen, self.launcher = cfg, store, seen, launcher
-        self.pulses = pulses
+        self.cfg, self.store, self.seen, self.launcher, self.pulses = cfg, store, seen, launcher, pulses
         self.partition = None if peers is None else partition.PartitionWatch(peers, cfg.detect.peer_probe_s)
         d = cfg.detect
         # A pulse vouches for a stale heartbeat while it is at most 4 periods (>= 1 s) old: on a
@@ -288,6 +286,8 @@ class Watch:
                     self.prober.start(node, [state.workers[w].step_name for w in held])
                     continue
                 v = None
+            if v is not None and partition.held_for_peers(self, state, node, v, held):
+                continue
             del self._held[node]
             self._verdicts.pop(node, None)
             for wid, o in held.items():
