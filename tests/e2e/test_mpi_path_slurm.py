@@ -212,6 +212,8 @@ def test_debian_open_mpi_relaunch_path_survives_a_killed_then_a_stopped_rank(clu
     assert re.search(r"first bad exit: n\d+ task 1: Killed", faults[0]["detail"]), faults[0]
     assert "past the hard step timeout 3.0 s" in faults[1]["detail"], faults[1]
     assert [e["level"] for e in events if e["kind"] == "recovery_done"] == ["process-restart"] * 2, output
+    workers = next(e["nodes"] for e in events if e["kind"] == "job_start")  # in place: the spare stays free
+    assert [e["nodes"] for e in events if e["kind"] == "relaunch"] == [workers, workers]
     for attempt in (1, 2):  # resumed from a snapshot, not from step 0
         first = int((job / f"progress-{attempt:03d}.log").read_text().split()[0])
         assert first in (11, 21, 31), (attempt, first)
