@@ -36,6 +36,10 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
+
+__all__ = ["RUN_ID_GROUP", "RunDirPattern", "run_dir_pattern", "stale", "clean", "clean_in_background"]
+
+
 _SENTINEL = "\x00RUN\x00"
 RUN_ID_GROUP = "([0-9a-f]{32})"
 

@@ -73,6 +73,7 @@ def raw_extent(ds: h5py.Dataset, nbytes: int) -> int | None:
 
 
 def bytes_of(arr: np.ndarray) -> memoryview:
+    """The array's bytes, flat, without a copy."""
     return memoryview(arr.reshape(-1).view(np.uint8))
 
 

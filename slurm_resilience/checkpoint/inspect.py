@@ -16,6 +16,9 @@ from ..errors import CheckpointError, ResilienceError
 from . import layout
 
 
+__all__ = ["tier_root", "cmd_list", "cmd_show", "cmd_verify", "cmd_prune", "cmd_export", "add_parser"]
+
+
 class _LazyManifest:
     """Import the manifest module (and with it h5py/torch) only when a ckpt command runs."""
 
@@ -40,6 +43,7 @@ def _steps(root: str) -> tuple[list[int], list[int]]:
 
 
 def cmd_list(args) -> int:
+    """``ckpt list DIR``: the tier's steps, complete or not, with sizes and ``latest``."""
     root = tier_root(args.dir)
     complete, incomplete = _steps(root)
     latest = mf.read_latest(root)
@@ -58,6 +62,7 @@ def cmd_list(args) -> int:
 
 
 def cmd_show(args) -> int:
+    """``ckpt show DIR STEP``: print the step's manifest."""
     root = tier_root(args.dir)
     man = mf.read_manifest(root, args.step)
     print(man.to_json() if hasattr(man, "to_json") else json.dumps(man.__dict__, default=str))
@@ -65,6 +70,7 @@ def cmd_show(args) -> int:
 
 
 def cmd_verify(args) -> int:
+    """``ckpt verify DIR [STEP]``: manifest, shards and every checksum; exit 1 if a step is invalid."""
     root = tier_root(args.dir)
     complete, _ = _steps(root)
     steps = [args.step] if args.step is not None else complete
@@ -78,6 +84,7 @@ def cmd_verify(args) -> int:
 
 
 def cmd_prune(args) -> int:
+    """``ckpt prune DIR``: delete old complete steps (``latest`` and the newest ``--keep`` stay)."""
     root = tier_root(args.dir)
     deleted = mf.prune(root, keep_last=args.keep, keep_every=args.keep_every)
     print(f"deleted steps: {', '.join(map(str, deleted)) or 'none'} (latest and the newest {args.keep} kept)")
@@ -85,6 +92,7 @@ def cmd_prune(args) -> int:
 
 
 def cmd_export(args) -> int:
+    """``ckpt export DIR OUT``: write one step as a DCP checkpoint or one torch.save file."""
     from .dcp_io import export_checkpoint
 
     root = tier_root(args.dir)
@@ -94,6 +102,7 @@ def cmd_export(args) -> int:
 
 
 def add_parser(sub) -> None:
+    """Add the ``ckpt`` subcommands to the CLI's subparsers ``sub``."""
     p = sub.add_parser("ckpt", help="inspect, verify and prune checkpoints")
     ck = p.add_subparsers(dest="ckpt_cmd", required=True)
     for name, fn in (("list", cmd_list), ("show", cmd_show), ("verify", cmd_verify), ("prune", cmd_prune)):

@@ -29,6 +29,10 @@ from ..errors import CheckpointError
 from ..run_identity import RunIdentity
 from . import manifest as mf
 
+
+__all__ = ["MAX_LISTED", "Ownership", "found_entry"]
+
+
 MAX_LISTED = 8  # steps and run ids listed per root in the event
 log = logging.getLogger(__name__)
 

@@ -89,6 +89,7 @@ def gather_table(job: Job, row: list[int]) -> list[list[int]]:
 
 
 def first_line(exc: BaseException) -> str:
+    """The first line of an error's message (its type when empty), at most 300 characters."""
     s = str(exc).strip()
     return (s.splitlines()[0] if s else type(exc).__name__)[:300]
 

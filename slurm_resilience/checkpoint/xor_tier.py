@@ -121,6 +121,7 @@ def read_parity(path: str, *, data: bool = True) -> tuple[ParityHeader, int, np.
 
 
 def group_of(rank: int, groups: Sequence[Sequence[int]]) -> list[int]:
+    """The XOR group (list of ranks) that holds ``rank``."""
     return next(list(g) for g in groups if rank in g)
 
 

@@ -27,6 +27,13 @@ from typing import Iterable, Sequence
 
 from ..config.container import ContainerConfig, Runtime, parse_mount
 
+
+__all__ = [
+    "ENTER", "StepContainer", "for_job", "container_name", "node_prefix", "pyxis_name", "srun_options", "wrap",
+    "cleanup_argv", "stale_cleanup_argv"
+]
+
+
 ENTER = "slurm_resilience.container.enter"
 
 
@@ -74,6 +81,7 @@ def node_prefix(job_id: str, node: str) -> str:
 
 
 def pyxis_name(job_id: str) -> str:
+    """The job's pyxis container name (``--container-name``), one per job."""
     return f"sr-{job_id}"
 
 

@@ -26,6 +26,10 @@ import subprocess
 import sys
 from typing import Mapping, Sequence
 
+
+__all__ = ["TIMEOUT_S", "step_cgroup", "fill", "podman_run", "stale_names", "live_jobs", "main"]
+
+
 TIMEOUT_S = 60
 
 
@@ -143,6 +147,7 @@ def _clean(runtime: str, prefix: str) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """``enter -- RUNTIME ARGS...`` (exec the runtime), ``--clean`` or ``--clean-stale``; 2 on bad usage."""
     args = list(sys.argv[1:] if argv is None else argv)
     if len(args) == 3 and args[0] == "--clean" and args[1] in ("podman", "enroot"):
         return _clean(args[1], args[2])

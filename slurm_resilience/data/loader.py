@@ -33,6 +33,10 @@ from ..errors import DataError
 from .permutation import _mix_int
 from .sampler import ResumableSampler
 
+
+__all__ = ["sample_seed", "ResumableLoader"]
+
+
 _M64 = (1 << 64) - 1
 _SALT = 0x5EED5A3D1E5A17  # separates sample seeds from the permutation's round keys
 

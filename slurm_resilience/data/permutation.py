@@ -20,6 +20,10 @@ from __future__ import annotations
 
 import numpy as np
 
+
+__all__ = ["ROUNDS", "MAX_N", "half_bits", "round_keys", "permute", "reference"]
+
+
 ROUNDS = 6
 MAX_N = 1 << 62  # 4**31: both halves and every product stay inside uint64
 _M64 = (1 << 64) - 1

@@ -21,6 +21,10 @@ import numpy as np
 from ..errors import DataError
 from .permutation import MAX_N, permute
 
+
+__all__ = ["MAX_POSITION", "ResumableSampler"]
+
+
 MAX_POSITION = (1 << 63) - 1  # positions travel as int64
 
 

@@ -65,6 +65,9 @@ from .snapshots import (
     preempt_requested)
 
 
+__all__ = ["EPOCH_RNG_NAME", "AccelerateEnv", "Position", "pack", "unpack", "Resilience"]
+
+
 EPOCH_RNG_NAME = "slurm_resilience_epoch_rng.pkl"
 """The snapshot's entry with every rank's generators as they were before its epoch's loader
 iterator (by global rank): a restore remakes the iterator from them."""

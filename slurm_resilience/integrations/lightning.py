@@ -69,6 +69,10 @@ from .snapshots import (  # noqa: F401 (re-exported: the callback's pure parts)
     SNAPSHOT_PREFIX, NodeSnapshots, Persisted, RestorePlan, SnapshotEnv, check_counts, fetch_snapshot, gather_newest,
     plan_restore, preempt_requested, resume_position)
 
+
+__all__ = ["LightningEnv", "check_strategy", "Resilience"]
+
+
 class LightningEnv(SnapshotEnv):
     """The callback's environment: snapshots under ``.../lightning/JOB/NODE``, root
     ``SR_LIGHTNING_DIR``."""

@@ -22,6 +22,10 @@ try:
 except ImportError:  # numpy is optional: without it there is no numpy state to keep
     numpy = None
 
+
+__all__ = ["RNG_KEY", "capture", "apply", "gather", "own"]
+
+
 RNG_KEY = "slurm_resilience_rng"
 """The snapshot dict's entry: one :func:`capture` per global rank."""
 

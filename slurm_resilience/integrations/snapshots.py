@@ -24,6 +24,13 @@ import torch.distributed as dist
 from ..errors import ConfigError
 from ..protocol import RUN_JOB_DIR_VAR, preempt_request_path
 
+
+__all__ = [
+    "SNAPSHOT_PREFIX", "SnapshotEnv", "check_counts", "RestorePlan", "plan_restore", "resume_position", "NodeSnapshots",
+    "gather_newest", "fetch_snapshot", "Persisted", "preempt_requested"
+]
+
+
 SNAPSHOT_PREFIX = "step-"
 
 

@@ -20,6 +20,13 @@ from ..files import write_private
 if TYPE_CHECKING:
     from ..slurm.parse import SlurmEnv
 
+
+__all__ = [
+    "WORKER_HET_GROUP", "WorkerPool", "worker_pool", "supervise_allocation", "keep_allocation", "allocation_job_dir",
+    "write_result"
+]
+
+
 WORKER_HET_GROUP = 1  # hetjob.sbatch.tmpl: component 0 = supervisor, 1 = workers + spares
 
 

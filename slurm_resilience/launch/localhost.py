@@ -13,8 +13,13 @@ import subprocess
 from typing import Mapping, Sequence
 
 
+__all__ = ["LocalStep", "AttachedLocalStep", "LocalLauncher"]
+
+
 @dataclasses.dataclass
 class LocalStep:
+    """A worker this launcher started as a local process."""
+
     name: str
     node: str
     process: subprocess.Popen
@@ -54,6 +59,8 @@ class AttachedLocalStep:
 
 
 class LocalLauncher:
+    """The launcher with no Slurm: workers are local processes on named pseudo-nodes (``local``)."""
+
     def __init__(self) -> None:
         self.steps: list[LocalStep] = []
         self.lost: set[str] = set()

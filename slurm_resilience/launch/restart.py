@@ -19,6 +19,10 @@ from ..files import makedirs_private, write_private
 from .allocation import write_result
 from .sbatch import render
 
+
+__all__ = ["TEMPLATE", "render_restart", "submit_restart", "wait_result", "supervise_restart", "mpi_choice"]
+
+
 TEMPLATE = "restart.sbatch.tmpl"
 
 

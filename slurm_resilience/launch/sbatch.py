@@ -34,6 +34,10 @@ from ..errors import ConfigError
 from ..run_identity import RUN_ID_ENV, check_run_id
 from ..slurm.options import HETJOB_WORKER_ONLY, sbatch_lines
 
+
+__all__ = ["TEMPLATE_DIR", "TEMPLATES", "render"]
+
+
 _PARTITION = re.compile(r"[A-Za-z0-9_.,-]+")
 # The templates ship inside the package (``package_data``), so a wheel or a
 # non-editable install finds them as well as a checkout; SR_TEMPLATE_DIR overrides.

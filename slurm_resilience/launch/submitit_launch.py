@@ -24,6 +24,9 @@ from ..files import makedirs_private
 from ..run_identity import new_run_id
 
 
+__all__ = ["run_supervisor", "submit"]
+
+
 def run_supervisor(config: Mapping[str, Any], command: Sequence[str], job_dir: str,
                    run_id: str | None = None) -> int:
     """The function submitit pickles and runs in the batch step: it hosts the store

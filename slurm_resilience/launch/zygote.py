@@ -50,6 +50,10 @@ from ..zygote_protocol import (
     INFO_DIR, KEY_FILE, STORE_WAIT_S, ForkRequest, Kind, Reply, decode, encode, fork_refusal, hosts_store, warm_env,
 )
 
+
+__all__ = ["Zygote", "main"]
+
+
 _SIGNALS = [s for s in signal.valid_signals() if s not in (signal.SIGKILL, signal.SIGSTOP)]
 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
@@ -353,6 +357,7 @@ def _reseed() -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m slurm_resilience.launch.zygote``: preload, listen, serve forks until SIGTERM; 2 on error."""
     ap = argparse.ArgumentParser(prog="python -m slurm_resilience.launch.zygote")
     ap.add_argument("--job-dir", required=True)
     ap.add_argument("--node", required=True)

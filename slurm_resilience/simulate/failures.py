@@ -40,6 +40,8 @@ class FaultClass(Enum):
 
 @dataclass(frozen=True, kw_only=True)
 class FailureCategory:
+    """One root-cause category of interruptions and its share."""
+
     name: str
     """Root-cause category as named in the source."""
     share: float
@@ -78,6 +80,8 @@ LLAMA3_CATEGORIES: tuple[FailureCategory, ...] = tuple(
 
 @dataclass(frozen=True, kw_only=True)
 class FailureModel:
+    """Poisson failure rates per category, scaled from a reference run to a job's GPU count."""
+
     categories: tuple[FailureCategory, ...] = LLAMA3_CATEGORIES
     """Categories and their shares; shares are normalised to sum to 1."""
     interruptions: float = 419.0
@@ -110,6 +114,8 @@ class FailureModel:
 
 @dataclass(frozen=True, kw_only=True)
 class Cluster:
+    """The simulated job's GPUs and how they group into nodes."""
+
     gpus: int = 16_384
     """GPUs that train (failure rates scale with this)."""
     gpus_per_node: int = 8

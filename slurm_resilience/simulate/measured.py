@@ -75,6 +75,8 @@ def poisson_schedule(*, mean_interval_s: float, horizon_s: float, seed: int) -> 
 
 @dataclass(frozen=True, kw_only=True)
 class TrainingWindow:
+    """From every rank holding its state to the last rank done, in a measured run."""
+
     start: float
     """The last rank's ``restored`` event of generation 0: every rank holds the state."""
     end: float
@@ -160,6 +162,8 @@ def training_stretches(events: Sequence[Mapping[str, Any]], fault_times: Iterabl
 
 @dataclass(frozen=True, kw_only=True)
 class StepTime:
+    """The productive step time of a measured run, from its stretches of training."""
+
     step_s: float
     """Seconds per step over the stretches kept."""
     stretches: int

@@ -35,6 +35,8 @@ class Rollback(Enum):
 
 @dataclass(frozen=True, kw_only=True)
 class RecoveryPath:
+    """How one kind of fault is recovered: downtime, restore point, what it takes."""
+
     name: str
     """Label used in the breakdown."""
     downtime_s: float
@@ -53,6 +55,8 @@ class RecoveryPath:
 
 @dataclass(frozen=True, kw_only=True)
 class CheckpointSpec:
+    """How often a strategy checkpoints and what each checkpoint costs."""
+
     interval_s: float
     """Training time between checkpoints (rounded to whole steps, at least one)."""
     cost_s: float
@@ -65,6 +69,8 @@ class CheckpointSpec:
 
 @dataclass(frozen=True, kw_only=True)
 class Strategy:
+    """A recovery strategy: step time, checkpoints, and the path for each kind of fault."""
+
     name: str
     step_time_s: float
     """Duration of one training step."""

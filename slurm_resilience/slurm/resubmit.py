@@ -33,6 +33,12 @@ from ..files import write_private
 from . import commands
 from .steps import SrunLauncher, deferred
 
+
+__all__ = [
+    "RESUBMITTED_FILE", "SCRIPT_FILE", "resubmit_env", "resubmit_args", "successor", "resubmit", "ResubmittingLauncher"
+]
+
+
 RESUBMITTED_FILE = "resubmitted.json"
 SCRIPT_FILE = "job.sbatch"  # what `slurm-resilience submit` wrote and submitted
 _KEEP = frozenset({"SLURM_CONF"})  # the client's own setting, not the job's

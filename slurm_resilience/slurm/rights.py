@@ -40,6 +40,7 @@ def slurm_user_id(config: Mapping[str, str]) -> tuple[str, int | None]:
 
 
 def uses_slurmdbd(config: Mapping[str, str]) -> bool:
+    """Whether accounting runs through slurmdbd (``AccountingStorageType`` in ``scontrol show config``)."""
     return config.get("AccountingStorageType", "").endswith("slurmdbd")
 
 
