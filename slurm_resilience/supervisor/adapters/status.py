@@ -14,6 +14,10 @@ from typing import Any, Mapping
 from ...files import write_private
 from ..decide.state import Mode, SupervisorState
 
+
+__all__ = ["STATUS_FILE", "status_dict", "write_status"]
+
+
 STATUS_FILE = "status.json"
 
 
@@ -48,4 +52,5 @@ def status_dict(state: SupervisorState, *, mode: str, retry_budget: int,
 
 
 def write_status(job_dir: str, status: Mapping[str, Any]) -> None:
+    """Write ``JOBDIR/status.json`` atomically and privately, not fsynced: it is rewritten often."""
     write_private(os.path.join(job_dir, STATUS_FILE), json.dumps(status), durable=False)  # twice a second

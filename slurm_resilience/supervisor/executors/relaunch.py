@@ -77,6 +77,10 @@ from ..observe.step_output import (
 from ..decide.state import Mode, Policy, SupervisorState
 from ..adapters.warm import WarmStep, ZygotePool
 
+
+__all__ = ["PORT_BASE", "Layout", "layout", "master_port", "master_node", "step_argv", "RelaunchExecutor"]
+
+
 PORT_BASE = 20000  # below Linux's ephemeral range (32768-60999), above the usual services
 
 
