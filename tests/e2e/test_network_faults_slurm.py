@@ -125,7 +125,8 @@ def test_partitioned_node_is_replaced_and_fenced_when_it_heals(cluster, jobs_roo
 
 
 FLAP_S = 0.4  # well under the detection deadline (heartbeat timeout)
-AFTER_FLAP = 12  # steps every rank does after the flap before the next fault (no recovery meanwhile)
+AFTER_FLAP = 4  # steps every rank does after the flap before the next fault (no recovery meanwhile)
+PEERS_STEP_TIME = 0.3  # emulated compute (the bits do not depend on it): the job outlasts the cut's set-up
 
 
 def test_a_short_flap_costs_no_recovery_and_a_node_cut_from_its_peers_is_replaced(cluster, jobs_root, reference):
@@ -134,7 +135,7 @@ def test_a_short_flap_costs_no_recovery_and_a_node_cut_from_its_peers_is_replace
     the supervisor and the spare still reach it): its heartbeats and pulse lines go on,
     every rank waits in a collective that never returns; the pulses' peer probes blame
     it (NODE_PARTITIONED), it is replaced by the spare, and the job ends bit-identical."""
-    run = lab.submit(jobs_root / "net-flap-peers", steps=STEPS, step_time=FAULT_STEP_TIME)
+    run = lab.submit(jobs_root / "net-flap-peers", steps=STEPS, step_time=PEERS_STEP_TIME)
     status = run.wait_for_step(FAULT_AT, timeout=300)  # a busy lab queues the job first
     victim = status["ranks"][1]["node"]
     spare = status["spares"][0]["node"]

@@ -160,7 +160,7 @@ class PartitionWatch:
         if not reached or 2 * len(reached) < len(got):
             return ""
         return ("cut from the supervisor only: no heartbeat or pulse line of it arrives, yet its slurmd answers "
-                f"and its pulse answers its peers ({','.join(reached)})")
+                f"and its peers reach its pulse's port ({','.join(reached)})")
 
 
 def held_for_peers(watch: Any, state: Any, node: str, verdict: Any, held: dict[str, dict[str, Any]]) -> bool:
