@@ -287,3 +287,37 @@ def test_a_frozen_node_whose_ranks_turn_stale_in_different_polls_is_silent():
     assert silent_nodes({"n3": ["a", "b"]}, {}, quiet={"a", "b"}) == set()  # nothing stale yet
     exited = {"a": {"heartbeat_stale": True, "process_exited": True}}
     assert silent_nodes({"n3": ["a", "b"]}, exited, quiet={"a", "b"}) == set()
+
+
+def test_a_silent_node_whose_slurmd_answers_and_whose_peers_reach_it_is_cut_from_the_supervisor():
+    """partition-supervisor: no heartbeat, no pulse line, slurmd answers; its peers still
+    reach its pulse: NODE_PARTITIONED at the silence deadline (replaced), not a hang."""
+    from slurm_resilience.supervisor.observe.probe import NodeProbed
+    from slurm_resilience.supervisor.observe.silence import silence
+    from test_partition import FakeLink
+
+    p = policy()
+    state, _ = started(p)
+    cut = state.table.slots[1]
+    nodes = state.watched_nodes()
+    link = FakeLink(nodes)
+    w = Watch(cfg=load_config({}), store=Store(), seen=None, launcher=Launcher(True), handles={}, events=None,
+              preempted=lambda: False, peers=link)
+    now = time.time()
+    w._hb_heard = {n: now for n in nodes}
+    w._hb_heard[cut.node] = now - 1.0  # quiet past node_silence_s (0.7 s)
+    w._verdicts[cut.node] = NodeProbed(cut.node, True, True, "answered", now - 0.2, now - 0.1)
+    suspects = {}
+    silence(w, state, suspects, now)
+    assert not w._held and len(link.asked) == 1  # its peers asked; nothing concluded yet
+    (ask,) = link.asked
+    link.answers = {n: {r["id"]: {"ok": {cut.node}, "bad": set()}} for n, r in ask.items()}
+    silence(w, state, suspects, now + 0.05)
+    assert cut.node in w._held and w._held[cut.node][cut.worker_id]["peers_cut"].startswith("cut from the supervisor")
+    obs = _released(w, state)
+    (s,) = obs.items
+    assert s.peers_cut and s.slurmd_answers is True
+    state2, acts = decide(state, obs, now + 0.1, p)
+    assert state2.recovery.level == "node-replacement"
+    ev = [a for a in of(acts, m.Emit) if a.kind is EventKind.FAULT_DETECTED][0]
+    assert ev.fields["fault"]["kind"] == FaultKind.NODE_PARTITIONED.value

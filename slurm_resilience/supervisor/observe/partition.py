@@ -41,6 +41,7 @@ __all__ = ["PROBE_FANOUT", "PeerLink", "PartitionWatch", "blame", "held_for_peer
 PROBE_FANOUT = 8
 ANSWER_WAIT_S = 1.5  # after a request: answers still missing are not waited for longer
 ABOUT_PEERS = 3  # nodes asked whether they reach a silent node
+ABOUT_KEEP_S = 2.0  # an answer about a silent node is reused this long (the silence look asks every 50 ms)
 
 
 class PeerLink(Protocol):
@@ -98,6 +99,7 @@ class PartitionWatch:
         self._round = 0
         self._asked: tuple[int, float, frozenset[str]] | None = None  # (id, when, nodes asked)
         self._about: dict[str, tuple[int, float, frozenset[str]]] = {}  # silent node -> (id, when, peers asked)
+        self._said: dict[str, tuple[float, str]] = {}  # silent node -> (when, the answer about it)
         self.rounds = 0  # rounds asked so far (for tests and the status)
 
     def look(self, nodes: Callable[[], Sequence[str]], stalled_s: float,
@@ -138,6 +140,9 @@ class PartitionWatch:
         while their answers are awaited (at most ``ANSWER_WAIT_S``), then the evidence
         that it is cut from the supervisor only, or "" (no peer reached it, none asked)."""
         now = self._clock()
+        said = self._said.get(node)
+        if said is not None and now - said[0] < ABOUT_KEEP_S:
+            return said[1]
         if node not in self._about:
             eps = self._link.endpoints()
             ring = [n for n in nodes if n in eps and n != node]
@@ -157,10 +162,11 @@ class PartitionWatch:
             return None
         del self._about[node]
         reached = sorted(n for n, r in got.items() if node in r["ok"])
-        if not reached or 2 * len(reached) < len(got):
-            return ""
-        return ("cut from the supervisor only: no heartbeat or pulse line of it arrives, yet its slurmd answers "
-                f"and its peers reach its pulse's port ({','.join(reached)})")
+        why = "" if not reached or 2 * len(reached) < len(got) else (
+            "cut from the supervisor only: no heartbeat or pulse line of it arrives, yet its slurmd answers "
+            f"and its peers reach its pulse's port ({','.join(reached)})")
+        self._said[node] = (now, why)
+        return why
 
 
 def held_for_peers(watch: Any, state: Any, node: str, verdict: Any, held: dict[str, dict[str, Any]]) -> bool:

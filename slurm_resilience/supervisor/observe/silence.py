@@ -13,6 +13,11 @@ a suspect with a stale heartbeat and the slurmd verdict attached: ``decide`` mak
 NODE_LOST (``decide/classify.py``). A healthy node that is only slow (a loaded box)
 answers the probe, and nothing happens; the heartbeat timeout still judges its ranks.
 
+A silent node whose slurmd *answered* is asked about once it has been quiet for
+``node_silence_s``: its peers probe its pulse (``partition.PartitionWatch.about``), and
+reached by them it is cut from the supervisor only (``NODE_PARTITIONED``), found at the
+same deadline rather than at the heartbeat timeout.
+
 When no node at all has been heard for ``node_silence_s / 2`` it is the supervisor
 that is behind (its own threads starved), not every node: nothing is concluded.
 
@@ -80,8 +85,23 @@ def silence(watch: Any, state: Any, suspects: dict[str, dict[str, Any]], now: fl
         v = watch._verdicts[node]
         why = (f"node silent for {now - last[node]:.2f} s (no heartbeat, no pulse line) and its slurmd did "
                f"not answer ({v.detail})")
-        held = watch._held.setdefault(node, {})  # judged with this verdict (``Watch._probed``)
-        for wid in by_node[node]:
-            if state.watched(wid):
-                o = suspects.pop(wid, {"t": now})
-                held[wid] = {**o, **held.get(wid, {}), "heartbeat_stale": True, "evidence": why}
+        _hold(watch, state, suspects, node, by_node[node], now, evidence=why)
+    pw = watch.partition
+    if pw is None or (len(last) > 1 and not any(now - t < d.silence_s / 2 for t in last.values() if t > 0)):
+        return
+    for node, t in last.items():  # silent, yet slurmd answered: do its peers still reach it?
+        v = watch._verdicts.get(node)
+        if (t > 0 and node not in watch._held and now - t >= d.silence_s and v is not None and v.answered
+                and v.started >= t and (why := pw.about(node, state.watched_nodes()))):
+            _hold(watch, state, suspects, node, by_node[node], now, evidence=why, peers_cut=why)
+
+
+def _hold(watch: Any, state: Any, suspects: dict[str, dict[str, Any]], node: str, wids: Sequence[str],
+          now: float, **why: str) -> None:
+    """Hold the node's watched ranks as stale suspects with ``why`` (judged with the node's
+    verdict by ``Watch._probed``)."""
+    held = watch._held.setdefault(node, {})
+    for wid in wids:
+        if state.watched(wid):
+            o = suspects.pop(wid, {"t": now})
+            held[wid] = {**o, **held.get(wid, {}), "heartbeat_stale": True, **why}
