@@ -47,6 +47,7 @@ log = logging.getLogger(__name__)
 
 SILENCE_LOOK_S = 0.05  # how often the node-silence look runs (O(nodes); silence.py)
 EVENT_HOLE_S = 1.0  # an event counted but unwritten this long is skipped (its writer died)
+POLL_WORKERS = 2048  # the O(N) look runs once a heartbeat period up to this many workers, pro rata less often above
 _MARKS = frozenset({WorkerEvent.RECONNECTED, WorkerEvent.RESTORED, WorkerEvent.FIRST_STEP, WorkerEvent.DONE})
 
 
@@ -101,7 +102,7 @@ class Watch:
         suspects: dict[str, dict[str, Any]] = {}
         out += self._drain(state, suspects, 0.02)
         now = time.time()
-        polled = now - self._last_hb >= self.cfg.detect.heartbeat_period_s
+        polled = now - self._last_hb >= self.cfg.detect.heartbeat_period_s * max(1.0, len(state.workers) / POLL_WORKERS)
         if polled:  # the O(N) sources, once a heartbeat period (a death is seen at once by its socket)
             self._last_hb = now
             for wid, h in self.handles.items():
