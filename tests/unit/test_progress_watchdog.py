@@ -107,13 +107,15 @@ def test_decide_reports_a_suspect_and_never_recovers_it():
     p = policy()
     state, _ = started(p)
     wid = state.table.slots[1].worker_id
-    new, acts = decide(state, m.LivenessChange(wid, "ok", "suspect", "heartbeat stale for 3.0 s", 5.0), 5.0, p)
+    new, acts = decide(state, m.LivenessChange(wid, Verdict.OK, Verdict.SUSPECT, "heartbeat stale for 3.0 s", 5.0), 5.0, p)
     assert new == state and kinds(acts) == [EventKind.SUSPECT]
     assert not of(acts, m.Kill) and not of(acts, m.Publish)
     assert of(acts, m.Emit)[0].fields["rank"] == 1 and "heartbeat stale" in of(acts, m.Emit)[0].fields["evidence"]
-    _, acts = decide(state, m.LivenessChange(wid, "suspect", "ok", "", 6.0), 6.0, p)
+    assert of(acts, m.Emit)[0].fields["previous"] == "ok" and of(acts, m.Say)[0].text.startswith("rank 1 suspect: ")
+    _, acts = decide(state, m.LivenessChange(wid, Verdict.SUSPECT, Verdict.OK, "", 6.0), 6.0, p)
     assert kinds(acts) == [EventKind.SUSPECT_CLEARED]
-    _, acts = decide(state, m.LivenessChange(wid, "ok", "slow", "no progress for 11 s", 6.0), 6.0, p)
+    assert of(acts, m.Emit)[0].fields["previous"] == "suspect" and "(was suspect)" in of(acts, m.Say)[0].text
+    _, acts = decide(state, m.LivenessChange(wid, Verdict.OK, Verdict.SLOW, "no progress for 11 s", 6.0), 6.0, p)
     assert kinds(acts) == [EventKind.PROGRESS_SLOW]
 
 

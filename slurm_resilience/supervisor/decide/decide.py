@@ -32,7 +32,7 @@ from . import local, recover, relaunch_recovery, spares
 from .messages import (
     Action, AllDone, Connected, DrainEvents, Exit, Isolate, Kill, NodeBack, Observation, Preempted, Published, Reap,
     LivenessChange, Relaunch, Say, ShutDownStandbys, SpareChecked, Start, StepFaults, StepTrained, Straggler, Suspects,
-    Tick, WorkerMark, emit,
+    Tick, Verdict, WorkerMark, emit,
 )
 from .plans import EXIT_FAILED, EXIT_OK, EXIT_REQUEUED, Decision, launch, launch_standbys, move, publish, requeue
 from .ranktable import initial_table
@@ -240,18 +240,20 @@ def _spare_checked(state: SupervisorState, obs: SpareChecked, now: float, policy
     return state, acts
 
 
-_LIVENESS_EVENTS = {"suspect": EventKind.SUSPECT, "slow": EventKind.PROGRESS_SLOW, "ok": EventKind.SUSPECT_CLEARED}
+_LIVENESS_EVENTS = {Verdict.SUSPECT: EventKind.SUSPECT, Verdict.SLOW: EventKind.PROGRESS_SLOW,
+                    Verdict.OK: EventKind.SUSPECT_CLEARED}
 
 
 def _liveness(state: SupervisorState, obs: LivenessChange) -> Decision:
     """A suspect is an event and a line, never a recovery (the watchdog confirms hangs)."""
     kind = _LIVENESS_EVENTS.get(obs.new)
-    if kind is None or not state.watched(obs.worker_id) or (obs.new == "ok" and obs.old == "waiting"):
+    if (kind is None or not state.watched(obs.worker_id)
+            or (obs.new is Verdict.OK and obs.old is Verdict.WAITING)):
         return state, []
     slot = state.slot_of(obs.worker_id)
     who = f"rank {slot.rank}" if slot else f"worker {obs.worker_id}"
     fields = dict(worker_id=obs.worker_id, rank=slot.rank if slot else None, node=state.workers[obs.worker_id].node,
-                  t=obs.t, previous=obs.old)
+                  t=obs.t, previous=obs.old.value)
     if kind is EventKind.SUSPECT_CLEARED:
-        return state, [emit(kind, **fields), Say(f"{who} is well again (was {obs.old})")]
-    return state, [emit(kind, evidence=obs.evidence, **fields), Say(f"{who} {obs.new}: {obs.evidence}")]
+        return state, [emit(kind, **fields), Say(f"{who} is well again (was {obs.old.value})")]
+    return state, [emit(kind, evidence=obs.evidence, **fields), Say(f"{who} {obs.new.value}: {obs.evidence}")]

@@ -9,6 +9,7 @@ writes a file, so every recovery decision is unit-tested without Slurm or torch.
 from __future__ import annotations
 
 import dataclasses
+import enum
 from typing import Any, Mapping
 
 from ...lifecycle import JobPhase
@@ -19,7 +20,7 @@ from ...program_error import ProgramError
 
 __all__ = [
     "Start", "Connected", "Suspect", "Suspects", "StepFaults", "WorkerMark", "Published", "Tick", "AllDone",
-    "Preempted", "NodeBack", "SpareChecked", "Straggler", "LivenessChange", "StepTrained", "Observation", "Launch",
+    "Preempted", "NodeBack", "SpareChecked", "Straggler", "Verdict", "LivenessChange", "StepTrained", "Observation", "Launch",
     "Relaunch", "CheckSpare", "Kill", "Publish", "Isolate", "Emit", "Say", "Phase", "ShutDownStandbys", "Reap",
     "DrainEvents", "Requeue", "Exit", "Action", "emit"
 ]
@@ -152,14 +153,34 @@ class Straggler:
     peers_ms: tuple[float, ...]
 
 
+class Verdict(enum.Enum):
+    """What the step-progress watchdog (``observe/progress.py``) thinks of one rank.
+
+    OK: alive and moving. SUSPECT: one sign of life is late while another says the rank
+    lives and moves (a starved heartbeat thread, a GIL held for long): reported only.
+    SLOW: no progress past the soft timeout: reported only. WAITING: no progress past
+    the hard timeout, but blocked on its peers or the supervisor. HUNG: confirmed; the
+    ladder recovers it (PROCESS_HUNG). SILENT: no sign of life at all; the node probe
+    decides (node lost or process hung). The value is the string written to status.json
+    (a rank's ``liveness``) and to events.jsonl (``previous``).
+    """
+
+    OK = "ok"
+    SUSPECT = "suspect"
+    SLOW = "slow"
+    WAITING = "waiting"
+    HUNG = "hung"
+    SILENT = "silent"
+
+
 @dataclasses.dataclass(frozen=True)
 class LivenessChange:
-    """The watchdog's verdict on a rank changed (``progress.Verdict`` values: ok, suspect,
-    slow, waiting; hung and silent arrive as :class:`Suspects`). Reported, never acted on."""
+    """The watchdog's verdict on a rank changed (ok, suspect, slow, waiting; hung and
+    silent arrive as :class:`Suspects`). Reported, never acted on."""
 
     worker_id: str
-    old: str
-    new: str
+    old: Verdict
+    new: Verdict
     evidence: str
     t: float
 

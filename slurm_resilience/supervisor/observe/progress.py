@@ -56,29 +56,11 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import enum
 from typing import Mapping, NamedTuple, Sequence
 
+from ..decide.messages import Verdict  # the decide layer's word; importable from here too
+
 __all__ = ["Verdict", "Signs", "Timeouts", "assess", "derive_timeouts", "progress_in", "ProgressWatch"]
-
-
-class Verdict(enum.Enum):
-    """What the watchdog thinks of one rank.
-
-    OK: alive and moving. SUSPECT: one sign of life is late while another says the rank
-    lives and moves (a starved heartbeat thread, a GIL held for long): reported only.
-    SLOW: no progress past the soft timeout: reported only. WAITING: no progress past
-    the hard timeout, but blocked on its peers or the supervisor. HUNG: confirmed; the
-    ladder recovers it (PROCESS_HUNG). SILENT: no sign of life at all; the node probe
-    decides (node lost or process hung).
-    """
-
-    OK = "ok"
-    SUSPECT = "suspect"
-    SLOW = "slow"
-    WAITING = "waiting"
-    HUNG = "hung"
-    SILENT = "silent"
 
 
 ACTED_ON = frozenset({Verdict.HUNG, Verdict.SILENT})  # the executor makes these a Suspect

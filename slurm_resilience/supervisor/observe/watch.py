@@ -220,7 +220,7 @@ class Watch:
         for wid, (verdict, why) in self.progress.verdicts.items():
             if verdict in ACTED_ON:
                 suspects.setdefault(wid, {"t": now}).update(heartbeat_stale=True, evidence=why)
-        out += [LivenessChange(wid, old.value, new.value, why, now) for wid, old, new, why in changes
+        out += [LivenessChange(wid, old, new, why, now) for wid, old, new, why in changes
                 if new not in ACTED_ON]
         # Warm standbys: idle and off the critical path; a fresh pulse of a running process vouches.
         idle_t = {w: t for w, t in times.items() if w not in ranks}
