@@ -49,6 +49,8 @@ from .persist import Job, Lazy, first_line, persist_local, persist_shared, prune
 from .tiers import Redundancy, TierSpec, base_tier, tier_for_step
 from .xor_rebuild import rebuild_tier
 
+__all__ = ["CheckpointEngine"]
+
 log = logging.getLogger(__name__)
 
 
@@ -82,12 +84,10 @@ class CheckpointEngine:
                  striping: Striping | None = None, adopt_legacy: bool = False) -> None:
         self.specs = tuple(specs)
         self._by_storage = {s.storage: s for s in reversed(self.specs)}
-        self.job_id, self.run_id, self.job_dir, self.node = job_id, run_id, job_dir, node
+        self.job_id, self.run_id, self.job_dir, self.node, self._emit = job_id, run_id, job_dir, node, emit
         self.ownership = Ownership(RunIdentity(job_id, run_id), adopt_legacy=adopt_legacy, emit=emit)
         self._cleaner: threading.Thread | bool | None = False  # clean.py, at the first bind
-        self._emit = emit
-        self._pinned = torch.cuda.is_available()
-        self._sets = [_BufferSet({}), _BufferSet({})]
+        self._pinned, self._sets = torch.cuda.is_available(), [_BufferSet({}), _BufferSet({})]
         self._l0: _BufferSet | None = None
         self._lock = threading.Condition()
         self._queue: "queue.Queue[Job | _Rebuild | None]" = queue.Queue()
@@ -151,9 +151,9 @@ class CheckpointEngine:
 
     # -- save --------------------------------------------------------------------
     def due(self, step: int) -> list[str]:
-        autos = {}
-        if self.estimator is not None:
-            autos = {s.name: self.estimator.interval_steps() for s in self.specs if s.auto}
+        """The tiers that checkpoint at ``step``, in ``specs`` order (``tiers.tier_for_step``)."""
+        autos = ({s.name: self.estimator.interval_steps() for s in self.specs if s.auto}
+                 if self.estimator is not None else {})
         return tier_for_step(self.specs, step, now=time.time(), last_saved=self._last,
                              auto_interval_steps=autos, save_counts=self._base_counts(step))
 

@@ -30,11 +30,15 @@ from . import commands
 from .parse import config_seconds, expand_hostlist, validate_node_name
 from .rights import uses_slurmdbd
 
+__all__ = ["SrunStep", "AttachedSrunStep", "srun_argv", "nodes_after_release", "SrunLauncher", "deferred"]
+
 log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
 class SrunStep:
+    """A worker step this supervisor started (``SrunLauncher.launch``); ``process``: its srun client."""
+
     name: str
     node: str
     process: subprocess.Popen
@@ -131,11 +135,8 @@ class SrunLauncher:
                  step_nodes: Sequence[str] | None = None) -> None:
         if (het_group is None) != (het_job_id is None):
             raise ValueError("het_group and het_job_id go together (a hetjob's worker component)")
-        self.job_id = job_id
-        self.het_group = het_group
-        self.het_job_id = het_job_id
-        self.srun_options = tuple(srun_options)
-        self.container = container
+        self.job_id, self.het_group, self.het_job_id = job_id, het_group, het_job_id
+        self.srun_options, self.container = tuple(srun_options), container
         self.step_nodes = tuple(nodes if step_nodes is None else step_nodes)
         self._steps_job = het_job_id or job_id  # the job record that holds our steps
         self._release_lock = threading.Lock()

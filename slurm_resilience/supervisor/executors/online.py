@@ -52,6 +52,8 @@ from ..adapters.stop import publish_plan, shut_down_standbys
 from ..observe.sweep import Sweeper
 from ..observe.watch import Watch
 
+__all__ = ["StoreLink", "Supervisor", "checkpoint_notice", "status_interval_s"]
+
 log = logging.getLogger(__name__)
 
 
@@ -101,8 +103,7 @@ class Supervisor:
                 "allocate more nodes or lower the counts")
         self.cfg, self.command, self.job_dir = config, list(command), job_dir
         self.launcher, self.store_host, self.job_id = launcher, store_host, job_id
-        self.run_id = check_run_id(run_id)
-        self.requeue_count, self.out = requeue_count, out
+        self.run_id, self.requeue_count, self.out = check_run_id(run_id), requeue_count, out
         self.store_port, self.reattaching = store_port, reattach
         self.nodes = list(nodes[:need])
         self.policy = Policy.from_config(config, mode=Mode.ONLINE, can_requeue=isinstance(launcher, Requeues))
