@@ -12,8 +12,12 @@ from typing import Callable, Sequence
 
 from ..decide.messages import SpareChecked
 
+__all__ = ["SpareChecker"]
+
 
 class SpareChecker:
+    """Runs spare health checks in background threads; ``drain`` returns their results."""
+
     def __init__(self, run: Callable[[str, Sequence[str], float], tuple[int | None, str]],
                  argv: Callable[[str], list[str]], timeout_s: float) -> None:
         """``run``: the launcher's ``run_check``; ``argv``: the check's argv for a node."""
@@ -21,6 +25,7 @@ class SpareChecker:
         self.results: "queue.Queue[SpareChecked]" = queue.Queue()
 
     def start(self, node: str) -> None:
+        """Start the check of ``node`` in a thread of its own (never raises: a failure is a result)."""
         def work() -> None:
             t0 = time.time()
             try:
@@ -33,6 +38,7 @@ class SpareChecker:
         threading.Thread(target=work, name=f"sr-check-{node}", daemon=True).start()
 
     def drain(self) -> list[SpareChecked]:
+        """The checks finished since the last call (never blocks)."""
         out = []
         while True:
             try:
@@ -42,6 +48,7 @@ class SpareChecker:
 
 
 def _reason(code: int | None, output: str) -> str:
+    """Why a check failed: its output's last line, else the time-out or exit code."""
     lines = [ln.strip() for ln in output.strip().splitlines() if ln.strip()]
     last = lines[-1][:300] if lines else ""
     if code is None:

@@ -26,6 +26,8 @@ import threading
 import time
 from typing import Any, Callable, Iterable, Mapping, NamedTuple, Sequence
 
+__all__ = ["Observation", "Pulse", "LivenessServer", "stale_workers", "present_keys", "read_heartbeats", "NodeWatcher"]
+
 log = logging.getLogger(__name__)
 
 
@@ -96,10 +98,12 @@ class LivenessServer:
         self.rejected = 0
 
     def start(self) -> "LivenessServer":
+        """Start the accepting and reading thread; returns self."""
         self._thread.start()
         return self
 
     def close(self) -> None:
+        """Stop the thread (waits up to 2 s for it) and close the listening socket."""
         self._stop.set()
         self._thread.join(timeout=2)
         self._listener.close()
@@ -318,10 +322,12 @@ class NodeWatcher:
         self._thread = threading.Thread(target=self._run, name="sr-nodewatch", daemon=True)
 
     def start(self) -> "NodeWatcher":
+        """Start the polling thread; returns self."""
         self._thread.start()
         return self
 
     def close(self) -> None:
+        """Stop the polling thread (waits up to 5 s for it)."""
         self._stop.set()
         self._thread.join(timeout=5)
 

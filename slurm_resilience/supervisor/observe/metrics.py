@@ -12,12 +12,16 @@ from typing import Any, Mapping
 
 from ...protocol import EventKind, WorkerEvent
 
+__all__ = ["Metrics"]
+
 # Worker events that carry the step a rank has reached.
 _STEP_EVENTS = frozenset(w.logged for w in (WorkerEvent.FIRST_STEP, WorkerEvent.DONE,
                                             WorkerEvent.CHECKPOINT_SAVED))
 
 
 class Metrics:
+    """Counters derived from the job's events (``observe``), rendered as Prometheus text (``render``)."""
+
     def __init__(self, clock=time.time) -> None:
         self._clock = clock
         self.started = clock()
@@ -32,6 +36,7 @@ class Metrics:
         self._max_step = 0
 
     def observe(self, ev: Mapping[str, Any]) -> None:
+        """Count one logged event (the supervisor's or a rank's, as written to events.jsonl)."""
         kind = ev.get("kind")
         if kind == EventKind.PHASE:
             self.last_phases[ev["phase"]] = ev["duration_ms"] / 1000

@@ -47,11 +47,14 @@ ABOUT_KEEP_S = 2.0  # an answer about a silent node is reused this long (the sil
 class PeerLink(Protocol):
     """The liveness server's side of the peer probes (``detect.LivenessServer``)."""
 
-    def endpoints(self) -> dict[str, tuple[str, int]]: ...
+    def endpoints(self) -> dict[str, tuple[str, int]]:
+        """Each node pulse's peer-probe endpoint (address, port)."""
 
-    def reach(self) -> dict[str, dict[int, dict]]: ...
+    def reach(self) -> dict[str, dict[int, dict]]:
+        """Each node pulse's newest peer-probe answers, by request id."""
 
-    def ask_probes(self, requests: Mapping[str, Mapping[str, Any]]) -> list[str]: ...
+    def ask_probes(self, requests: Mapping[str, Mapping[str, Any]]) -> list[str]:
+        """Send each node's pulse its probe request; the nodes it could not be sent to."""
 
 
 def probe_plan(nodes: Sequence[str], endpoints: Mapping[str, tuple[str, int]],

@@ -110,6 +110,7 @@ class NodeProber:
         return since is not None and time.monotonic() - since > self.deadline_s + HOLD_GRACE_S
 
     def drain(self) -> list[NodeProbed]:
+        """The probes finished since the last call (never blocks)."""
         out = []
         while True:
             try:

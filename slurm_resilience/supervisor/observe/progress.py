@@ -95,10 +95,12 @@ class Timeouts:
 
     @property
     def vouch_s(self) -> float:
+        """How old a pulse may be and still vouch for a rank whose heartbeat is stale."""
         return self.stale_s if self.pulse_s is None else self.pulse_s
 
     @property
     def blocking_s(self) -> float:
+        """Step timeout of a rank every other rank waits on (never above ``hard_s``)."""
         return self.hard_s if self.block_s is None else min(self.block_s, self.hard_s)
 
 
@@ -211,6 +213,7 @@ class ProgressWatch:
         self._latest: float | None = None  # the newest move of any rank at the last look (None: one unseen)
 
     def timeouts(self) -> Timeouts:
+        """The timeouts now, from the step times measured so far (:func:`derive_timeouts`)."""
         return derive_timeouts(self._times, **self._floors)
 
     def observe(self, hb_t: Mapping[str, float], pulses: Mapping, now: float, *, paused: bool = False,

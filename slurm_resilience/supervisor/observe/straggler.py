@@ -13,9 +13,13 @@ import dataclasses
 import statistics
 from typing import Mapping
 
+__all__ = ["StragglerPolicy", "slow_ranks", "update_streaks", "stragglers", "StragglerWatch"]
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class StragglerPolicy:
+    """When a rank counts as a straggler (``detect.straggler_threshold``/``straggler_window``)."""
+
     threshold: float = 1.5  # × the median of the other ranks
     window: int = 8  # consecutive checks
     min_ms: float = 1.0  # ignore noise on very short compute times
@@ -40,6 +44,7 @@ def update_streaks(streaks: Mapping[int, int], slow: set[int], ranks: set[int]) 
 
 
 def stragglers(streaks: Mapping[int, int], policy: StragglerPolicy) -> list[int]:
+    """Ranks slow for at least ``window`` consecutive checks, in rank order."""
     return sorted(r for r, n in streaks.items() if n >= policy.window)
 
 
@@ -52,6 +57,7 @@ class StragglerWatch:
         self._reported: set[int] = set()
 
     def observe(self, compute_ms: Mapping[int, float]) -> list[int]:
+        """One check of every rank's compute time (rank -> ms): the ranks that just became stragglers."""
         if len(compute_ms) < 2:
             return []
         self._streaks = update_streaks(self._streaks, slow_ranks(compute_ms, self.policy), set(compute_ms))

@@ -35,6 +35,7 @@ class Sweeper:
         self._thread: threading.Thread | None = None
 
     def put(self, keys: Iterable[str]) -> None:
+        """Queue ``keys`` for removal (starts the thread the first time)."""
         for key in keys:
             self._keys.put(key)
         if self._thread is None:

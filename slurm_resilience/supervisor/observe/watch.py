@@ -43,6 +43,8 @@ from ..decide.recover import returning_candidates
 from ..decide.state import SupervisorState
 from .straggler import StragglerPolicy, StragglerWatch
 
+__all__ = ["Watch", "SILENCE_LOOK_S", "EVENT_HOLE_S", "POLL_WORKERS"]
+
 log = logging.getLogger(__name__)
 
 SILENCE_LOOK_S = 0.05  # how often the node-silence look runs (O(nodes); silence.py)
@@ -67,7 +69,6 @@ class Watch:
         self._hb_heard: dict[str, float] = {}  # node -> its ranks' newest heartbeat (each poll)
         self._rank_nodes: tuple[object, dict[str, list[str]]] = (None, {})  # (table, node -> its ranks)
         self._ranks_of: tuple[object, dict[str, int]] = (None, {})  # (table, worker -> rank)
-        self._last_silence = 0.0
         self._live: tuple[tuple | None, list[str]] = (None, [])  # (what it was built from, live workers)
         self.cfg, self.store, self.seen, self.launcher, self.pulses = cfg, store, seen, launcher, pulses
         self.partition = None if peers is None else partition.PartitionWatch(peers, cfg.detect.peer_probe_s)
@@ -78,14 +79,13 @@ class Watch:
                                       hard_s=d.progress_hard_s, factor=d.progress_factor,
                                       block_s=d.block_floor_s,
                                       pulse_s=min(d.heartbeat_timeout_s, max(4 * d.heartbeat_period_s, 1.0)))
-        self.handles, self.events, self.preempted = handles, events, preempted
-        self.events_seen = events_seen
+        self.handles, self.events, self.preempted, self.events_seen = handles, events, preempted, events_seen
         self.steps: dict[str, int] = {}  # last step per worker (heartbeats), for the status
         self.connected_at: dict[str, float] = {}
         self.stragglers = StragglerWatch(StragglerPolicy(
             threshold=cfg.detect.straggler_threshold, window=cfg.detect.straggler_window))
         self._hole, self._late = None, {}  # (event number, since) not yet written; skipped holes (number → since)
-        self._last_hb, self._last_return, self._preempt_sent = 0.0, 0.0, False
+        self._last_hb, self._last_return, self._last_silence, self._preempt_sent = 0.0, 0.0, 0.0, False
         self.prober = (NodeProber(launcher.node_reachable, launcher.probe_slurmd, cfg.detect.slurmd_probe_deadline_s)
                        if hasattr(launcher, "probe_slurmd") else None)
         self._held: dict[str, dict[str, dict[str, Any]]] = {}  # silent node → its suspects, probe running
@@ -95,6 +95,7 @@ class Watch:
         self._done_keys: tuple[object, list[str]] = (None, [])  # (table, its ranks' done keys)
 
     def observe(self, state: SupervisorState) -> list[Observation]:
+        """One look at every source: the observations for ``decide``, a ``Tick`` last."""
         out: list[Observation] = []
         if not self._preempt_sent and (self.preempted() or self.store.check([StoreKey.PERSIST_REQUEST.value])):
             self._preempt_sent = True  # a rank got the signal (sent to the steps), or we did
@@ -173,8 +174,7 @@ class Watch:
         ranks = self._slot_ranks(state)
         times: dict[str, float | None] = {}
         compute: dict[int, float] = {}
-        steps = self.steps
-        rest = []
+        steps, rest = self.steps, []
         for wid in live:
             p = pulses.get(wid)
             if p is not None and p.beat_t > 0 and now - p.t <= fresh_s:
@@ -220,8 +220,7 @@ class Watch:
         for wid, (verdict, why) in self.progress.verdicts.items():
             if verdict in ACTED_ON:
                 suspects.setdefault(wid, {"t": now}).update(heartbeat_stale=True, evidence=why)
-        out += [LivenessChange(wid, old, new, why, now) for wid, old, new, why in changes
-                if new not in ACTED_ON]
+        out += [LivenessChange(wid, old, new, why, now) for wid, old, new, why in changes if new not in ACTED_ON]
         # Warm standbys: idle and off the critical path; a fresh pulse of a running process vouches.
         idle_t = {w: t for w, t in times.items() if w not in ranks}
         for wid in stale_workers(idle_t, now, self.cfg.detect.standby_heartbeat_timeout_s, self.connected_at):
