@@ -4,6 +4,7 @@ K standbys per node (``local_standbys_per_node``) and a spare's extra ones:
 tests/unit/test_local_standbys_count.py."""
 
 import dataclasses
+import json
 
 from slurm_resilience.config import load_config
 from slurm_resilience.errors import ConfigError
@@ -14,7 +15,7 @@ from slurm_resilience.supervisor.decide import local
 from slurm_resilience.supervisor.decide import messages as m
 from slurm_resilience.supervisor.decide.decide import decide
 from slurm_resilience.supervisor.executors.reattach import adopt_plans
-from slurm_resilience.supervisor.adapters.status import status_dict
+from slurm_resilience.supervisor.adapters.status import StatusMode, status_dict
 from slurm_resilience.supervisor.decide.state import Mode, Policy, SupervisorState
 
 import pytest
@@ -211,7 +212,7 @@ def test_state_round_trips_reattach_drops_a_taken_standby_and_status_lists_them(
     after, acts = decide(state, killed(state, 1), 1.0, p)
     plan = of(acts, m.Publish)[0].plan
     assert "n3" not in adopt_plans(state, [plan]).local_standbys
-    st = status_dict(state, mode="online", retry_budget=3)
+    st = status_dict(state, mode=StatusMode.ONLINE, retry_budget=3)
     assert [(x["node"], x["worker_id"], x["pid"]) for x in st["local_standbys"]] == \
         [(n, one(state, n), 100) for n in WORKERS + SPARES]
     assert local.is_local(state, one(state, "n2")) and not local.is_local(state, plan.table.slots[0].worker_id)
@@ -223,10 +224,18 @@ def test_status_tolerates_a_slot_whose_launch_failed():
     state, _ = started(policy())
     lost = state.table.slots[1].worker_id
     state = dataclasses.replace(state, workers={k: v for k, v in state.workers.items() if k != lost})
-    ranks = status_dict(state, mode="online", retry_budget=3)["ranks"]
+    ranks = status_dict(state, mode=StatusMode.ONLINE, retry_budget=3)["ranks"]
     assert (ranks[1]["worker_id"], ranks[1]["pid"], ranks[1]["step"]) == (lost, None, 0)
     state, _ = decide(state, m.Connected(state.table.slots[0].worker_id, 4242, 0.3), 0.3, policy())
-    assert status_dict(state, mode="online", retry_budget=3)["ranks"][0]["pid"] == 4242  # the others as before
+    assert status_dict(state, mode=StatusMode.ONLINE, retry_budget=3)["ranks"][0]["pid"] == 4242  # the others as before
+
+
+def test_status_mode_is_written_as_the_same_strings():
+    state, _ = started(policy())
+    for mode, text in ((StatusMode.ONLINE, "online"), (StatusMode.TORCH, "torch"), (StatusMode.MPI, "mpi")):
+        assert json.loads(json.dumps(status_dict(state, mode=mode, retry_budget=3)))["mode"] == text
+    with pytest.raises(ValueError):
+        status_dict(state, mode="relaunch", retry_budget=3)
 
 
 def test_a_migrated_straggler_node_ends_its_standby():

@@ -6,6 +6,7 @@ Both executors (online and relaunch) write ``status.json`` through
 
 from __future__ import annotations
 
+import enum
 import json
 import os
 import time
@@ -15,19 +16,32 @@ from ...files import write_private
 from ..decide.state import Mode, SupervisorState
 
 
-__all__ = ["STATUS_FILE", "status_dict", "write_status"]
+__all__ = ["STATUS_FILE", "StatusMode", "status_dict", "write_status"]
 
 
 STATUS_FILE = "status.json"
 
 
-def status_dict(state: SupervisorState, *, mode: str, retry_budget: int,
+class StatusMode(str, enum.Enum):
+    """What runs the ranks, as ``status.json``'s "mode" (and ``job_start``'s) says: ONLINE
+    ``Session`` programs (``Mode.ONLINE``); TORCH or MPI an unmodified program relaunched
+    as one step (``Mode.RELAUNCH``, torchrun-style or under MPI). The value is the string written."""
+
+    ONLINE = "online"
+    TORCH = "torch"
+    MPI = "mpi"
+
+
+def status_dict(state: SupervisorState, *, mode: StatusMode, retry_budget: int,
                 endpoints: Mapping[str, Any] | None = None, steps: Mapping[str, int] | None = None) -> dict[str, Any]:
     """The status file's content (pure but for the pid and clock). ``steps``: newer steps
-    per worker than the state holds (the heartbeats'), read in place of building new records."""
-    workers, newer = state.workers, steps or {}
+    per worker than the state holds (the heartbeats'), read in place of building new records.
+
+    Raises:
+        ValueError: ``mode`` is no :class:`StatusMode` value."""
+    workers, newer, mode = state.workers, steps or {}, StatusMode(mode)
     return {
-        "job_id": state.job_id, "mode": mode, "requeue_count": state.requeue_count,
+        "job_id": state.job_id, "mode": mode.value, "requeue_count": state.requeue_count,
         "supervisor_pid": os.getpid(), "phase": state.phase.name, "generation": state.table.generation,
         "recoveries": state.recoveries, "relaunches": state.relaunches, "nodes": list(state.table.node_list),
         "excluded": sorted(state.excluded), "fault_retries_used": state.fault_retries_used,
@@ -41,7 +55,7 @@ def status_dict(state: SupervisorState, *, mode: str, retry_budget: int,
         "tasks_per_node": state.tasks_per_node,
         # one entry per warm standby (a spare node holds G of them)
         "spares": ([{"node": n, "worker_id": wid, "pid": getattr(workers.get(wid), "pid", None)}
-                    for n, wids in state.standbys.items() for wid in wids] if mode == "online" else
+                    for n, wids in state.standbys.items() for wid in wids] if mode is StatusMode.ONLINE else
                    [{"node": n, "worker_id": None, "pid": None} for n in state.free_spares(Mode.RELAUNCH)]),
         # recovery.local_standbys: one entry per node's own warm standby (K per node; a spare's extra ones)
         "local_standbys": [{"node": n, "worker_id": wid, "pid": getattr(workers.get(wid), "pid", None),

@@ -46,7 +46,7 @@ from ..decide.messages import (
     Requeue, Say, ShutDownStandbys, Start,
 )
 from ..observe.metrics import Metrics
-from ..adapters.status import status_dict, write_status
+from ..adapters.status import StatusMode, status_dict, write_status
 from ..decide.state import Mode, Policy, SupervisorState
 from ..adapters.stop import publish_plan, shut_down_standbys
 from ..observe.sweep import Sweeper
@@ -346,7 +346,7 @@ class Supervisor:
         self._last_status = now
         if self._unsaved:
             self._save(state)
-        status = status_dict(state, mode=Mode.ONLINE.value, steps=self.watch.steps,
+        status = status_dict(state, mode=StatusMode.ONLINE, steps=self.watch.steps,
                              retry_budget=self.cfg.recovery.fault_retry_times,
                              endpoints={"host": self.store_host, "store_port": self.store_port,
                                         "liveness_port": self.liveness.port,

@@ -69,7 +69,7 @@ from ..decide.messages import (
     Action, AllDone, DrainEvents, Emit, Exit, Isolate, Observation, Phase, Preempted, Publish, Published, Reap,
     Relaunch, Requeue, Say, ShutDownStandbys, Start, StepFaults, StepTrained,
 )
-from ..adapters.status import status_dict, write_status
+from ..adapters.status import StatusMode, status_dict, write_status
 from ..observe.step_output import (
     PROGRESS_VAR, ProgressTail, first_progress, name_first_exit, progress_path, read_from, read_tail,
     stalled_step, step_in_output,
@@ -169,6 +169,7 @@ class RelaunchExecutor:
         if not command:
             raise ResilienceError("no command given: add `-- python train.py ...`")
         self.cfg, self.command, self.job_id, self.mpi = config, list(command), job_id, mpi
+        self.status_mode = StatusMode.MPI if mpi else StatusMode.TORCH  # status.json's and job_start's "mode"
         self.allocation, self.launcher = list(allocation), launcher
         self.poll_s, self.probe_every_s, self.clock = poll_s, probe_every_s, clock
         self.job_dir = job_dir
@@ -200,7 +201,7 @@ class RelaunchExecutor:
                                       env=self._nccl_env)
 
     def run(self) -> int:
-        start = Start(info={"job_id": self.job_id, "mode": "mpi" if self.mpi else "torch",
+        start = Start(info={"job_id": self.job_id, "mode": self.status_mode.value,
                             "nodes": list(self.state.worker_nodes), "command": self.command})
         signum = self.cfg.job.preempt_signum
         if signum is not None and threading.current_thread() is threading.main_thread():
@@ -280,7 +281,7 @@ class RelaunchExecutor:
         elif isinstance(action, Emit):
             self.events.emit(action.kind, **action.fields)
         elif isinstance(action, Phase):
-            write_status(self.job_dir, status_dict(state, mode="mpi" if self.mpi else "torch",
+            write_status(self.job_dir, status_dict(state, mode=self.status_mode,
                                                    retry_budget=self.cfg.recovery.fault_retry_times))
         elif isinstance(action, Exit) and action.error:
             print(f"slurm-resilience: error: {action.error}", file=sys.stderr, flush=True)
