@@ -19,6 +19,8 @@ from slurm_resilience.supervisor.observe.detect import LivenessServer
 from slurm_resilience.supervisor.observe.partition import PartitionWatch, blame, probe_plan
 from slurm_resilience.worker.peer_probe import PeerProbe, probe_digest, reach_one
 
+from test_pulse import _until
+
 TOKEN = "p" * 32
 
 
@@ -163,16 +165,6 @@ print("up", flush=True)
 sys.stdin.readline()
 board.leave()
 """
-
-
-def _until(pred, timeout=20.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = pred()
-        if got:
-            return got
-        time.sleep(0.02)
-    raise AssertionError("condition not met in time")
 
 
 def test_real_pulses_announce_their_endpoints_on_the_node_address_and_probe_on_request(tmp_path):
