@@ -321,3 +321,22 @@ def test_a_silent_node_whose_slurmd_answers_and_whose_peers_reach_it_is_cut_from
     assert state2.recovery.level == "node-replacement"
     ev = [a for a in of(acts, m.Emit) if a.kind is EventKind.FAULT_DETECTED][0]
     assert ev.fields["fault"]["kind"] == FaultKind.NODE_PARTITIONED.value
+
+
+def test_a_stopped_rank_whose_pulse_still_speaks_is_hung_not_cut_from_the_supervisor():
+    """G = 1: one SIGSTOPped rank makes its node's every rank stale, but the node's pulse
+    still sends its lines: its processes are hung (restart in place), its peers not asked."""
+    from test_partition import FakeLink
+
+    p = policy()
+    state, _ = started(p)
+    stopped = state.table.slots[1]
+    link = FakeLink(state.watched_nodes())
+    w = Watch(cfg=load_config({}), store=Store(), seen=None, launcher=Launcher(True), handles={}, events=None,
+              preempted=lambda: False, peers=link, heard=lambda: {stopped.node: time.time()})
+    w._hold_silent(state, {stopped.worker_id: {"t": 1.0, "heartbeat_stale": True}})
+    obs = _released(w, state)
+    (s,) = obs.items
+    assert not s.peers_cut and s.slurmd_answers is True and link.asked == []
+    state2, _ = decide(state, obs, 2.0, p)
+    assert state2.recovery.level == "online"

@@ -176,9 +176,11 @@ def held_for_peers(watch: Any, state: Any, node: str, verdict: Any, held: dict[s
     """A silent node whose slurmd answered (``verdict``, ``probe.NodeProbed``): True while
     its suspects wait for its peers' word; when they reach it, each suspect carries the
     evidence (``peers_cut``): the node, not its processes, is what failed."""
-    pw = watch.partition
+    pw, d = watch.partition, watch.cfg.detect
     if pw is None or not verdict.answered:
         return False
+    if time.time() - watch.heard().get(node, 0.0) < (d.silence_s or d.heartbeat_timeout_s):
+        return False  # its pulse's lines still come: its ranks are stale, not the node (a stopped rank)
     cut = pw.about(node, state.watched_nodes())
     if cut is None:
         return True
