@@ -103,7 +103,6 @@ class PartitionWatch:
         self._asked: tuple[int, float, frozenset[str]] | None = None  # (id, when, nodes asked)
         self._about: dict[str, tuple[int, float, frozenset[str]]] = {}  # silent node -> (id, when, peers asked)
         self._said: dict[str, tuple[float, str]] = {}  # silent node -> (when, the answer about it)
-        self.rounds = 0  # rounds asked so far (for tests and the status)
 
     def look(self, nodes: Callable[[], Sequence[str]], stalled_s: float,
              longest_step_s: float) -> tuple[str, str] | None:
@@ -120,7 +119,6 @@ class PartitionWatch:
             if not plan:
                 return None
             self._round += 1
-            self.rounds += 1
             failed = self._link.ask_probes({n: {"id": self._round, "peers": p} for n, p in plan.items()})
             self._asked = (self._round, now, frozenset(plan) - set(failed))
             return None
@@ -135,7 +133,6 @@ class PartitionWatch:
             return None
         node, why = found
         return node, why + (f"; no answer from {','.join(sorted(missing))}" if missing else "")
-
 
     def about(self, node: str, nodes: Sequence[str]) -> str | None:
         """A silent node whose slurmd answers: does its pulse still answer its peers? The
@@ -184,8 +181,8 @@ def held_for_peers(watch: Any, state: Any, node: str, verdict: Any, held: dict[s
     cut = pw.about(node, state.watched_nodes())
     if cut is None:
         return True
-    for o in held.values():
-        if cut:
+    if cut:
+        for o in held.values():
             o["peers_cut"] = cut
     return False
 
@@ -196,7 +193,7 @@ def look(watch: Any, state: Any, suspects: dict[str, dict[str, Any]], now: float
     pw = watch.partition
     if pw is None or state.recovery is not None or not state.table.slots:
         return
-    found = pw.look(lambda: state.watched_nodes(), watch.progress.stalled_s(now), watch.progress.longest_step_s())
+    found = pw.look(state.watched_nodes, watch.progress.stalled_s(now), watch.progress.longest_step_s())
     if found is None:
         return
     node, why = found
