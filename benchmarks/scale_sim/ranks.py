@@ -10,7 +10,10 @@ and runs their timers from a heap. A rank:
   node's pulse sends one line for all its ranks a period, as ``pulse.run`` does
   (``pulse._send``);
 * waits for ``plan/{g}`` polling every ``poll_interval_ms`` (``Membership.await_plan``,
-  the shutdown key too), reads it, admits itself as ``membership.admit`` does
+  the shutdown key too) — where the tree under test has plan notices, it looks at what
+  its node's pulse was told first and asks the store only by ``plan_watch.look``'s rule
+  (the node's pulse connection reads the supervisor's ``{"plan": g}`` with
+  ``pulse.messages`` and folds it with ``pulse.Told``) — reads it, admits itself as ``membership.admit`` does
   (join / wait / fenced / stop), and on joining emits ``reconnected``, ``restored`` and
   ``first_step`` through ``EventSink``;
 * trains: one "step" every ``step_s``, at whose safe point it checks ``plan/{g+1}``
@@ -29,6 +32,7 @@ import heapq
 import itertools
 import json
 import queue
+import select
 import socket
 import threading
 import time
@@ -77,6 +81,13 @@ NODE_PULSE = hasattr(pulse_wire, "fold")
 BEAT_FOLD = hasattr(pulse_wire, "BEAT")
 if BEAT_FOLD:
     from slurm_resilience.worker.heartbeat import STORE_EVERY
+# ... and the supervisor tells the pulses of each plan (``pulse.Told``, ``worker/plan_watch.py``).
+PLAN_NOTICES = hasattr(pulse_wire, "Told")
+if PLAN_NOTICES:
+    from slurm_resilience.worker.plan_watch import Look, look
+else:  # an older tree: every look asks the store
+    class Look(enum.Enum):
+        OUT, ENDED, WAIT, ASK = "out", "ended", "wait", "ask"
 
 
 class NodePulse:
@@ -89,6 +100,14 @@ class NodePulse:
         self.ranks: list[SimRank] = []
         self.gone: dict[str, int] = {}
         self.last = 0.0
+        self.told = pulse_wire.Told() if PLAN_NOTICES else None
+        self.inbox = b""
+
+    def read(self) -> None:
+        """The supervisor's notices that arrived (``pulse.run``'s read of its connection)."""
+        got, self.inbox = pulse_wire.messages(self.sock, self.inbox)
+        for msg in got or ():
+            self.told.take(msg)
 
     def close(self) -> None:
         if self.sock is not None:
@@ -113,6 +132,7 @@ class SimRank:
         self.sink: EventSink | None = None
         self.beat_t = 0.0  # its newest beat (folded into the node's pulse line)
         self.stored = 0.0  # its newest store heartbeat
+        self.asked = float("-inf")  # when it last asked the store for a plan (monotonic)
 
     def close(self) -> None:
         for s in (self.liveness, self.pulse):
@@ -162,6 +182,7 @@ class Driver(threading.Thread):
         self._raw = self._open_store()
         while not self.stopping:
             self._inbox(64)  # a launch burst is taken a little at a time, between the timers
+            self._notices()
             self._due(BEAT, None)
             self._due(CHECK, time.monotonic() + 0.01)
             nxt = min((h[0][0] for h in self._heaps if h), default=time.monotonic() + 0.05)
@@ -189,6 +210,31 @@ class Driver(threading.Thread):
                 self.poll_lag_max = max(self.poll_lag_max, lag)
                 self._check(r, t, now)
             now = time.monotonic()
+
+    def _notices(self) -> None:
+        """Read the node pulses' connections that have something (one ``select``)."""
+        if not PLAN_NOTICES:
+            return
+        socks = {np_.sock: np_ for np_ in self.node_pulses.values() if np_.sock is not None}
+        if socks:
+            for sock in select.select(list(socks), [], [], 0)[0]:
+                socks[sock].read()
+
+    def _seen(self, r: SimRank, store, g: int, now: float, shutdown: bool = False) -> Look:
+        """``PlanWatch.seen`` for a simulated rank: its node pulse's notices first, the store by the rule."""
+        np_ = self.node_pulses.get(r.env.node) if r.pulsed else None
+        if PLAN_NOTICES:
+            told = np_.told if np_ is not None else pulse_wire.Told()
+            relayed_age = now - np_.last if np_ is not None and np_.sock is not None else float("inf")
+            what = look(g, told.generation, told.ended and shutdown, relayed_age, now - r.asked, period_s=self.period)
+            if what is not Look.ASK:
+                return what
+            r.asked = now
+        if store.check([StoreKey.PLAN.of(g)]):
+            return Look.OUT
+        if shutdown and store.check([StoreKey.SHUTDOWN.value]):
+            return Look.ENDED
+        return Look.WAIT
 
     def _inbox(self, most: int) -> None:
         for _ in range(most):
@@ -297,17 +343,19 @@ class Driver(threading.Thread):
         if r.phase is Phase.RUNNING:  # a safe point: the step is done; a newer plan?
             r.step += 1
             r.progress += 1
-            if not store.check([StoreKey.PLAN.of(r.gen + 1)]):
+            if self._seen(r, store, r.gen + 1, now) is not Look.OUT:
                 self._at(max(due + self.step_s, now), CHECK, r)
                 return
             r.want = r.gen + 1
-        elif not store.check([StoreKey.PLAN.of(r.want)]):
-            if r.phase is Phase.AWAIT and store.check([StoreKey.SHUTDOWN.value]):
-                r.close()
-                self.exited(r.env.worker_id, 0)
+        else:
+            seen = self._seen(r, store, r.want, now, shutdown=r.phase is Phase.AWAIT)
+            if seen is not Look.OUT:
+                if seen is Look.ENDED:
+                    r.close()
+                    self.exited(r.env.worker_id, 0)
+                    return
+                self._at(max(due + self.poll, now), CHECK, r)
                 return
-            self._at(max(due + self.poll, now), CHECK, r)
-            return
         self._admit(r, store, r.want)
 
     def _admit(self, r: SimRank, store, g: int) -> None:

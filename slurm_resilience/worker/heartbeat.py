@@ -103,6 +103,11 @@ class Heartbeat:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="sr-heartbeat", daemon=True)
 
+    @property
+    def period_s(self) -> float:
+        """Seconds between two beats (the pulse's line period too)."""
+        return self._period
+
     def start(self) -> "Heartbeat":
         self._beat()
         self._thread.start()

@@ -1,6 +1,8 @@
 """Which generation this worker is in: await a plan, find its slot, fence, join.
 
-A worker obeys the supervisor's plans (``plan/{g}`` in the store). For each plan it
+A worker obeys the supervisor's plans (``plan/{g}`` in the store; whether the next one
+is out it reads from its page, where the node's pulse writes the supervisor's notice,
+``plan_watch.py``). For each plan it
 decides purely (:func:`admit`) whether to join, keep waiting (a standby not chosen),
 or end (fenced, stopped, aborted), and :class:`Membership` carries that out: it
 builds the generation's process group and binds the checkpoint engine to it.
@@ -22,6 +24,7 @@ from ..model import RankSlot, RankTable
 from ..protocol import Plan, PlanAction, Role, StoreKey, WorkerEvent, WorkerEnv
 from . import default_group
 from .parking import ParkingLot
+from .plan_watch import Look, PlanWatch
 from .reconnect import Generation
 
 if TYPE_CHECKING:
@@ -102,7 +105,8 @@ class Membership:
         self._parking = parking
         self._progress = progress
         self._on_abort = on_abort
-        self._writer_checks: dist.Store | None = None  # the writer thread's client for plan checks
+        self._writer_checks: PlanWatch | None = None  # the writer thread's plan checks (own client)
+        self._plans = PlanWatch(store, heartbeat.progress, heartbeat.period_s)  # the training thread's
         self.plan: Plan | None = None
         self.group: Generation | None = None
 
@@ -113,7 +117,7 @@ class Membership:
 
     def newer_plan(self) -> bool:
         """A plan after the current one exists: stop at this safe point and re-form."""
-        return self._store.check([StoreKey.PLAN.of(self.plan.generation + 1)])
+        return self._plans.out(self.plan.generation + 1)
 
     def leave(self) -> None:
         """Detach from the current group; it is parked, never destroyed here (it may block)."""
@@ -156,11 +160,11 @@ class Membership:
     def await_newer(self, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` for a plan after the current one: True when it exists.
         Raises JobEnded when the job shuts down meanwhile."""
-        key = StoreKey.PLAN.of(self.plan.generation + 1)
+        g = self.plan.generation + 1
         poll = self._cfg.poll_interval_ms / 1000.0
         deadline = time.monotonic() + timeout_s
-        while not self._store.check([key]):
-            if self._store.check([StoreKey.SHUTDOWN.value]):
+        while (seen := self._plans.seen(g, shutdown=True)) is not Look.OUT:
+            if seen is Look.ENDED:
                 raise JobEnded(EXIT_OK, "the job is over")
             if time.monotonic() >= deadline:
                 return False
@@ -169,19 +173,18 @@ class Membership:
 
     def await_plan(self, g: int) -> Plan:
         """Poll for ``plan/{g}``; raises JobEnded when the job shuts down first."""
-        key = StoreKey.PLAN.of(g)
         poll = self._cfg.poll_interval_ms / 1000.0
         with self._hb.progress.waiting():  # a wait on the supervisor, not a hang (watchdog)
-            while not self._store.check([key]):
-                if self._store.check([StoreKey.SHUTDOWN.value]):
+            while (seen := self._plans.seen(g, shutdown=True)) is not Look.OUT:
+                if seen is Look.ENDED:
                     raise JobEnded(EXIT_OK, "the job is over")
                 time.sleep(poll)
-        return Plan.from_json(self._store.get(key))
+        return Plan.from_json(self._store.get(StoreKey.PLAN.of(g)))
 
     def _join(self, plan: Plan) -> None:
         slot = slot_of(plan, self._env.worker_id)
         t0 = time.time()
-        nxt = StoreKey.PLAN.of(plan.generation + 1)
+        nxt = plan.generation + 1
         self.plan = plan
         # Each generation rendezvous through its own store client: an abandoned join
         # may still be blocked in a store wait, and a shared client would hold every
@@ -190,7 +193,7 @@ class Membership:
         self.group = Generation(
             client, plan.table, slot.rank, backend=self._cfg.backend,
             timeout_s=self._cfg.pg_timeout_s, poll_ms=self._cfg.poll_interval_ms,
-            interrupted=lambda: self._store.check([nxt]), waiting=self._hb.progress.waiting,
+            interrupted=lambda: self._plans.out(nxt), waiting=self._hb.progress.waiting,
         )
         # torch.distributed's default group wraps the same backend (default_group.py); its
         # store is the group's own plain client (the training thread's may be guarded)
@@ -209,12 +212,12 @@ class Membership:
             # Two clients: the group's rendezvous can block its client in a store wait for
             # the whole timeout (a peer died), and a check queued behind it on the same
             # client would hold the abandonment — and the writer, and training — as long.
-            nxt = StoreKey.PLAN.of(plan.generation + 1)
-            if self._writer_checks is None:
-                self._writer_checks = self._open_client()  # used by the writer thread only
+            nxt = plan.generation + 1
+            if self._writer_checks is None:  # used by the writer thread only
+                self._writer_checks = PlanWatch(self._open_client(), self._hb.progress, self._hb.period_s)
             checks = self._writer_checks
             return Generation(self._open_client(), plan.table, rank, backend="gloo",
                               timeout_s=cfg.pg_timeout_s, poll_ms=cfg.poll_interval_ms,
-                              interrupted=lambda: checks.check([nxt]), channel="ckpt/")
+                              interrupted=lambda: checks.out(nxt), channel="ckpt/")
 
         return build

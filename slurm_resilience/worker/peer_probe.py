@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import json
 import socket
 import threading
 
 
-__all__ = ["PROBE_TIMEOUT_S", "probe_digest", "reach_one", "PeerProbe", "requests"]
+__all__ = ["PROBE_TIMEOUT_S", "probe_digest", "reach_one", "PeerProbe"]
 
 
 PROBE_TIMEOUT_S = 0.5  # one peer probe: connect, prove the secret, one byte back
@@ -128,23 +127,3 @@ class PeerProbe:
         with self._lock:
             out, self._result = self._result, None
         return out
-
-
-def requests(sock: socket.socket, buf: bytes) -> tuple[list[dict] | None, bytes]:
-    """The supervisor's probe requests that arrived on the liveness connection (None: it closed)."""
-    try:
-        data = sock.recv(65536)
-    except BlockingIOError:
-        return [], buf
-    except OSError:
-        data = b""
-    if not data:
-        return None, b""
-    *lines, buf = (buf + data).split(b"\n")
-    out = []
-    for line in lines:
-        try:
-            out.append(dict(json.loads(line)["probe"]))
-        except (ValueError, KeyError, TypeError):
-            continue
-    return out, buf[-(1 << 20):]

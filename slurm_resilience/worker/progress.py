@@ -29,7 +29,7 @@ import tempfile
 from typing import Iterator
 
 from .pulse import (BEAT, BEAT_AT, BOARD, BUSY, COMPUTING, LAYOUT, LOCK, PAGE, RANK, WAITING, read_board,
-                    read_relayed, tidy)
+                    read_relayed, read_told, tidy)
 
 
 __all__ = ["PULSE_SCRIPT", "pulse_dir", "ProgressBoard", "ensure_pulse", "tidy_if_unused", "stop_pulse"]
@@ -130,6 +130,10 @@ class ProgressBoard:
     def relayed(self) -> float:
         """When the node's pulse last sent this rank's entry to the supervisor (0: never)."""
         return read_relayed(self._page)
+
+    def told(self) -> tuple[int, bool]:
+        """What the supervisor told the node's pulse: (newest plan generation, -1: none; the job is over)."""
+        return read_told(self._page)
 
     def read(self) -> tuple[int, int, int, int]:
         """(progress, waiting, port, step)."""

@@ -41,6 +41,13 @@ port]}}}`` on the liveness connection, the pulse probes those peers at once, in
 parallel, from the node's address, each with a ``PROBE_TIMEOUT_S`` deadline (a dropped
 SYN gets no answer), and reports ``"reach": {"id": n, "ok": [...], "bad": [...]}``.
 
+Plan notices (the plan fan-out at scale): when the supervisor publishes generation g's
+plan it sends every pulse ``{"plan": g}`` (and ``{"shutdown": 1}`` at the job's end), and
+the pulse writes it into every rank's page (``TOLD``), so a rank that waits for a plan
+or checks for one at a safe point reads its page, not the store: the supervisor sends
+N/G short lines, and the store sees one ``get`` of the plan per rank instead of N
+checks every poll (``worker/plan_watch.py``).
+
 When the supervisor restarts, its new liveness port is what the ranks' heartbeat
 threads write into their pages; the pulse reconnects there. With no rank left for
 ``idle_exit_s`` it exits (a rank starting later starts a new one).
@@ -62,18 +69,21 @@ import time
 __all__ = [
     "COMPUTING", "WAITING", "BUSY", "LAYOUT", "BEAT", "BEAT_AT", "RELAYED_AT", "RELAYED", "PAGE", "BOARD", "RANK",
     "LOCK", "NODE_ADDR_ENV", "read_board", "read_beat", "read_relayed", "proc_stat", "Watched", "scan", "fold",
-    "stamp_relayed", "tidy", "run", "main"
+    "stamp_relayed", "TOLD", "TOLD_AT", "read_told", "stamp_told", "Told", "messages", "tidy", "run", "main"
 ]
 
 
 # A rank's page (little-endian): progress u64, waiting u32, liveness port u32, step u64;
 # then the heartbeat: beat time f64, generation i32, rank i32, compute ms f64; then the
-# time the pulse last relayed it, f64 (written by the pulse only).
+# time the pulse last relayed it, f64; then the supervisor's notices, newest plan generation
+# told + 1 (0: none) i64 and the job's end (0/1) i64 (the last three written by the pulse only).
 COMPUTING, WAITING, BUSY = 0, 1, 2  # values of ``waiting``
 LAYOUT = struct.Struct("<QIIQ")
 BEAT = struct.Struct("<diid")  # at BEAT_AT
 BEAT_AT, RELAYED_AT = LAYOUT.size, LAYOUT.size + BEAT.size
 RELAYED = struct.Struct("<d")
+TOLD_AT = RELAYED_AT + RELAYED.size
+TOLD = struct.Struct("<qq")
 PAGE = 4096
 BOARD, RANK, LOCK = ".board", ".rank", "pulse.lock"
 NODE_ADDR_ENV = "SR_NODE_ADDR"
@@ -104,6 +114,61 @@ def read_beat(page: mmap.mmap) -> tuple[float, int, int, float]:
 def read_relayed(page: mmap.mmap) -> float:
     """When the node's pulse last sent this rank's entry to the supervisor (0: never)."""
     return RELAYED.unpack_from(page, RELAYED_AT)[0]
+
+
+def read_told(page: mmap.mmap) -> tuple[int, bool]:
+    """(newest plan generation the supervisor has told the node of, -1: none; the job is over)."""
+    gen, ended = TOLD.unpack_from(page, TOLD_AT)
+    return gen - 1, bool(ended)
+
+
+class Told:
+    """What the supervisor has told this node's pulse: the newest plan's generation and
+    whether the job is over (it only grows: a late or repeated notice changes nothing)."""
+
+    def __init__(self) -> None:
+        self.generation, self.ended = -1, False
+
+    def take(self, msg: dict) -> bool:
+        """Fold one message in; True when it changed anything."""
+        before = (self.generation, self.ended)
+        try:
+            if "plan" in msg:
+                self.generation = max(self.generation, int(msg["plan"]))
+            if msg.get("shutdown"):
+                self.ended = True
+        except (TypeError, ValueError):
+            pass
+        return (self.generation, self.ended) != before
+
+
+def stamp_told(ranks: dict[str, "Watched"], told: Told) -> None:
+    """Write the notices into every rank's page (idempotent: ranks that arrived later get them too)."""
+    for r in ranks.values():
+        TOLD.pack_into(r.page, TOLD_AT, told.generation + 1, int(told.ended))
+
+
+def messages(sock: socket.socket, buf: bytes) -> tuple[list[dict] | None, bytes]:
+    """The supervisor's messages that arrived on the liveness connection (None: it closed):
+    ``{"probe": {...}}`` requests and ``{"plan": g}`` / ``{"shutdown": 1}`` notices."""
+    try:
+        data = sock.recv(65536)
+    except BlockingIOError:
+        return [], buf
+    except OSError:
+        data = b""
+    if not data:
+        return None, b""
+    *lines, buf = (buf + data).split(b"\n")
+    out = []
+    for line in lines:
+        try:
+            msg = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(msg, dict):
+            out.append(msg)
+    return out, buf[-(1 << 20):]
 
 
 def proc_stat(pid: int) -> tuple[str, int] | None:
@@ -248,6 +313,7 @@ def run(*, directory: str, host: str, period: float, hello: dict, idle_exit_s: f
     port = 0
     idle_since = time.monotonic()
     probe, source, inbox = peer_probe.PeerProbe(str(hello.get("token", ""))), os.environ.get(NODE_ADDR_ENV), b""
+    told = Told()
     next_line = 0.0
     while True:
         scan(directory, ranks)
@@ -257,9 +323,12 @@ def run(*, directory: str, host: str, period: float, hello: dict, idle_exit_s: f
         ready = set(select.select(fds + extra, [], [], wait)[0]) if fds or extra else (time.sleep(wait) or set())
         probe.serve(ready, time.monotonic())
         if sock is not None and sock in ready:
-            asked, inbox = peer_probe.requests(sock, inbox)
-            for request in asked if asked is not None else ():
-                probe.start(request, source)
+            asked, inbox = messages(sock, inbox)
+            for msg in asked if asked is not None else ():
+                if isinstance(msg.get("probe"), dict):
+                    probe.start(msg["probe"], source)
+                if told.take(msg):
+                    stamp_told(ranks, told)  # at once: ranks poll their pages for it
             if asked is None:  # the supervisor closed it: reconnect now, not at the next line
                 sock.close()
                 sock, next_line = None, 0.0
@@ -269,6 +338,7 @@ def run(*, directory: str, host: str, period: float, hello: dict, idle_exit_s: f
         next_line = time.monotonic() + period
         scan(directory, ranks)
         live, gone = fold(ranks, ready)
+        stamp_told(ranks, told)  # ranks announced since the notice
         if ranks:
             idle_since = time.monotonic()
         elif time.monotonic() - idle_since > idle_exit_s and not gone and tidy(directory):

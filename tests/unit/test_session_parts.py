@@ -259,6 +259,7 @@ class _Recorder:
 
         self.events, self.bound, self.hb = [], [], {}
         self.progress = ProgressBoard(port=0)  # the real page the watchdog's pulse would read
+        self.period_s = 0.25
 
     def emit(self, kind, **fields):
         self.events.append((WorkerEvent(kind), fields))

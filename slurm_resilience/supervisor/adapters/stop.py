@@ -3,11 +3,15 @@
 Ranks check for ``plan/{g+1}`` at every safe point and between the slices of every
 bounded-wait collective, so survivors stop within one poll interval, keep their
 processes, and re-form. The plan is also the fence: a worker not named in it exits.
+Once it is in the store, every node's pulse is told (``tell``), and writes it into its
+ranks' pages, where they look first (``worker/plan_watch.py``): N/G short lines out of
+the supervisor instead of N store checks every poll interval.
 """
 
 from __future__ import annotations
 
 import os
+from typing import Any, Callable
 
 from ...files import makedirs_private, write_private
 from ...model import RankTable
@@ -20,16 +24,20 @@ __all__ = ["LATEST_NAME", "publish_plan", "shut_down_standbys", "write_table"]
 LATEST_NAME = "ranktable.json"
 
 
-def publish_plan(store, plan: Plan, table_dir: str) -> str:
-    """Write the rank table durably, then publish the plan (in that order)."""
+def publish_plan(store, plan: Plan, table_dir: str, tell: Callable[[dict], Any] | None = None) -> str:
+    """Write the rank table durably, publish the plan, then tell the nodes' pulses (in that order)."""
     path = write_table(plan.table, table_dir)
     store.set(plan_key(plan.generation), plan.to_json())
+    if tell is not None:
+        tell({"plan": plan.generation})
     return path
 
 
-def shut_down_standbys(store) -> None:
-    """Warm standbys exit cleanly once the job is over."""
+def shut_down_standbys(store, tell: Callable[[dict], Any] | None = None) -> None:
+    """Warm standbys exit cleanly once the job is over (the store first, then the pulses)."""
     store.set(SHUTDOWN_KEY, "1")
+    if tell is not None:
+        tell({"shutdown": 1})
 
 
 def write_table(table: RankTable, directory: str) -> str:

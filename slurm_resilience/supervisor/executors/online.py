@@ -259,7 +259,7 @@ class Supervisor:
             if action.worker_id in self.handles:
                 self._kill(action.worker_id)
         elif isinstance(action, Publish):
-            publish_plan(self.store, action.plan, self.job_dir)
+            publish_plan(self.store, action.plan, self.job_dir, tell=self.liveness.tell)
             self.watch.stragglers.reset()  # ranks may be renumbered
             if action.recovery:
                 return [Published(action.plan.generation, time.time())]
@@ -274,7 +274,7 @@ class Supervisor:
         elif isinstance(action, Phase):
             log.info("job phase %s -> %s: %s", action.old.name, action.new.name, action.reason)
         elif isinstance(action, ShutDownStandbys):
-            shut_down_standbys(self.store)
+            shut_down_standbys(self.store, tell=self.liveness.tell)
         elif isinstance(action, Reap):
             self._reap(state, action.grace_s, action.end_unready)
         elif isinstance(action, DrainEvents):

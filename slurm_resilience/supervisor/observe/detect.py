@@ -239,6 +239,21 @@ class LivenessServer:
                 failed.append(node)
         return failed
 
+    def tell(self, notice: Mapping[str, Any]) -> int:
+        """Send every node's pulse ``notice`` (``{"plan": g}``, ``{"shutdown": 1}``: it writes
+        them into its ranks' pages, worker/plan_watch.py); returns how many could not take it
+        (a rank there finds the plan in the store instead, within its fallback)."""
+        line = (json.dumps(dict(notice), separators=(",", ":")) + "\n").encode()
+        with self._lock:
+            conns = list(self._conns.values())
+        failed = 0
+        for conn in conns:
+            try:
+                conn.send(line)  # a short line on a non-blocking socket: all of it or nothing
+            except OSError:  # a full (frozen node) or closed connection
+                failed += 1
+        return failed
+
     def pulses(self) -> dict[str, "Pulse"]:
         """The newest pulse of each worker (a snapshot)."""
         with self._lock:
