@@ -32,7 +32,7 @@ import heapq
 import itertools
 import json
 import queue
-import select
+import selectors
 import socket
 import threading
 import time
@@ -103,11 +103,13 @@ class NodePulse:
         self.told = pulse_wire.Told() if PLAN_NOTICES else None
         self.inbox = b""
 
-    def read(self) -> None:
-        """The supervisor's notices that arrived (``pulse.run``'s read of its connection)."""
+    def read(self) -> bool:
+        """The supervisor's notices that arrived (``pulse.run``'s read of its connection);
+        False once it is closed."""
         got, self.inbox = pulse_wire.messages(self.sock, self.inbox)
         for msg in got or ():
             self.told.take(msg)
+        return got is not None
 
     def close(self) -> None:
         if self.sock is not None:
@@ -171,6 +173,7 @@ class Driver(threading.Thread):
         self.poll_lag_max = 0.0  # the latest plan poll or safe point, seconds
         self.pulse_drops = 0
         self.node_pulses: dict[str, NodePulse] = {}
+        self._sel = selectors.DefaultSelector()  # the node pulses' connections (notices)
         self.closed_at: dict[str, float] = {}  # node → when its ranks' sockets were closed
         self.stopping = False
 
@@ -212,13 +215,13 @@ class Driver(threading.Thread):
             now = time.monotonic()
 
     def _notices(self) -> None:
-        """Read the node pulses' connections that have something (one ``select``)."""
-        if not PLAN_NOTICES:
+        """Read the node pulses' connections that have something (one epoll wait: a rank
+        host's descriptors go past select's 1,024)."""
+        if not PLAN_NOTICES or not self._sel.get_map():
             return
-        socks = {np_.sock: np_ for np_ in self.node_pulses.values() if np_.sock is not None}
-        if socks:
-            for sock in select.select(list(socks), [], [], 0)[0]:
-                socks[sock].read()
+        for key, _ in self._sel.select(timeout=0):
+            if not key.data.read():  # the supervisor closed it
+                self._sel.unregister(key.fileobj)
 
     def _seen(self, r: SimRank, store, g: int, now: float, shutdown: bool = False) -> Look:
         """``PlanWatch.seen`` for a simulated rank: its node pulse's notices first, the store by the rule."""
@@ -235,6 +238,12 @@ class Driver(threading.Thread):
         if shutdown and store.check([StoreKey.SHUTDOWN.value]):
             return Look.ENDED
         return Look.WAIT
+
+    def _forget(self, np_: NodePulse) -> None:
+        try:
+            self._sel.unregister(np_.sock)
+        except (KeyError, ValueError):
+            pass  # never registered, or already gone
 
     def _inbox(self, most: int) -> None:
         for _ in range(most):
@@ -265,6 +274,7 @@ class Driver(threading.Thread):
                     else:
                         r.phase = Phase.SILENT
             if what == "kill_node" and msg[1] in self.node_pulses:
+                self._forget(self.node_pulses[msg[1]])
                 self.node_pulses[msg[1]].close()  # the node's pulse died with it
             self.closed_at[msg[1]] = t
         elif what == "block":
@@ -293,7 +303,9 @@ class Driver(threading.Thread):
         self.ranks[r.env.worker_id] = r
         if r.pulsed and NODE_PULSE:
             if r.env.node not in self.node_pulses:
-                self.node_pulses[r.env.node] = NodePulse(r.env)
+                np_ = self.node_pulses[r.env.node] = NodePulse(r.env)
+                if PLAN_NOTICES and np_.sock is not None:
+                    self._sel.register(np_.sock, selectors.EVENT_READ, np_)
             self.node_pulses[r.env.node].ranks.append(r)
         now = time.monotonic()
         self._beat(r, now, now)  # Heartbeat.start beats once before its thread
