@@ -24,7 +24,7 @@ class RankHost:
         self.spec = spec
         self.launcher: Channel | None = None
         self._lock = threading.Lock()
-        self.times: dict[str, dict[int, list]] = {"read": {}, "join": {}}  # kind → gen → [count, first, last]
+        self.times: dict[str, dict[int, list]] = {"read": {}, "join": {}, "told": {}}  # kind → gen → [count, first, last]
         self._pace, self._next_start = threading.Lock(), 0.0
         self._starters = ThreadPoolExecutor(8, thread_name_prefix="sim-start")  # connects block
         self.drivers = [Driver(i, self._open_store, spec, self._record, self._exited) for i in range(spec["threads"])]

@@ -12,8 +12,10 @@ and runs their timers from a heap. A rank:
 * waits for ``plan/{g}`` polling every ``poll_interval_ms`` (``Membership.await_plan``,
   the shutdown key too) — where the tree under test has plan notices, it looks at what
   its node's pulse was told first and asks the store only by ``plan_watch.look``'s rule
-  (the node's pulse connection reads the supervisor's ``{"plan": g}`` with
-  ``pulse.messages`` and folds it with ``pulse.Told``) — reads it, admits itself as ``membership.admit`` does
+  (the node's pulse connection reads the supervisor's ``{"plan": g, "body": ...}`` with
+  ``notices.messages`` and folds it with ``notices.Told``) — reads it (the node's copy
+  from that notice, else the store's, as ``PlanWatch.text``), admits itself as
+  ``membership.admit`` does
   (join / wait / fenced / stop), and on joining emits ``reconnected``, ``restored`` and
   ``first_step`` through ``EventSink``;
 * trains: one "step" every ``step_s``, at whose safe point it checks ``plan/{g+1}``
@@ -81,11 +83,14 @@ NODE_PULSE = hasattr(pulse_wire, "fold")
 BEAT_FOLD = hasattr(pulse_wire, "BEAT")
 if BEAT_FOLD:
     from slurm_resilience.worker.heartbeat import STORE_EVERY
-# ... and the supervisor tells the pulses of each plan (``pulse.Told``, ``worker/plan_watch.py``).
-PLAN_NOTICES = hasattr(pulse_wire, "Told")
-if PLAN_NOTICES:
+# ... and the supervisor sends the pulses each plan (``worker/notices.py``, ``plan_watch.py``).
+try:
+    from slurm_resilience.worker import notices
     from slurm_resilience.worker.plan_watch import Look, look
-else:  # an older tree: every look asks the store
+    PLAN_NOTICES = True
+except ImportError:
+    PLAN_NOTICES = False
+if not PLAN_NOTICES:  # an older tree: every look asks the store
     class Look(enum.Enum):
         OUT, ENDED, WAIT, ASK = "out", "ended", "wait", "ask"
 
@@ -100,15 +105,18 @@ class NodePulse:
         self.ranks: list[SimRank] = []
         self.gone: dict[str, int] = {}
         self.last = 0.0
-        self.told = pulse_wire.Told() if PLAN_NOTICES else None
+        self.told = notices.Told() if PLAN_NOTICES else None
+        self.bodies: dict[int, str] = {}  # what the pulse keeps on file for its ranks (``Told(directory)``)
         self.inbox = b""
 
     def read(self) -> bool:
         """The supervisor's notices that arrived (``pulse.run``'s read of its connection);
         False once it is closed."""
-        got, self.inbox = pulse_wire.messages(self.sock, self.inbox)
+        got, self.inbox = notices.messages(self.sock, self.inbox)
         for msg in got or ():
-            self.told.take(msg)
+            if self.told.take(msg) and isinstance(msg.get("body"), str):
+                self.bodies = {g: b for g, b in self.bodies.items() if g > self.told.generation - notices.KEEP_PLANS}
+                self.bodies[self.told.generation] = msg["body"]
         return got is not None
 
     def close(self) -> None:
@@ -220,14 +228,17 @@ class Driver(threading.Thread):
         if not PLAN_NOTICES or not self._sel.get_map():
             return
         for key, _ in self._sel.select(timeout=0):
+            before = key.data.told.generation
             if not key.data.read():  # the supervisor closed it
                 self._sel.unregister(key.fileobj)
+            if key.data.told.generation > before:  # the node's pulse has plan g (and its ranks, in their pages)
+                self.record("told", key.data.told.generation, time.time())
 
     def _seen(self, r: SimRank, store, g: int, now: float, shutdown: bool = False) -> Look:
         """``PlanWatch.seen`` for a simulated rank: its node pulse's notices first, the store by the rule."""
         np_ = self.node_pulses.get(r.env.node) if r.pulsed else None
         if PLAN_NOTICES:
-            told = np_.told if np_ is not None else pulse_wire.Told()
+            told = np_.told if np_ is not None else notices.Told()
             relayed_age = now - np_.last if np_ is not None and np_.sock is not None else float("inf")
             what = look(g, told.generation, told.ended and shutdown, relayed_age, now - r.asked, period_s=self.period)
             if what is not Look.ASK:
@@ -371,7 +382,10 @@ class Driver(threading.Thread):
         self._admit(r, store, r.want)
 
     def _admit(self, r: SimRank, store, g: int) -> None:
-        raw = store.get(StoreKey.PLAN.of(g))
+        np_ = self.node_pulses.get(r.env.node) if r.pulsed else None
+        raw = np_.bodies.get(g) if np_ is not None and np_.told is not None else None
+        if raw is None:  # PlanWatch.text: the node's copy, else the store's
+            raw = store.get(StoreKey.PLAN.of(g))
         t_read = time.time()
         if g not in self._plans:
             plan = Plan.from_json(raw)

@@ -131,7 +131,7 @@ class Run:
         return [h.ask(("stats",)) for h in self.hosts]
 
     def _times(self, stats: list[dict], kind: str, gen: int) -> tuple[int, float | None]:
-        got = [s["times"][kind][gen] for s in stats if gen in s["times"][kind]]
+        got = [s["times"][kind][gen] for s in stats if gen in s["times"].get(kind, {})]
         return sum(c[0] for c in got), max((c[2] for c in got), default=None)
 
     def wait_for(self, what: str, check, timeout_s: float, poll_s: float = 0.05):
@@ -260,6 +260,9 @@ class Run:
             res["fault_kinds"] = sorted({e["fault"]["kind"] for e in detected})
         read = self.wait_for(f"{case} node: every rank read plan {nxt}", self._all("read", nxt), timeout_s)
         res["plan_to_all_read_s"] = None if read in (None, SUPERSEDED) else read - plan["t"]
+        res["fault_to_all_read_s"] = None if read in (None, SUPERSEDED) else read - t_fault
+        told = self._times(self.host_stats(), "told", nxt)  # the node pulses that got the plan itself
+        res["nodes_told"], res["fault_to_all_told_s"] = told[0], None if told[1] is None else told[1] - t_fault
         joined = self.wait_for(f"{case} node: every rank joined {nxt}", self._all("join", nxt), timeout_s)
         res["plan_to_all_joined_s"] = None if joined in (None, SUPERSEDED) else joined - plan["t"]
         if SUPERSEDED in (read, joined):

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from ..errors import JobEnded, StepAborted
 from ..model import RankSlot, RankTable
-from ..protocol import Plan, PlanAction, Role, StoreKey, WorkerEvent, WorkerEnv
+from ..protocol import Plan, PlanAction, Role, WorkerEvent, WorkerEnv
 from . import default_group
 from .parking import ParkingLot
 from .plan_watch import Look, PlanWatch
@@ -179,7 +179,7 @@ class Membership:
                 if seen is Look.ENDED:
                     raise JobEnded(EXIT_OK, "the job is over")
                 time.sleep(poll)
-        return Plan.from_json(self._store.get(StoreKey.PLAN.of(g)))
+        return Plan.from_json(self._plans.text(g))
 
     def _join(self, plan: Plan) -> None:
         slot = slot_of(plan, self._env.worker_id)

@@ -1,8 +1,11 @@
 """Is plan g out? Asked at every safe point and every poll of a bounded wait.
 
-The supervisor publishes ``plan/{g}`` in the store and then tells every node's pulse
-(``{"plan": g}`` on its liveness connection), which writes it into each rank's page
-(``pulse.TOLD``). A rank reads its page first: a memory read, no round trip. It asks
+The supervisor publishes ``plan/{g}`` in the store and then sends it to the pulse of
+every node in it (``{"plan": g, "body": ...}`` on its liveness connection), which keeps
+the plan in the node's pulse directory and writes g into each rank's page
+(``pulse.TOLD``, ``notices.py``). A rank reads its page first: a memory read, no round
+trip; and then the plan from that directory (:meth:`PlanWatch.text`), the store's copy
+only when the node has none. It asks
 the store only when its pulse is not relaying (none running, or its line not sent for
 two heartbeat periods: the notice may never come) and, as a safety net for a notice
 lost on the way, once every ``STORE_FALLBACK_S`` otherwise. So the store sees N reads
@@ -16,10 +19,12 @@ store client is that thread's own).
 from __future__ import annotations
 
 import enum
+import os
 import time
 from typing import Any
 
 from ..protocol import StoreKey
+from .notices import plan_path
 
 
 __all__ = ["STORE_FALLBACK_S", "Look", "look", "PlanWatch"]
@@ -79,3 +84,14 @@ class PlanWatch:
     def out(self, g: int) -> bool:
         """Plan ``g`` is published."""
         return self.seen(g) is Look.OUT
+
+    def text(self, g: int) -> str | bytes:
+        """Published plan ``g``: the node's copy (its pulse kept it), else the store's."""
+        directory = getattr(self._board, "directory", None)
+        if directory is not None:
+            try:
+                with open(plan_path(directory, g), "rb") as f:
+                    return f.read()
+            except OSError:
+                pass  # not sent to this node, not kept, or already replaced by newer ones
+        return self._store.get(StoreKey.PLAN.of(g))

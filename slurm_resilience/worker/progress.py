@@ -67,6 +67,7 @@ class ProgressBoard:
 
     def __init__(self, port: int, directory: str | None = None, worker_id: str | None = None) -> None:
         self._paths: tuple[str, ...] = ()
+        self.directory = directory
         if directory is None:
             shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
             self._file = tempfile.TemporaryFile(dir=shm)  # unlinked at once; 0600

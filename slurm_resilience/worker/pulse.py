@@ -42,11 +42,12 @@ parallel, from the node's address, each with a ``PROBE_TIMEOUT_S`` deadline (a d
 SYN gets no answer), and reports ``"reach": {"id": n, "ok": [...], "bad": [...]}``.
 
 Plan notices (the plan fan-out at scale): when the supervisor publishes generation g's
-plan it sends every pulse ``{"plan": g}`` (and ``{"shutdown": 1}`` at the job's end), and
-the pulse writes it into every rank's page (``TOLD``), so a rank that waits for a plan
-or checks for one at a safe point reads its page, not the store: the supervisor sends
-N/G short lines, and the store sees one ``get`` of the plan per rank instead of N
-checks every poll (``worker/plan_watch.py``).
+plan it sends the pulse of every node in it ``{"plan": g, "body": <the plan>}`` (and
+every pulse ``{"shutdown": 1}`` at the job's end); the pulse writes the plan into the
+directory (``plan.{g}``) and then g into every rank's page (``TOLD``), so a rank that
+waits for a plan or checks for one at a safe point reads its page, and then the plan
+from the node's own memory, not the store: the supervisor sends N/G lines, instead of N
+store checks every poll and N reads of the whole table (``worker/plan_watch.py``).
 
 When the supervisor restarts, its new liveness port is what the ranks' heartbeat
 threads write into their pages; the pulse reconnects there. With no rank left for
@@ -69,7 +70,7 @@ import time
 __all__ = [
     "COMPUTING", "WAITING", "BUSY", "LAYOUT", "BEAT", "BEAT_AT", "RELAYED_AT", "RELAYED", "PAGE", "BOARD", "RANK",
     "LOCK", "NODE_ADDR_ENV", "read_board", "read_beat", "read_relayed", "proc_stat", "Watched", "scan", "fold",
-    "stamp_relayed", "TOLD", "TOLD_AT", "read_told", "stamp_told", "Told", "messages", "tidy", "run", "main"
+    "stamp_relayed", "TOLD", "TOLD_AT", "read_told", "stamp_told", "tidy", "run", "main"
 ]
 
 
@@ -89,16 +90,15 @@ BOARD, RANK, LOCK = ".board", ".rank", "pulse.lock"
 NODE_ADDR_ENV = "SR_NODE_ADDR"
 
 
-def _load_peer_probe():
-    """``peer_probe.py`` beside this file, by path: ``python -I`` puts no package on sys.path."""
-    spec = importlib.util.spec_from_file_location("sr_peer_probe", os.path.join(os.path.dirname(__file__),
-                                                                                "peer_probe.py"))
+def _load(name: str):
+    """``{name}.py`` beside this file, by path: ``python -I`` puts no package on sys.path."""
+    spec = importlib.util.spec_from_file_location(f"sr_{name}", os.path.join(os.path.dirname(__file__), f"{name}.py"))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
 
 
-peer_probe = _load_peer_probe()
+peer_probe, notices = _load("peer_probe"), _load("notices")
 
 
 def read_board(page: mmap.mmap) -> tuple[int, int, int, int]:
@@ -122,53 +122,10 @@ def read_told(page: mmap.mmap) -> tuple[int, bool]:
     return gen - 1, bool(ended)
 
 
-class Told:
-    """What the supervisor has told this node's pulse: the newest plan's generation and
-    whether the job is over (it only grows: a late or repeated notice changes nothing)."""
-
-    def __init__(self) -> None:
-        self.generation, self.ended = -1, False
-
-    def take(self, msg: dict) -> bool:
-        """Fold one message in; True when it changed anything."""
-        before = (self.generation, self.ended)
-        try:
-            if "plan" in msg:
-                self.generation = max(self.generation, int(msg["plan"]))
-            if msg.get("shutdown"):
-                self.ended = True
-        except (TypeError, ValueError):
-            pass
-        return (self.generation, self.ended) != before
-
-
-def stamp_told(ranks: dict[str, "Watched"], told: Told) -> None:
+def stamp_told(ranks: dict[str, "Watched"], told) -> None:
     """Write the notices into every rank's page (idempotent: ranks that arrived later get them too)."""
     for r in ranks.values():
         TOLD.pack_into(r.page, TOLD_AT, told.generation + 1, int(told.ended))
-
-
-def messages(sock: socket.socket, buf: bytes) -> tuple[list[dict] | None, bytes]:
-    """The supervisor's messages that arrived on the liveness connection (None: it closed):
-    ``{"probe": {...}}`` requests and ``{"plan": g}`` / ``{"shutdown": 1}`` notices."""
-    try:
-        data = sock.recv(65536)
-    except BlockingIOError:
-        return [], buf
-    except OSError:
-        data = b""
-    if not data:
-        return None, b""
-    *lines, buf = (buf + data).split(b"\n")
-    out = []
-    for line in lines:
-        try:
-            msg = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(msg, dict):
-            out.append(msg)
-    return out, buf[-(1 << 20):]
 
 
 def proc_stat(pid: int) -> tuple[str, int] | None:
@@ -313,7 +270,7 @@ def run(*, directory: str, host: str, period: float, hello: dict, idle_exit_s: f
     port = 0
     idle_since = time.monotonic()
     probe, source, inbox = peer_probe.PeerProbe(str(hello.get("token", ""))), os.environ.get(NODE_ADDR_ENV), b""
-    told = Told()
+    told = notices.Told(directory)
     next_line = 0.0
     while True:
         scan(directory, ranks)
@@ -323,7 +280,7 @@ def run(*, directory: str, host: str, period: float, hello: dict, idle_exit_s: f
         ready = set(select.select(fds + extra, [], [], wait)[0]) if fds or extra else (time.sleep(wait) or set())
         probe.serve(ready, time.monotonic())
         if sock is not None and sock in ready:
-            asked, inbox = messages(sock, inbox)
+            asked, inbox = notices.messages(sock, inbox)
             for msg in asked if asked is not None else ():
                 if isinstance(msg.get("probe"), dict):
                     probe.start(msg["probe"], source)

@@ -1,12 +1,12 @@
 """Plan notices: the pure rule (worker/plan_watch.look), the pulse's fold of the
-supervisor's messages (pulse.Told), and PlanWatch over a real page."""
+supervisor's messages (notices.Told), and PlanWatch over a real page."""
 
 import time
 
 import pytest
 
 from slurm_resilience.protocol import StoreKey
-from slurm_resilience.worker import pulse
+from slurm_resilience.worker import notices, pulse
 from slurm_resilience.worker.plan_watch import STORE_FALLBACK_S, Look, PlanWatch, look
 from slurm_resilience.worker.progress import ProgressBoard
 
@@ -27,7 +27,7 @@ def test_look(told, ended, relayed_age, asked_age, want):
 
 
 def test_told_only_grows_and_skips_what_it_cannot_read():
-    t = pulse.Told()
+    t = notices.Told()
     assert (t.generation, t.ended) == (-1, False)
     assert t.take({"plan": 2}) and t.generation == 2
     assert not t.take({"plan": 1}) and t.generation == 2  # late and older
@@ -60,7 +60,7 @@ def test_while_the_pulse_relays_a_rank_reads_its_page_and_asks_the_store_only_as
     for _ in range(50):
         assert not w.out(1)
     assert store.calls == 1  # page reads only
-    told = pulse.Told()
+    told = notices.Told()
     told.take({"plan": 1})
     pulse.stamp_told(watched, told)  # what the pulse does on the supervisor's notice
     assert w.out(1) and not w.out(2) and store.calls == 1
@@ -92,4 +92,20 @@ def test_a_pulse_that_stops_relaying_hands_the_rank_back_to_the_store(tmp_path):
     w.out(1)
     w.out(1)
     assert store.calls == 3
+    board.close()
+
+
+def test_the_pulse_keeps_the_newest_plans_on_file_and_the_rank_reads_the_nodes_copy(tmp_path):
+    board, watched = _relaying(tmp_path)
+    store = _Store()
+    store.get = lambda key: b"from the store:" + key.encode()
+    told = notices.Told(str(tmp_path))
+    for g in range(5):
+        assert told.take({"plan": g, "body": f'{{"generation": {g}}}'})
+    assert not told.take({"plan": 1, "body": "old"})  # late: neither kept nor counted
+    kept = sorted(p.name for p in tmp_path.glob("plan.*"))
+    assert kept == ["plan.3", "plan.4"] and oct((tmp_path / "plan.4").stat().st_mode & 0o777) == "0o600"
+    w = PlanWatch(store, board, P)
+    assert w.text(4) == b'{"generation": 4}'
+    assert w.text(1) == b"from the store:plan/1"  # no longer kept: the store's copy
     board.close()

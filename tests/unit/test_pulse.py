@@ -172,14 +172,15 @@ def test_the_supervisors_plan_and_shutdown_notices_reach_every_ranks_page_throug
         assert int(a.stdout.readline()) > 0
         _until(lambda: srv.pulses().get("w1"))
         assert told(a) == (-1, False)  # nothing told yet
-        assert srv.tell({"plan": 3}) == 0
+        assert srv.tell({"plan": 3, "body": '{"generation": 3}'}) == 0
         _until(lambda: told(a) == (3, False))
+        assert (directory / "plan.3").read_text() == '{"generation": 3}'  # on file before the page said 3
         srv.tell({"plan": 2})  # a late, older notice changes nothing
         b = _rank(srv, directory, "w2")  # a rank that arrives after the notice gets it too
         assert int(b.stdout.readline()) == 0
         _until(lambda: told(b) == (3, False))
         assert told(a) == (3, False)
-        srv.tell({"shutdown": 1})
+        assert srv.tell({"shutdown": 1}, nodes=["n1", "n9"]) == 0  # a node without a pulse is no failure
         _until(lambda: told(a) == (3, True) and told(b) == (3, True))
     finally:
         for p in (a, b):

@@ -3,9 +3,10 @@
 Ranks check for ``plan/{g+1}`` at every safe point and between the slices of every
 bounded-wait collective, so survivors stop within one poll interval, keep their
 processes, and re-form. The plan is also the fence: a worker not named in it exits.
-Once it is in the store, every node's pulse is told (``tell``), and writes it into its
-ranks' pages, where they look first (``worker/plan_watch.py``): N/G short lines out of
-the supervisor instead of N store checks every poll interval.
+Once it is in the store, the pulse of every node in its table is sent it (``tell``),
+writes it into the node's pulse directory and its generation into its ranks' pages,
+where they look first (``worker/plan_watch.py``): N/G lines out of the supervisor
+instead of N store checks every poll interval and N reads of the whole table.
 """
 
 from __future__ import annotations
@@ -24,12 +25,13 @@ __all__ = ["LATEST_NAME", "publish_plan", "shut_down_standbys", "write_table"]
 LATEST_NAME = "ranktable.json"
 
 
-def publish_plan(store, plan: Plan, table_dir: str, tell: Callable[[dict], Any] | None = None) -> str:
+def publish_plan(store, plan: Plan, table_dir: str, tell: Callable[..., Any] | None = None) -> str:
     """Write the rank table durably, publish the plan, then tell the nodes' pulses (in that order)."""
     path = write_table(plan.table, table_dir)
-    store.set(plan_key(plan.generation), plan.to_json())
-    if tell is not None:
-        tell({"plan": plan.generation})
+    text = plan.to_json()
+    store.set(plan_key(plan.generation), text)
+    if tell is not None:  # the plan itself too, to the nodes of its table: their ranks read it there
+        tell({"plan": plan.generation, "body": text}, nodes=plan.table.nodes)
     return path
 
 

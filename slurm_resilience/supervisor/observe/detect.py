@@ -30,6 +30,8 @@ __all__ = ["Observation", "Pulse", "LivenessServer", "stale_workers", "present_k
 
 log = logging.getLogger(__name__)
 
+TELL_BUFFER = 4 << 20  # send buffer of a pulse's connection: a plan (74 KB at 16,384 ranks) fits whole
+
 
 @dataclasses.dataclass(frozen=True)
 class Observation:
@@ -162,6 +164,7 @@ class LivenessServer:
         state["who"] = who
         if hello.get("agent"):  # the node's pulse process (worker/pulse.py): lines follow
             state["pulse"] = True
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, TELL_BUFFER)  # a plan goes out in one send
             with self._lock:
                 self._conns[who[1]] = conn
             self._pulse_lines(state)
@@ -239,19 +242,26 @@ class LivenessServer:
                 failed.append(node)
         return failed
 
-    def tell(self, notice: Mapping[str, Any]) -> int:
-        """Send every node's pulse ``notice`` (``{"plan": g}``, ``{"shutdown": 1}``: it writes
-        them into its ranks' pages, worker/plan_watch.py); returns how many could not take it
-        (a rank there finds the plan in the store instead, within its fallback)."""
+    def tell(self, notice: Mapping[str, Any], nodes: Iterable[str] | None = None) -> int:
+        """Send the pulses of ``nodes`` (default: every node) ``notice`` (``{"plan": g,
+        "body": ...}``, ``{"shutdown": 1}``: worker/pulse.py writes them where its ranks
+        look, worker/plan_watch.py); returns how many could not take it whole. Such a
+        connection is closed (a line cut short would garble the next one): its pulse
+        reconnects, and its ranks ask the store meanwhile."""
         line = (json.dumps(dict(notice), separators=(",", ":")) + "\n").encode()
         with self._lock:
-            conns = list(self._conns.values())
+            conns = list(self._conns.items()) if nodes is None else [(n, self._conns.get(n)) for n in nodes]
         failed = 0
-        for conn in conns:
+        for _node, conn in conns:
+            if conn is None:
+                continue
             try:
-                conn.send(line)  # a short line on a non-blocking socket: all of it or nothing
+                if conn.send(line) == len(line):  # non-blocking: the send buffer takes it whole, or not
+                    continue
+                conn.shutdown(socket.SHUT_RDWR)
             except OSError:  # a full (frozen node) or closed connection
-                failed += 1
+                pass
+            failed += 1
         return failed
 
     def pulses(self) -> dict[str, "Pulse"]:
