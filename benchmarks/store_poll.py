@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.figures import run_and_write, stats  # noqa: E402
-from slurm_resilience.protocol import heartbeat_key  # noqa: E402
+from slurm_resilience.protocol import StoreKey  # noqa: E402
 from slurm_resilience.supervisor.observe.detect import read_heartbeats  # noqa: E402
 
 
@@ -44,7 +44,7 @@ def run(args) -> dict:
     client = dist.TCPStore("127.0.0.1", server.port, None, False, timedelta(seconds=60), wait_for_workers=False)
     rows = []
     for n in args.keys:
-        keys = {f"n{i // 8}.{i}": heartbeat_key(f"n{i // 8}.{i}") for i in range(n)}
+        keys = {f"n{i // 8}.{i}": StoreKey.HEARTBEAT.of(f"n{i // 8}.{i}") for i in range(n)}
         beat = json.dumps({"t": time.time(), "step": 1234, "pid": 99999, "generation": 0, "rank": 0,
                            "phase": "step", "progress": 123456})
         client.multi_set(list(keys.values()), [beat] * n)

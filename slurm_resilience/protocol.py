@@ -17,9 +17,8 @@ from .model import RankTable
 
 
 __all__ = [
-    "PlanAction", "Plan", "StoreKey", "EventKind", "WorkerEvent", "RecoveryPhase", "plan_key", "heartbeat_key",
-    "pg_prefix", "event_key", "done_key", "EVENT_COUNTER", "SHUTDOWN_KEY", "Role", "WorkerEnv", "TOKEN_FILE",
-    "write_token", "read_token", "RUN_JOB_DIR_VAR", "PREEMPT_REQUEST_FILE", "preempt_request_path"
+    "PlanAction", "Plan", "StoreKey", "EventKind", "WorkerEvent", "RecoveryPhase", "Role", "WorkerEnv",
+    "TOKEN_FILE", "write_token", "read_token", "RUN_JOB_DIR_VAR", "PREEMPT_REQUEST_FILE", "preempt_request_path"
 ]
 
 
@@ -114,7 +113,8 @@ class StoreKey(_Named):
     RESHARD_HELD = "reshard/{}/held/{}"
     """sharded restore of generation g: the checkpoint shards rank r's node holds (worker)."""
     PG_PREFIX = "gen{}/"
-    """prefix of generation g's process-group rendezvous (gloo/NCCL own the keys below it)."""
+    """prefix of generation g's process-group rendezvous (gloo/NCCL own the keys below it);
+    fresh per generation: reusing one breaks gloo's full-mesh connect."""
 
     def of(self, *parts: object) -> str:
         """The key of a family member; raises ValueError on a fixed key or a wrong arity."""
@@ -211,36 +211,6 @@ class RecoveryPhase(_Named):
     RECONNECT = "reconnect"
     RESTORE = "restore"
     FIRST_STEP = "first_step"
-
-
-# Functions and constants kept for the call sites (each is the StoreKey above).
-def plan_key(generation: int) -> str:
-    """``StoreKey.PLAN.of(generation)``."""
-    return StoreKey.PLAN.of(generation)
-
-
-def heartbeat_key(worker_id: str) -> str:
-    """``StoreKey.HEARTBEAT.of(worker_id)``."""
-    return StoreKey.HEARTBEAT.of(worker_id)
-
-
-def pg_prefix(generation: int) -> str:
-    """Fresh prefix per generation: reusing one breaks gloo's full-mesh connect."""
-    return StoreKey.PG_PREFIX.of(generation)
-
-
-def event_key(n: int) -> str:
-    """``StoreKey.EVENT.of(n)``."""
-    return StoreKey.EVENT.of(n)
-
-
-def done_key(rank: int) -> str:
-    """``StoreKey.DONE.of(rank)``."""
-    return StoreKey.DONE.of(rank)
-
-
-EVENT_COUNTER = StoreKey.EVENT_COUNTER.value
-SHUTDOWN_KEY = StoreKey.SHUTDOWN.value
 
 
 class Role(enum.Enum):

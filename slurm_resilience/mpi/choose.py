@@ -27,6 +27,11 @@ from typing import Sequence
 
 from .errors import UlfmUnavailableError
 
+__all__ = [
+    "MpiPath", "REQUESTS", "MpiProbe", "PathChoice", "open_mpi_version", "parse_ompi_info", "ft_supported",
+    "launches_with_ulfm", "choose_path"
+]
+
 
 class MpiPath(enum.Enum):
     """The recovery path of an MPI job (see the module docstring)."""

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from ..errors import RecoveryError, ResilienceError
 
+__all__ = ["UlfmUnavailableError", "StateLostError", "StateMismatchError"]
+
 
 class UlfmUnavailableError(ResilienceError):
     """The MPI in use cannot repair a communicator (no ULFM, or not enabled at launch)."""

@@ -27,6 +27,8 @@ import enum
 from dataclasses import dataclass
 from typing import AbstractSet, Sequence
 
+__all__ = ["ExitAction", "ExitPlan", "after_exit"]
+
 
 class ExitAction(enum.Enum):
     """DONE: the job succeeded. RELAUNCH: start ``mpirun`` again on the plan's nodes.

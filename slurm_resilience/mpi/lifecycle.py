@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import enum
 
+__all__ = ["Phase", "TRANSITIONS", "PhaseError", "transition"]
+
 
 class Phase(enum.Enum):
     """Where a process of a ULFM job stands.

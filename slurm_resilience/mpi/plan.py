@@ -25,6 +25,8 @@ from typing import Mapping, Sequence
 
 from .errors import StateLostError
 
+__all__ = ["SPARE", "Member", "RepairPlan", "buddy", "buddy_source", "rollback_step", "plan_repair"]
+
 SPARE = -1
 """``Member.rank`` of a parked spare (it holds no rank of the working communicator)."""
 

@@ -16,6 +16,8 @@ from typing import Sequence
 
 from .choose import MpiProbe, ft_supported, parse_ompi_info
 
+__all__ = ["split_program", "uses_session", "probe"]
+
 _PYTHON = re.compile(r"python(\d+(\.\d+)?)?$")
 _ASK = r"""
 import json, sys

@@ -15,6 +15,8 @@ import numpy as np
 
 from .errors import StateMismatchError
 
+__all__ = ["Layout"]
+
 
 def _view(obj: Any, name: str) -> np.ndarray:
     """A numpy view of ``obj``'s memory (no copy)."""

@@ -31,6 +31,9 @@ from ..protocol import EventKind
 from .fallback import ExitAction, after_exit
 from .launch import UlfmLaunch, mpirun_argv
 
+__all__ = ["loopback_only", "build_launch", "UlfmSupervisor"]
+
+
 @dataclass(frozen=True)
 class DaemonStep:
     """``SrunLauncher.kill``'s handle for PRRTE's daemon steps (srun names them ``prted``)."""

@@ -35,6 +35,8 @@ from .lifecycle import Phase, transition
 from .plan import SPARE, Member, RepairPlan, buddy, buddy_source, plan_repair
 from .snapshot import Layout
 
+__all__ = ["require_ulfm", "Session"]
+
 TAG_PARK = 7101
 TAG_BUDDY = 7102
 TAG_RESTORE = 7103

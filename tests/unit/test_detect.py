@@ -9,7 +9,7 @@ from datetime import timedelta
 
 import pytest
 
-from slurm_resilience.protocol import heartbeat_key
+from slurm_resilience.protocol import StoreKey
 from slurm_resilience.supervisor.observe.detect import LivenessServer, Observation, read_heartbeats, stale_workers
 
 TOKEN = "0123456789abcdef0123456789abcdef"
@@ -200,20 +200,20 @@ def store():
 
 def test_read_heartbeats(store):
     beat = {"t": 123.5, "step": 7, "pid": os.getpid(), "generation": 2, "rank": 1}
-    store.set(heartbeat_key("n1.1"), json.dumps(beat))
-    store.set(heartbeat_key("n2.2"), json.dumps({"t": 1.0, "step": 0}))
-    got = read_heartbeats(store, {"n1.1": heartbeat_key("n1.1"), "n2.2": heartbeat_key("n2.2"),
-                                  "n3.3": heartbeat_key("n3.3")})
+    store.set(StoreKey.HEARTBEAT.of("n1.1"), json.dumps(beat))
+    store.set(StoreKey.HEARTBEAT.of("n2.2"), json.dumps({"t": 1.0, "step": 0}))
+    got = read_heartbeats(store, {"n1.1": StoreKey.HEARTBEAT.of("n1.1"), "n2.2": StoreKey.HEARTBEAT.of("n2.2"),
+                                  "n3.3": StoreKey.HEARTBEAT.of("n3.3")})
     assert got == {"n1.1": beat, "n2.2": {"t": 1.0, "step": 0}, "n3.3": None}
 
 
 def test_read_heartbeats_none_present_and_empty(store):
-    assert read_heartbeats(store, {"a": heartbeat_key("a")}) == {"a": None}
+    assert read_heartbeats(store, {"a": StoreKey.HEARTBEAT.of("a")}) == {"a": None}
     assert read_heartbeats(store, {}) == {}
 
 
 def test_read_heartbeats_latest_value(store):
-    key = heartbeat_key("w")
+    key = StoreKey.HEARTBEAT.of("w")
     for step in range(5):
         store.set(key, json.dumps({"t": float(step), "step": step}))
     assert read_heartbeats(store, {"w": key})["w"]["step"] == 4
@@ -229,8 +229,8 @@ def test_read_heartbeats_from_a_client(store):
         pytest.skip("PrefixStore does not expose its store in this torch")
     client = dist.PrefixStore(TOKEN + "/", dist.TCPStore("127.0.0.1", port, None, False,
                                                          timedelta(seconds=10), wait_for_workers=False))
-    client.set(heartbeat_key("remote"), json.dumps({"t": 5.0, "step": 3}))
-    assert read_heartbeats(store, {"remote": heartbeat_key("remote")})["remote"]["step"] == 3
+    client.set(StoreKey.HEARTBEAT.of("remote"), json.dumps({"t": 5.0, "step": 3}))
+    assert read_heartbeats(store, {"remote": StoreKey.HEARTBEAT.of("remote")})["remote"]["step"] == 3
 
 
 class _Counting:
@@ -249,7 +249,7 @@ class _Counting:
 
 
 def test_a_poll_of_many_workers_costs_two_round_trips_once_all_beat(store):
-    keys = {f"n{i}.{i}": heartbeat_key(f"n{i}.{i}") for i in range(512)}
+    keys = {f"n{i}.{i}": StoreKey.HEARTBEAT.of(f"n{i}.{i}") for i in range(512)}
     store.multi_set(list(keys.values()), [json.dumps({"t": 1.0, "step": i}) for i in range(512)])
     counting = _Counting(store)
     got = read_heartbeats(counting, keys)
@@ -259,7 +259,7 @@ def test_a_poll_of_many_workers_costs_two_round_trips_once_all_beat(store):
 def test_missing_heartbeats_are_found_by_bisection_not_per_key(store):
     from slurm_resilience.supervisor.observe.detect import present_keys
 
-    keys = [heartbeat_key(f"w{i}") for i in range(1024)]
+    keys = [StoreKey.HEARTBEAT.of(f"w{i}") for i in range(1024)]
     missing = {keys[3], keys[700]}
     for k in keys:
         if k not in missing:
@@ -271,8 +271,8 @@ def test_missing_heartbeats_are_found_by_bisection_not_per_key(store):
 
 
 def test_read_heartbeats_parses_all_at_once_and_survives_a_torn_value(store):
-    store.set(heartbeat_key("ok"), json.dumps({"t": 1.0, "step": 2}))
-    store.set(heartbeat_key("torn"), '{"t": 1.0, "st')
-    store.set(heartbeat_key("two"), '{"t": 1}, {"t": 2}')  # would shift every later value
-    got = read_heartbeats(store, {w: heartbeat_key(w) for w in ("ok", "torn", "two")})
+    store.set(StoreKey.HEARTBEAT.of("ok"), json.dumps({"t": 1.0, "step": 2}))
+    store.set(StoreKey.HEARTBEAT.of("torn"), '{"t": 1.0, "st')
+    store.set(StoreKey.HEARTBEAT.of("two"), '{"t": 1}, {"t": 2}')  # would shift every later value
+    got = read_heartbeats(store, {w: StoreKey.HEARTBEAT.of(w) for w in ("ok", "torn", "two")})
     assert got == {"ok": {"t": 1.0, "step": 2}, "torn": None, "two": None}

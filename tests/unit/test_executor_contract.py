@@ -17,7 +17,7 @@ import pytest
 from slurm_resilience.config import load_config
 from slurm_resilience.lifecycle import JobPhase
 from slurm_resilience.model import RankTable
-from slurm_resilience.protocol import SHUTDOWN_KEY, EventKind, Plan, PlanAction, Role, preempt_request_path
+from slurm_resilience.protocol import EventKind, Plan, PlanAction, Role, StoreKey, preempt_request_path
 from slurm_resilience.supervisor.adapters.launcher import CleansContainers, ReadsSlurmTimeouts, Requeues
 from slurm_resilience.supervisor.decide import messages as m
 from slurm_resilience.supervisor.decide.state import SupervisorState, WorkerRecord
@@ -140,7 +140,7 @@ def test_online_executor_carries_out_what_it_handles_and_refuses_the_rest(kind, 
     if kind in ONLINE_EFFECT:
         assert ONLINE_EFFECT[kind] in done, done
     if kind is m.ShutDownStandbys:
-        assert calls[0][1][0] == SHUTDOWN_KEY
+        assert calls[0][1][0] == StoreKey.SHUTDOWN.value
     if kind is m.Publish:
         assert os.listdir(tmp_path), "the rank table is written before the plan"
     if kind is m.Say:

@@ -9,7 +9,7 @@ from slurm_resilience.errors import ConfigError
 from slurm_resilience.model import RankSlot, RankTable
 from slurm_resilience.protocol import (
     TOKEN_FILE, EventKind, Plan, PlanAction, RecoveryPhase, Role, StoreKey, WorkerEnv, WorkerEvent,
-    done_key, event_key, heartbeat_key, pg_prefix, plan_key, read_token, write_token,
+    read_token, write_token,
 )
 from slurm_resilience.supervisor.decide.ranktable import initial_table
 
@@ -50,9 +50,10 @@ def test_plan_roundtrip_property(n, gen, reason, joining):
 
 
 def test_store_keys_distinct():
-    keys = [plan_key(1), plan_key(2), heartbeat_key("a"), done_key(1), event_key(1), pg_prefix(1)]
+    keys = [StoreKey.PLAN.of(1), StoreKey.PLAN.of(2), StoreKey.HEARTBEAT.of("a"), StoreKey.DONE.of(1),
+            StoreKey.EVENT.of(1), StoreKey.PG_PREFIX.of(1)]
     assert len(set(keys)) == len(keys)
-    assert pg_prefix(1) != pg_prefix(2)
+    assert StoreKey.PG_PREFIX.of(1) != StoreKey.PG_PREFIX.of(2)
 
 
 def _env(job_dir, **kw):
@@ -145,10 +146,10 @@ def test_fixed_store_key_takes_no_parts(key):
         key.of()
 
 
-def test_store_keys_of_two_parts_and_the_helpers_agree():
+def test_store_key_families_format_their_parts():
     assert StoreKey.RESHARD_HELD.of(3, 1) == "reshard/3/held/1"
-    assert plan_key(3) == StoreKey.PLAN.of(3) == "plan/3"
-    assert event_key(5) == "ev/5" and done_key(2) == "done/2" and pg_prefix(4) == "gen4/"
+    assert StoreKey.PLAN.of(3) == "plan/3" and StoreKey.HEARTBEAT.of("n1.7") == "hb/n1.7"
+    assert StoreKey.EVENT.of(5) == "ev/5" and StoreKey.DONE.of(2) == "done/2" and StoreKey.PG_PREFIX.of(4) == "gen4/"
 
 
 def test_store_key_families_do_not_swallow_fixed_keys():

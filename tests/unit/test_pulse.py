@@ -240,7 +240,7 @@ def test_a_dead_pulse_leaves_the_progress_in_the_heartbeat_and_the_watchdog_find
 
     import torch.distributed as dist
 
-    from slurm_resilience.protocol import Role, WorkerEnv, heartbeat_key
+    from slurm_resilience.protocol import Role, StoreKey, WorkerEnv
     from slurm_resilience.supervisor.observe.detect import read_heartbeats
     from slurm_resilience.supervisor.observe.progress import ProgressWatch, Verdict, progress_in
     from slurm_resilience.worker.heartbeat import Heartbeat
@@ -256,7 +256,7 @@ def test_a_dead_pulse_leaves_the_progress_in_the_heartbeat_and_the_watchdog_find
     watch = ProgressWatch(stale_s=1.0, soft_s=0.6, hard_s=1.2, factor=2, pulse_s=0.3)
 
     def look():
-        beat = read_heartbeats(store, {"w1": heartbeat_key("w1")})["w1"]
+        beat = read_heartbeats(store, {"w1": StoreKey.HEARTBEAT.of("w1")})["w1"]
         now = time.time()
         watch.observe({"w1": beat["t"]}, srv.pulses(), now, hb_progress={"w1": progress_in(beat)})
         return watch.verdicts["w1"]
@@ -264,7 +264,8 @@ def test_a_dead_pulse_leaves_the_progress_in_the_heartbeat_and_the_watchdog_find
     try:
         _until(lambda: srv.pulses().get("w1"))
         hb.update(step=3)  # the main thread completed a step
-        beat = _until(lambda: (b := read_heartbeats(store, {"w1": heartbeat_key("w1")})["w1"]) and b["step"] == 3 and b)
+        key = {"w1": StoreKey.HEARTBEAT.of("w1")}
+        beat = _until(lambda: (b := read_heartbeats(store, key)["w1"]) and b["step"] == 3 and b)
         assert progress_in(beat) == (1, 0, 3)
         directory, hb._pulse_dir = hb._pulse_dir, None  # the pulse stays dead (a heartbeat would restart it)
         os.kill(hb._pulse.pid, signal.SIGKILL)  # the pulse process this test's Heartbeat started
@@ -322,7 +323,7 @@ def test_while_the_pulse_relays_the_beats_the_store_heartbeat_is_written_only_ev
 
     import torch.distributed as dist
 
-    from slurm_resilience.protocol import Role, WorkerEnv, heartbeat_key
+    from slurm_resilience.protocol import Role, StoreKey, WorkerEnv
     from slurm_resilience.supervisor.observe.detect import read_heartbeats
     from slurm_resilience.worker import heartbeat as hb_mod
 
@@ -337,7 +338,7 @@ def test_while_the_pulse_relays_the_beats_the_store_heartbeat_is_written_only_ev
     hb = hb_mod.Heartbeat(env, period).start()
 
     def store_t():
-        beat = read_heartbeats(store, {"w6": heartbeat_key("w6")})["w6"]
+        beat = read_heartbeats(store, {"w6": StoreKey.HEARTBEAT.of("w6")})["w6"]
         return beat["t"] if beat else None
 
     try:

@@ -10,7 +10,7 @@ import pytest
 
 from slurm_resilience.errors import ResilienceError
 from slurm_resilience.lifecycle import JobPhase
-from slurm_resilience.protocol import EVENT_COUNTER, Plan, PlanAction, event_key
+from slurm_resilience.protocol import Plan, PlanAction, StoreKey
 from slurm_resilience.supervisor.executors import reattach
 from slurm_resilience.supervisor.executors.keeper import EXIT_SUPERVISOR_LOST, _with_reattach, keep
 from slurm_resilience.supervisor.decide.ranktable import initial_table
@@ -163,12 +163,13 @@ def test_an_event_whose_writer_died_does_not_hold_up_the_later_ones(tmp_path, mo
                     preempted=lambda: False)
     state = SupervisorState(job_id="1", phase=JobPhase.RUNNING, table=initial_table(["n1"], ["n1.1"], {"n1": "x"}),
                             target_world=1, worker_nodes=("n1",), spare_nodes=(), addresses={"n1": "x"})
-    store.set(EVENT_COUNTER, "3")
+    store.set(StoreKey.EVENT_COUNTER.value, "3")
     for n in (1, 3):
-        store.set(event_key(n), json.dumps({"kind": "first_step", "step": n, "rank": 0, "generation": 0, "t": 1.0}))
+        store.set(StoreKey.EVENT.of(n),
+                  json.dumps({"kind": "first_step", "step": n, "rank": 0, "generation": 0, "t": 1.0}))
     marks = w.poll_events(state) + w.poll_events(state)  # the hole at 2 is skipped
     assert seen == [("rank_first_step", 1), ("rank_first_step", 3)]
     assert len(marks) == 2 and marks[0].rank == 0  # recovery marks for decide
-    store.set(event_key(2), json.dumps({"kind": "first_step", "step": 2}))  # the slow writer
+    store.set(StoreKey.EVENT.of(2), json.dumps({"kind": "first_step", "step": 2}))  # the slow writer
     w.poll_events(state)
     assert seen[-1] == ("rank_first_step", 2) and w._late == {}

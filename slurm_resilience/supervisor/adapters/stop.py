@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 from ...files import makedirs_private, write_private
 from ...model import RankTable
-from ...protocol import SHUTDOWN_KEY, Plan, plan_key
+from ...protocol import Plan, StoreKey
 
 
 __all__ = ["LATEST_NAME", "publish_plan", "shut_down_standbys", "write_table"]
@@ -29,7 +29,7 @@ def publish_plan(store, plan: Plan, table_dir: str, tell: Callable[..., Any] | N
     """Write the rank table durably, publish the plan, then tell the nodes' pulses (in that order)."""
     path = write_table(plan.table, table_dir)
     text = plan.to_json()
-    store.set(plan_key(plan.generation), text)
+    store.set(StoreKey.PLAN.of(plan.generation), text)
     if tell is not None:  # the plan itself too, to the nodes of its table: their ranks read it there
         tell({"plan": plan.generation, "body": text}, nodes=plan.table.nodes)
     return path
@@ -37,7 +37,7 @@ def publish_plan(store, plan: Plan, table_dir: str, tell: Callable[..., Any] | N
 
 def shut_down_standbys(store, tell: Callable[[dict], Any] | None = None) -> None:
     """Warm standbys exit cleanly once the job is over (the store first, then the pulses)."""
-    store.set(SHUTDOWN_KEY, "1")
+    store.set(StoreKey.SHUTDOWN.value, "1")
     if tell is not None:
         tell({"shutdown": 1})
 

@@ -30,7 +30,7 @@ from typing import Iterable, Mapping, Sequence
 
 from ...program_error import ProgramError
 
-__all__ = ["ErrorSeen", "Verdict", "program_verdict", "node_suspect", "remember", "last_error", "HISTORY"]
+__all__ = ["ErrorSeen", "ProgramBlame", "program_verdict", "node_suspect", "remember", "last_error", "HISTORY"]
 
 HISTORY = 64  # program errors kept in the state (the newest)
 NODE_SUSPECT_FAILURES = 2  # a node's own process failures (none elsewhere) that make it suspect
@@ -56,7 +56,7 @@ class ErrorSeen:
 
 
 @dataclasses.dataclass(frozen=True)
-class Verdict:
+class ProgramBlame:
     """The incident is the program's: ``first`` is the error to show (the earliest
     report of that signature), ``why`` the rule that fired."""
 
@@ -73,7 +73,7 @@ class Verdict:
 
 
 def program_verdict(history: Sequence[ErrorSeen], new: Sequence[ErrorSeen], *,
-                    nodes_in_job: int) -> Verdict | None:
+                    nodes_in_job: int) -> ProgramBlame | None:
     """Pure: is this incident (``new``) the program's own error, given what came before?"""
     for seen in new:
         sig, err = seen.error.signature, seen.error
@@ -81,15 +81,15 @@ def program_verdict(history: Sequence[ErrorSeen], new: Sequence[ErrorSeen], *,
         nodes = {s.node for s in together}
         ranks = _ranks(together)
         if len(nodes) >= 2 or (nodes_in_job == 1 and len(ranks) >= 2):
-            return Verdict(together[0], f"the same error on rank(s) {', '.join(map(str, ranks))} of "
-                                        f"{len(nodes)} node(s) in generation {err.generation}", ranks)
+            return ProgramBlame(together[0], f"the same error on rank(s) {', '.join(map(str, ranks))} of "
+                                             f"{len(nodes)} node(s) in generation {err.generation}", ranks)
         earlier = [s for s in history if s.error.signature == sig and s.recovery < seen.recovery
                    and _before(s.error.generation, err.generation)
                    and s.error.step == err.step and s.error.phase is err.phase]
         if earlier:
             point = f"step {err.step}" if err.step is not None else "before the first step"
-            return Verdict(earlier[0], f"the same error at the same point ({point}, {err.phase.value}) "
-                                       f"after recovery {seen.recovery}", _ranks([*earlier, seen]))
+            return ProgramBlame(earlier[0], f"the same error at the same point ({point}, {err.phase.value}) "
+                                            f"after recovery {seen.recovery}", _ranks([*earlier, seen]))
     return None
 
 

@@ -33,7 +33,7 @@ from ...files import makedirs_private, write_private
 from ...health import health_argv
 from ...lifecycle import JobPhase
 from ...model import RankTable
-from ...protocol import EventKind, Plan, Role, StoreKey, WorkerEnv, WorkerEvent, plan_key, read_token, write_token
+from ...protocol import EventKind, Plan, Role, StoreKey, WorkerEnv, WorkerEvent, read_token, write_token
 from ...run_identity import check_run_id
 from . import loop, reattach
 from ..decide.classify import node_unhealthy
@@ -214,8 +214,8 @@ class Supervisor:
         """Take over a killed supervisor's workers (reattach.py); nothing is restarted."""
         state, seen, written = reattach.load(self.job_dir)
         plans = []
-        while self.store.check([plan_key(state.table.generation + 1 + len(plans))]):
-            plans.append(Plan.from_json(self.store.get(plan_key(state.table.generation + 1 + len(plans)))))
+        while self.store.check([StoreKey.PLAN.of(state.table.generation + 1 + len(plans))]):
+            plans.append(Plan.from_json(self.store.get(StoreKey.PLAN.of(state.table.generation + 1 + len(plans)))))
         state = reattach.adopt_plans(state, plans)
         for w in state.workers.values():
             self.handles[w.worker_id] = self.launcher.attach(name=w.step_name, node=w.node, pid=w.pid)

@@ -27,7 +27,7 @@ from typing import Any, Callable, Mapping
 from ...config import ResilienceConfig
 from ...events import EventLog
 from ...program_error import ProgramError
-from ...protocol import EventKind, StoreKey, WorkerEvent, done_key, event_key, heartbeat_key
+from ...protocol import EventKind, StoreKey, WorkerEvent
 from ..decide.classify import node_unhealthy
 from .detect import Observation as Seen, present_keys, read_heartbeats, stale_workers
 from ..adapters.launcher import Launcher, StepHandle
@@ -135,7 +135,7 @@ class Watch:
     def _all_done_keys(self, state: SupervisorState) -> list[str]:
         """The done keys of the current table's ranks, built once per table."""
         if self._done_keys[0] is not state.table:
-            self._done_keys = (state.table, [done_key(s.rank) for s in state.table.slots])
+            self._done_keys = (state.table, [StoreKey.DONE.of(s.rank) for s in state.table.slots])
         return self._done_keys[1]
 
     # -- sources --------------------------------------------------------------------
@@ -189,7 +189,7 @@ class Watch:
             keys = self._hb_keys
             for wid in rest:
                 if wid not in keys:
-                    keys[wid] = heartbeat_key(wid)
+                    keys[wid] = StoreKey.HEARTBEAT.of(wid)
             beats = read_heartbeats(self.store, {wid: keys[wid] for wid in rest})
         for wid, b in beats.items():
             times[wid] = b["t"] if b else None
@@ -303,7 +303,7 @@ class Watch:
         for wid, o, res in both:
             w = state.workers[wid]
             slot = state.slot_of(wid)
-            finished = slot is not None and self.store.check([done_key(slot.rank)])
+            finished = slot is not None and self.store.check([StoreKey.DONE.of(slot.rank)])
             if res is not None and not finished:
                 reachable = res.reachable
             else:
@@ -340,10 +340,10 @@ class Watch:
         last poll (``detect.present_keys``), not a round trip per event."""
         n = self.store.add(StoreKey.EVENT_COUNTER.value, 0)
         numbers = range(self.events_seen + 1, n + 1)
-        present = set(present_keys(self.store, [event_key(i) for i in numbers])) if n > self.events_seen else set()
+        present = set(present_keys(self.store, [*map(StoreKey.EVENT.of, numbers)])) if n > self.events_seen else set()
         take: list[str] = []
         for i in numbers:
-            if event_key(i) not in present:
+            if StoreKey.EVENT.of(i) not in present:
                 # Counted but not yet written: wait a little. A worker killed between
                 # counting and writing never writes it; without this every later event
                 # (recovery marks included) would wait behind the hole forever.
@@ -354,13 +354,13 @@ class Watch:
                     break
                 self._late[i] = now  # taken late if it still comes
             else:
-                take.append(event_key(i))
+                take.append(StoreKey.EVENT.of(i))
             self.events_seen = i
-        late = present_keys(self.store, [event_key(k) for k in self._late]) if self._late else []
+        late = present_keys(self.store, [StoreKey.EVENT.of(k) for k in self._late]) if self._late else []
         for k in list(self._late):
-            if event_key(k) in late:
+            if StoreKey.EVENT.of(k) in late:
                 del self._late[k]
-                take.append(event_key(k))
+                take.append(StoreKey.EVENT.of(k))
             elif time.monotonic() - self._late[k] > 60:
                 del self._late[k]
                 self.events.emit(EventKind.EVENT_LOST, n=k)
