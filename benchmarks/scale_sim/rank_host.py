@@ -63,7 +63,9 @@ class RankHost:
         self._driver(wid).inbox.put(("adopt", r))
 
     def _driver(self, worker_id: str) -> Driver:
-        return self.drivers[zlib.crc32(worker_id.encode()) % len(self.drivers)]
+        """By node (worker ids are ``{node}.{n}``): a node's ranks share one driver and so one
+        node pulse connection, as they share one pulse process."""
+        return self.drivers[zlib.crc32(worker_id.rsplit(".", 1)[0].encode()) % len(self.drivers)]
 
     def handle(self, ch: Channel, msg: tuple):
         what = msg[0]

@@ -87,7 +87,7 @@ def online(tmp_path, calls):
         launcher=launcher, store=Recorder(calls, "store"), isolator=Recorder(calls, "isolator"),
         checker=Recorder(calls, "checker"), events=Recorder(calls, "events"), watch=Recorder(calls, "watch"),
         handles={"w1": Handle()}, job_dir=str(tmp_path), out=io.StringIO(), _t0=time.time(), store_host="h",
-        store_port=1, liveness=SimpleNamespace(port=2), token="t" * 32, config_path="c.yaml", job_id="7",
+        store_port=1, liveness=SimpleNamespace(port=2, tell=Recorder(calls, "liveness.tell")), token="t" * 32, config_path="c.yaml", job_id="7",
         run_id="r", _nccl_env={}, command=["python", "t.py"], _unsaved=False)
     return sup
 
@@ -105,8 +105,8 @@ def relaunch(tmp_path, calls):
 
 # action type -> what carrying it out must have done: a recorded call, or a check
 ONLINE_EFFECT = {
-    m.Launch: "launcher.launch", m.Kill: "launcher.kill", m.Publish: "store.set", m.Isolate: "isolator.start",
-    m.CheckSpare: "checker.start", m.Emit: "events.emit", m.ShutDownStandbys: "store.set",
+    m.Launch: "launcher.launch", m.Kill: "launcher.kill", m.Publish: "liveness.tell", m.Isolate: "isolator.start",
+    m.CheckSpare: "checker.start", m.Emit: "events.emit", m.ShutDownStandbys: "liveness.tell",
     m.Reap: "launcher.kill", m.DrainEvents: "watch.poll_events", m.Requeue: "launcher.requeue",
 }
 RELAUNCH_EFFECT = {
@@ -139,6 +139,8 @@ def test_online_executor_carries_out_what_it_handles_and_refuses_the_rest(kind, 
     done = [path for path, _, _ in calls]
     if kind in ONLINE_EFFECT:
         assert ONLINE_EFFECT[kind] in done, done
+    if kind in (m.Publish, m.ShutDownStandbys):  # the store first, then the nodes' pulses
+        assert done.index("store.set") < done.index("liveness.tell"), done
     if kind is m.ShutDownStandbys:
         assert calls[0][1][0] == StoreKey.SHUTDOWN.value
     if kind is m.Publish:
