@@ -15,6 +15,7 @@ Slurm's own node state is polled off the critical path (see :class:`NodeWatcher`
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import hmac
 import json
@@ -98,6 +99,14 @@ class LivenessServer:
         self._reach: dict[str, dict[int, dict]] = {}  # node -> request id -> its pulse's answer (newest 4)
         self._conns: dict[str, socket.socket] = {}  # node -> its pulse's connection (for requests)
         self.rejected = 0
+        # Notices to the pulses go out from this thread, which owns their sockets: sent from
+        # the supervisor's loop, each of N/G sends gave the GIL to this busy thread (docs/scale.md).
+        self._outbox: collections.deque[tuple[bytes, list[str] | None]] = collections.deque()
+        self._wake_r, self._wake_w = socket.socketpair()
+        for s in (self._wake_r, self._wake_w):
+            s.setblocking(False)
+        self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
+        self.tell_failed = 0  # notices a pulse's connection could not take whole
 
     def start(self) -> "LivenessServer":
         """Start the accepting and reading thread; returns self."""
@@ -109,12 +118,16 @@ class LivenessServer:
         self._stop.set()
         self._thread.join(timeout=2)
         self._listener.close()
+        self._wake_r.close()
+        self._wake_w.close()
 
     def _run(self) -> None:
         while not self._stop.is_set():
             for key, _ in self._sel.select(timeout=0.05):
                 if key.data is None:
                     self._accept()
+                elif key.data == "wake":
+                    self._send_notices()
                 else:
                     self._read(key)
 
@@ -242,27 +255,40 @@ class LivenessServer:
                 failed.append(node)
         return failed
 
-    def tell(self, notice: Mapping[str, Any], nodes: Iterable[str] | None = None) -> int:
+    def tell(self, notice: Mapping[str, Any], nodes: Iterable[str] | None = None) -> None:
         """Send the pulses of ``nodes`` (default: every node) ``notice`` (``{"plan": g,
         "body": ...}``, ``{"shutdown": 1}``: worker/pulse.py writes them where its ranks
-        look, worker/plan_watch.py); returns how many could not take it whole. Such a
-        connection is closed (a line cut short would garble the next one): its pulse
-        reconnects, and its ranks ask the store meanwhile."""
+        look, worker/plan_watch.py). Returns at once; this server's thread sends it. A
+        connection that cannot take it whole is closed (a line cut short would garble the
+        next one; ``tell_failed`` counts them): its pulse reconnects, and its ranks ask the
+        store meanwhile."""
         line = (json.dumps(dict(notice), separators=(",", ":")) + "\n").encode()
-        with self._lock:
-            conns = list(self._conns.items()) if nodes is None else [(n, self._conns.get(n)) for n in nodes]
-        failed = 0
-        for _node, conn in conns:
-            if conn is None:
-                continue
-            try:
-                if conn.send(line) == len(line):  # non-blocking: the send buffer takes it whole, or not
-                    continue
-                conn.shutdown(socket.SHUT_RDWR)
-            except OSError:  # a full (frozen node) or closed connection
+        self._outbox.append((line, None if nodes is None else list(nodes)))
+        try:
+            self._wake_w.send(b"\0")
+        except OSError:  # already woken (a full pipe) or closed
+            pass
+
+    def _send_notices(self) -> None:
+        try:
+            while self._wake_r.recv(4096):
                 pass
-            failed += 1
-        return failed
+        except OSError:
+            pass
+        while self._outbox:
+            line, nodes = self._outbox.popleft()
+            with self._lock:
+                conns = list(self._conns.values()) if nodes is None else [self._conns.get(n) for n in nodes]
+            for conn in conns:
+                if conn is None:
+                    continue
+                try:
+                    if conn.send(line) == len(line):  # non-blocking: the send buffer takes it whole, or not
+                        continue
+                    conn.shutdown(socket.SHUT_RDWR)
+                except OSError:  # a full (frozen node) or closed connection
+                    pass
+                self.tell_failed += 1
 
     def pulses(self) -> dict[str, "Pulse"]:
         """The newest pulse of each worker (a snapshot)."""
