@@ -16,7 +16,8 @@ class ReconnectConfig:
     Fields:
         backend: auto (nccl with GPUs, else gloo), gloo or nccl.
         pg_timeout_s: process-group timeout (> 0).
-        poll_interval_ms: store polling interval while waiting for peers (> 0).
+        poll_interval_ms: how often a waiting rank looks for a newer plan (its page; the store by
+            ``worker/plan_watch.look``) and its peers (> 0).
         gloo_ifname: network interface for gloo (GLOO_SOCKET_IFNAME), or None.
         nccl_heartbeat_timeout_s: ``TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC`` given to the ranks
             (unless set in the environment): NCCL's monitor kills a process whose NCCL
