@@ -173,3 +173,13 @@ def test_an_event_whose_writer_died_does_not_hold_up_the_later_ones(tmp_path, mo
     store.set(StoreKey.EVENT.of(2), json.dumps({"kind": "first_step", "step": 2}))  # the slow writer
     w.poll_events(state)
     assert seen[-1] == ("rank_first_step", 2) and w._late == {}
+
+
+def test_a_worker_record_is_saved_with_every_field():
+    import dataclasses
+
+    from slurm_resilience.protocol import Role
+    from slurm_resilience.supervisor.decide.state import WorkerRecord
+
+    w = WorkerRecord(worker_id="n1.3", node="n1", role=Role.STANDBY, pid=41, connected=True, dead=True, step=7)
+    assert w.to_dict() == dataclasses.asdict(w) | {"role": "standby"}  # a field added later must be saved too

@@ -102,6 +102,12 @@ class WorkerRecord:
         """The Slurm step name (``--job-name``) of this worker's step."""
         return f"sr-{self.worker_id}"
 
+    def to_dict(self) -> dict[str, Any]:
+        """Its fields for ``supervisor.json`` (written out: ``dataclasses.asdict`` copied
+        deeply and cost 0.24 s of the loop per save at 4,096 workers, docs/scale.md)."""
+        return {"worker_id": self.worker_id, "node": self.node, "role": self.role.value, "pid": self.pid,
+                "connected": self.connected, "dead": self.dead, "step": self.step}
+
 
 @dataclasses.dataclass(frozen=True)
 class Recovery:
@@ -203,7 +209,7 @@ class SupervisorState:
             "standbys": {n: list(w) for n, w in self.standbys.items()}, "excluded": sorted(self.excluded),
             "local_standbys": {n: list(w) for n, w in self.local_standbys.items()},
             "returning": sorted(self.returning), "spare_passed": dict(self.spare_passed),
-            "workers": [dataclasses.asdict(w) | {"role": w.role.value} for w in self.workers.values()],
+            "workers": [w.to_dict() for w in self.workers.values()],
             "fault_retries_used": self.fault_retries_used, "requeue_count": self.requeue_count,
             "relaunches": self.relaunches, "recoveries": self.recoveries, "next_id": self.next_id,
             "errors": [e.to_dict() for e in self.errors], "process_failures": dict(self.process_failures),
