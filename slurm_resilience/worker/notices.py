@@ -56,9 +56,9 @@ class Told:
             with os.fdopen(fd, "w") as f:
                 f.write(body)
             os.replace(path + ".tmp", path)
-            for old in range(g - KEEP_PLANS, g - KEEP_PLANS - 8, -1):
-                if old >= 0 and os.path.exists(plan_path(self._dir, old)):
-                    os.unlink(plan_path(self._dir, old))
+            for name in os.listdir(self._dir):  # the older ones: a rank that still wants one asks the store
+                if name.startswith("plan.") and name[5:].isdigit() and int(name[5:]) <= g - KEEP_PLANS:
+                    os.unlink(os.path.join(self._dir, name))
         except OSError:
             pass  # the ranks read the plan from the store instead
 
