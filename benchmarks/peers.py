@@ -287,7 +287,8 @@ def _safe(system: str, fault: str | None, root: Path, args) -> dict:
     try:
         return run_cell(system, fault, root, args)
     except Exception as exc:  # one failed run is reported, the others still run
-        return {"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc(limit=3), "recovered": False}
+        return {"error": f"{type(exc).__name__}: {exc}", "recovered": False,
+                "trace": traceback.format_exc(limit=3).replace(str(Path(__file__).resolve().parents[1]) + "/", "")}
 
 
 def _load(args, runs: dict, refs: dict, loads: list) -> list[dict]:
@@ -311,7 +312,8 @@ def _write(args, argv, started, root, runs, refs, loads, earlier=()) -> None:
     changed = {s: steplog.lines_changed(plain, systems.SCRIPTS[s].read_text()) for s in systems.SYSTEMS if s in present}
     doc = {"benchmark": "peers", "command": "python " + " ".join([sys.argv[0], *(argv or sys.argv[1:])]),
            "started": started, "machine": platform.node(), "cpus": os.cpu_count(),
-           "loadavg_1min_at_each_run": loads, "versions": _versions(args), "args": {**vars(args)},
+           "loadavg_1min_at_each_run": loads, "versions": _versions(args),
+           "args": {**vars(args), "prefix": args.prefix.replace(str(Path.home()), "~", 1)},  # no home of this machine
            "work_dir": str(root), "script_lines_changed": changed, "reference_digests": refs,
            "earlier": list(earlier), "results": summarize(runs, refs)}
     Path(args.json).write_text(json.dumps(doc, indent=2, default=str))

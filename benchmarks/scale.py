@@ -69,6 +69,12 @@ PLOTTED = ["supervisor CPU, % of a core", "store CPU, % of a core", "killed node
            "killed: plan → every rank joined, ms"]
 
 
+def _shown_path(pythonpath: str) -> str:
+    """PYTHONPATH as written to the JSON: this checkout as ``.`` (no path of the machine that ran it)."""
+    root = str(Path(__file__).resolve().parents[1])
+    return os.pathsep.join("." if p and Path(p).resolve() == Path(root) else p for p in pythonpath.split(os.pathsep))
+
+
 def pick(result: dict, path: tuple[str, ...], scale: float) -> float | None:
     v = result
     for k in path:
@@ -203,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.stop_after_failure and any(r["errors"] for r in runs):
             break
     out = {"label": args.label, "started": started, "finished": utc_now(), "machine": os.uname().nodename,
-           "cpus": os.cpu_count(), "load_at_end": loadavg(), "pythonpath": os.environ.get("PYTHONPATH", ""),
+           "cpus": os.cpu_count(), "load_at_end": loadavg(), "pythonpath": _shown_path(os.environ.get("PYTHONPATH", "")),
            "args": vars(args), "sizes": {str(n): v for n, v in sizes.items()}}
     if args.plot:
         plot({args.label: sizes}, args.plot)
