@@ -71,6 +71,7 @@ class Isolator:
         self._threads: list[threading.Thread] = []
 
     def start(self, node: str, state: str, reason: str) -> None:
+        """Take ``node`` out of the job (and of service per ``state``) in a thread of its own; remembered at once for a requeue's exclude list."""
         remember = getattr(self._launcher, "exclude_at_requeue", None)
         if remember is not None:  # now, not in the thread: a requeue may follow at once
             remember(node)
@@ -126,6 +127,7 @@ class Isolator:
             self._say(f"isolate hook for node {node} failed: {error}")
 
     def join(self, timeout_s: float = 20.0) -> None:
+        """Wait up to ``timeout_s`` in all for the isolations started (at the job's end)."""
         deadline = time.monotonic() + timeout_s
         for t in self._threads:
             t.join(timeout=max(0.0, deadline - time.monotonic()))

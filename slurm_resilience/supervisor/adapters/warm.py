@@ -42,6 +42,7 @@ class _Zygote:
 
     @property
     def process(self):
+        """The ``Popen`` of the zygote's step."""
         return self.step.process
 
 
@@ -155,6 +156,7 @@ class ZygotePool:
                   flush=True)
 
     def close(self) -> None:
+        """Close every zygote's connection and cancel its step."""
         for node in list(self.zygotes):
             z = self.zygotes.pop(node)
             if z.conn is not None:
@@ -204,6 +206,7 @@ class WarmStep:
             self.conns.pop(node, None)
 
     def wait_forked(self, ranks: int, timeout_s: float) -> bool:
+        """Wait until ``ranks`` ranks were forked (False: refused, every zygote gone, or ``timeout_s`` passed)."""
         deadline = time.monotonic() + timeout_s
         while len(self.pids) < ranks and not self.refused and time.monotonic() < deadline and self.conns:
             self._pump(0.05)

@@ -47,10 +47,12 @@ class ErrorSeen:
     error: ProgramError
 
     def to_dict(self) -> dict:
+        """For ``supervisor.json``."""
         return {"rank": self.rank, "node": self.node, "recovery": self.recovery, "error": self.error.to_dict()}
 
     @classmethod
     def from_dict(cls, d: Mapping) -> "ErrorSeen":
+        """The inverse of :meth:`to_dict` (a re-attached supervisor's saved state)."""
         return cls(rank=None if d.get("rank") is None else int(d["rank"]), node=str(d["node"]),
                    recovery=int(d["recovery"]), error=ProgramError.from_dict(dict(d["error"])))
 
@@ -65,6 +67,7 @@ class ProgramBlame:
     ranks: tuple[int, ...]
 
     def message(self) -> str:
+        """The reason the job is aborted with (printed and logged): the program's error and where it happened."""
         e = self.first.error
         where = f"step {e.step}" if e.step is not None else "before the first step"
         return (f"the program failed: {e.headline} (rank {self.first.rank} on {self.first.node}, {where}, "

@@ -66,6 +66,7 @@ class Policy:
 
     @classmethod
     def from_config(cls, cfg: ResilienceConfig, *, mode: Mode, can_requeue: bool) -> "Policy":
+        """The policy ``decide`` follows, from the job's configuration, its mode and whether it may requeue."""
         rc = cfg.recovery
         online = mode is Mode.ONLINE
         return cls(
@@ -173,6 +174,7 @@ class SupervisorState:
                 or worker_id in self.local_standbys.get(w.node, ()))
 
     def watched_nodes(self) -> list[str]:
+        """The nodes whose silence matters: the table's and the spares' with standbys, not the excluded."""
         return sorted(n for n in set(self.table.nodes) | set(self.standbys) if n not in self.excluded)
 
     def free_spares(self, mode: Mode) -> list[str]:
@@ -186,13 +188,16 @@ class SupervisorState:
         return [n for n in self.spare_nodes if n not in used and n not in self.excluded]
 
     def new_id(self, node: str) -> tuple["SupervisorState", str]:
+        """A fresh worker id on ``node`` (``{node}.{n}``), and the state that has used it."""
         n = self.next_id + 1
         return dataclasses.replace(self, next_id=n), f"{node}.{n}"
 
     def with_worker(self, rec: WorkerRecord) -> "SupervisorState":
+        """This state with ``rec`` added or replaced."""
         return dataclasses.replace(self, workers={**self.workers, rec.worker_id: rec})
 
     def with_dead(self, *worker_ids: str) -> "SupervisorState":
+        """This state with those workers marked dead (unknown ids are ignored)."""
         workers = dict(self.workers)
         for wid in worker_ids:
             if wid in workers:
@@ -201,6 +206,7 @@ class SupervisorState:
 
     # -- persistence (supervisor.json) -----------------------------------------
     def to_dict(self) -> dict[str, Any]:
+        """For ``supervisor.json`` (what a re-attached supervisor reads back with :meth:`from_dict`)."""
         return {
             "job_id": self.job_id, "phase": self.phase.name, "table": self.table.to_dict(),
             "target_world": self.target_world, "worker_nodes": list(self.worker_nodes),

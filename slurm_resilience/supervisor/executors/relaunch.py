@@ -201,6 +201,7 @@ class RelaunchExecutor:
                                       env=self._nccl_env)
 
     def run(self) -> int:
+        """Run the job to its end under ``decide``; returns the supervisor's exit code."""
         start = Start(info={"job_id": self.job_id, "mode": self.status_mode.value,
                             "nodes": list(self.state.worker_nodes), "command": self.command})
         signum = self.cfg.job.preempt_signum
@@ -219,6 +220,7 @@ class RelaunchExecutor:
 
     # -- the executor's side of loop.run -----------------------------------------------
     def changed(self, state: SupervisorState) -> None:
+        """Keep the newest state (the relaunch path saves nothing per change)."""
         self.state = state
 
     def observe(self, state: SupervisorState) -> list[Observation]:
@@ -259,6 +261,7 @@ class RelaunchExecutor:
             time.sleep(self.poll_s)
 
     def execute(self, state: SupervisorState, action: Action) -> list[Observation]:
+        """Carry out one action (``contract.carry_out`` refuses those this executor does not handle)."""
         if isinstance(action, Relaunch):
             if self.step is not None:
                 self._cancel(self.step)
