@@ -78,6 +78,21 @@ def _alive(pid):
         return False
 
 
+def _node_dir(tmp_path):
+    """The node's pulse directory, as ``progress.pulse_dir`` makes it (0700)."""
+    directory = tmp_path / "node"
+    directory.mkdir(mode=0o700)
+    return directory
+
+
+def _end(*procs):
+    """Kill the rank processes a test started (those still running)."""
+    for p in procs:
+        if p is not None and p.poll() is None:
+            p.kill()
+            p.wait(timeout=10)
+
+
 def _rank(srv, directory, wid):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     return subprocess.Popen([sys.executable, "-c", RANK, str(srv.port), TOKEN, str(directory), wid],
@@ -86,8 +101,7 @@ def _rank(srv, directory, wid):
 
 def test_one_pulse_per_node_reports_every_rank_its_state_and_a_dead_rank_at_once(server, tmp_path):
     srv, out = server
-    directory = tmp_path / "node"
-    directory.mkdir(mode=0o700)
+    directory = _node_dir(tmp_path)
     a = _rank(srv, directory, "w1")
     b = None
     try:
@@ -122,16 +136,12 @@ def test_one_pulse_per_node_reports_every_rank_its_state_and_a_dead_rank_at_once
         _until(lambda: not _alive(pulse_pid), timeout=30)  # no rank left: the pulse exits
         assert not [o for o in _drain(out) if o.kind == "closed"]
     finally:
-        for p in (a, b):
-            if p is not None and p.poll() is None:
-                p.kill()
-                p.wait(timeout=10)
+        _end(a, b)
 
 
 def test_the_node_pulse_folds_each_ranks_heartbeat_into_its_line_and_stamps_it_relayed(server, tmp_path):
     srv, _ = server
-    directory = tmp_path / "node"
-    directory.mkdir(mode=0o700)
+    directory = _node_dir(tmp_path)
     a = _rank(srv, directory, "w1")
     try:
         assert int(a.stdout.readline()) > 0
@@ -158,8 +168,7 @@ def test_the_node_pulse_folds_each_ranks_heartbeat_into_its_line_and_stamps_it_r
 
 def test_the_supervisors_plan_and_shutdown_notices_reach_every_ranks_page_through_the_node_pulse(server, tmp_path):
     srv, _ = server
-    directory = tmp_path / "node"
-    directory.mkdir(mode=0o700)
+    directory = _node_dir(tmp_path)
     a = _rank(srv, directory, "w1")
     b = None
 
@@ -184,10 +193,7 @@ def test_the_supervisors_plan_and_shutdown_notices_reach_every_ranks_page_throug
         _until(lambda: told(a) == (3, True) and told(b) == (3, True))
         assert srv.tell_failed == 0
     finally:
-        for p in (a, b):
-            if p is not None:
-                p.kill()
-                p.wait(timeout=10)
+        _end(a, b)
 
 
 def test_a_pulse_with_a_bad_token_is_rejected(server):
