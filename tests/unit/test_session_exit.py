@@ -41,7 +41,11 @@ class FakeSupervisor:
         cfg.write_text(json.dumps({
             "job": {"preempt_signal": preempt_signal},
             "reconnect": {"poll_interval_ms": 5, "pg_timeout_s": 10},
-            "detect": {"progress_soft_s": 4, "progress_hard_s": 8},  # below pg_timeout_s (the hierarchy)
+            # below pg_timeout_s (the hierarchy). No node pulse: this fake supervisor sets
+            # plans in the store only and never tells a pulse, so a relaying pulse would
+            # let the rank wait up to plan_watch.STORE_FALLBACK_S before it asks the store,
+            # and a plan published in one step would be seen some steps later.
+            "detect": {"progress_soft_s": 4, "progress_hard_s": 8, "pulse": False},
             "checkpoint": {"local_dir": str(tmp_path / "local/{node}/ckpt")},
         }))
         self.environ = {
