@@ -12,7 +12,7 @@ from slurm_resilience.errors import ConfigError
 
 __all__ = ["DetectConfig"]
 
-NODE_SILENCE_S = 0.7  # the node-silence deadline's default
+NODE_SILENCE_S = 0.9  # the node-silence deadline's default
 BLOCK_PER_STALE = 2.5  # the blocking timeout's default floor, in heartbeat timeouts
 
 
@@ -40,8 +40,10 @@ class DetectConfig:
             node has been quiet for ``node_silence_s - slurmd_probe_deadline_s`` (at least
             ``heartbeat_period_s``). 0 turns this off (then the heartbeat timeout decides);
             else > ``slurmd_probe_deadline_s`` and <= ``heartbeat_timeout_s``. Unset:
-            0.7 s, at most ``heartbeat_timeout_s`` (off when that leaves no time for the
-            probe).
+            0.9 s, at most ``heartbeat_timeout_s`` (off when that leaves no time for the
+            probe). A link that flaps back before it is spent costs no recovery: a
+            node quiet for up to ``node_silence_s - heartbeat_period_s - 0.15 s`` of
+            cut (0.5 s at the defaults) is heard again in time (docs/timeouts.md).
         straggler_threshold: a rank whose own compute time exceeds this × the
             median of the others is slow (> 1).
         straggler_window: ... for this many consecutive heartbeat checks (>= 1).
@@ -92,7 +94,7 @@ class DetectConfig:
 
     @property
     def silence_s(self) -> float:
-        """The node-silence deadline in force (0: off): as set, else 0.7 s capped at the
+        """The node-silence deadline in force (0: off): as set, else 0.9 s capped at the
         heartbeat timeout, off when that leaves the probe no time."""
         if self.node_silence_s is not None:
             return self.node_silence_s

@@ -18,7 +18,6 @@ import dataclasses
 import logging
 import os
 import signal
-import socket
 import subprocess
 import threading
 import time
@@ -28,6 +27,7 @@ from ..container import argv as container
 from ..errors import RecoveryError
 from . import commands
 from .parse import config_seconds, expand_hostlist, validate_node_name
+from .reach import port_reachable
 from .rights import uses_slurmdbd
 
 __all__ = ["SrunStep", "AttachedSrunStep", "srun_argv", "nodes_after_release", "SrunLauncher", "deferred"]
@@ -199,12 +199,10 @@ class SrunLauncher:
         return ids
 
     def node_reachable(self, node: str, timeout_s: float) -> bool:
+        """Does ``node``'s slurmd port take a connection within ``timeout_s`` (a fresh SYN
+        every ``reach.CONNECT_RETRY_S``)?"""
         addr, port = self._addr[node]
-        try:
-            with socket.create_connection((addr, port or 6818), timeout=timeout_s):
-                return True
-        except OSError:
-            return False
+        return port_reachable(addr, port or 6818, timeout_s)
 
     def probe_slurmd(self, node: str, step_names: Sequence[str], deadline_s: float) -> tuple[bool | None, str]:
         """Does ``node``'s slurmd answer a Slurm request within ``deadline_s``?

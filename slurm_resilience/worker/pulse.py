@@ -49,6 +49,10 @@ waits for a plan or checks for one at a safe point reads its page, and then the 
 from the node's own memory, not the store: the supervisor sends N/G lines, instead of N
 store checks every poll and N reads of the whole table (``worker/plan_watch.py``).
 
+A link that stops taking lines (a flap) is replaced by a fresh connection as soon as
+one connects, rather than waited out through TCP's retransmission back-off
+(``pulse_link.py``).
+
 When the supervisor restarts, its new liveness port is what the ranks' heartbeat
 threads write into their pages; the pulse reconnects there. With no rank left for
 ``idle_exit_s`` it exits (a rank starting later starts a new one).
@@ -98,7 +102,7 @@ def _load(name: str):
     return mod
 
 
-peer_probe, notices = _load("peer_probe"), _load("notices")
+peer_probe, notices, pulse_link = _load("peer_probe"), _load("notices"), _load("pulse_link")
 
 
 def read_board(page: mmap.mmap) -> tuple[int, int, int, int]:
@@ -226,16 +230,6 @@ def tidy(directory: str) -> bool:
     return True
 
 
-def _connect(host: str, port: int, hello: dict) -> socket.socket | None:
-    try:
-        sock = socket.create_connection((host, port), timeout=2)
-        sock.sendall((json.dumps(hello) + "\n").encode())
-        sock.setblocking(False)
-        return sock
-    except OSError:
-        return None
-
-
 def _closed(sock: socket.socket) -> bool:
     try:
         return sock.recv(1, socket.MSG_PEEK) == b""
@@ -271,12 +265,13 @@ def run(*, directory: str, host: str, period: float, hello: dict, idle_exit_s: f
     idle_since = time.monotonic()
     probe, source, inbox = peer_probe.PeerProbe(str(hello.get("token", ""))), os.environ.get(NODE_ADDR_ENV), b""
     told = notices.Told(directory)
+    link = pulse_link.Link()
     next_line = 0.0
     while True:
         scan(directory, ranks)
         fds = [r.pidfd for r in ranks.values() if r.pidfd is not None]
         extra = probe.fds() + ([sock] if sock is not None else [])
-        wait = max(0.0, next_line - time.monotonic())
+        wait = max(0.0, min(next_line - time.monotonic(), link.retry_in(time.monotonic())))
         ready = set(select.select(fds + extra, [], [], wait)[0]) if fds or extra else (time.sleep(wait) or set())
         probe.serve(ready, time.monotonic())
         if sock is not None and sock in ready:
@@ -290,6 +285,12 @@ def run(*, directory: str, host: str, period: float, hello: dict, idle_exit_s: f
                 sock.close()
                 sock, next_line = None, 0.0
         reach = probe.take()
+        if sock is not None and link.look(pulse_link.unacked(sock), time.monotonic()):
+            fresh = pulse_link.connect(host, port, hello, timeout=pulse_link.RETRY_S)
+            if fresh is not None:  # the link is back: the line goes out on the new one now
+                sock.close()
+                sock, inbox, next_line = fresh, b"", 0.0
+                link.swapped(time.monotonic())
         if time.monotonic() < next_line and reach is None and not any(fd in ready for fd in fds):
             continue
         next_line = time.monotonic() + period
@@ -310,7 +311,7 @@ def run(*, directory: str, host: str, period: float, hello: dict, idle_exit_s: f
                     continue  # the supervisor is restarting; its new port is not known yet
             if not new:
                 continue
-            port, sock, inbox = new, _connect(host, new, hello), b""
+            port, sock, inbox = new, pulse_link.connect(host, new, hello), b""
             if sock is None:
                 continue
             probe.listen(source or sock.getsockname()[0])

@@ -47,8 +47,8 @@ def test_nodes_never_heard_or_already_held_are_left_to_the_heartbeat_path():
     assert quiet_nodes(last, 101.0, verdicts={}, held=["n2"], **KW) == ([], [])
 
 
-def test_the_deadline_defaults_to_0_7_s_capped_by_the_heartbeat_timeout_and_is_checked():
-    assert DetectConfig().silence_s == 0.7
+def test_the_deadline_defaults_to_0_9_s_capped_by_the_heartbeat_timeout_and_is_checked():
+    assert DetectConfig().silence_s == 0.9
     assert DetectConfig(heartbeat_period_s=0.1, heartbeat_timeout_s=0.5).silence_s == 0.5
     assert DetectConfig(heartbeat_period_s=0.1, heartbeat_timeout_s=0.3, slurmd_probe_deadline_s=0.25).silence_s == 0.3
     assert DetectConfig(node_silence_s=0).silence_s == 0

@@ -17,7 +17,7 @@ from slurm_resilience.slurm.steps import SrunLauncher
 from slurm_resilience.supervisor.decide import messages as m
 from slurm_resilience.supervisor.decide.classify import classify_fault
 from slurm_resilience.supervisor.decide.decide import decide
-from slurm_resilience.supervisor.observe.probe import NodeProber, silent_nodes
+from slurm_resilience.supervisor.observe.probe import ASK_MIN_S, NodeProber, silent_nodes
 from slurm_resilience.supervisor.observe.watch import Watch
 
 from test_decide import of, policy, started
@@ -90,7 +90,24 @@ def test_prober_reports_answer_and_timing():
     assert p.start("n3", ["sr-w1", "sr-w2"])
     (r,) = _one(p)
     assert (r.node, r.reachable, r.answered) == ("n3", True, True) and r.ended >= r.started
-    assert seen["names"] == ("sr-w1", "sr-w2") and 0 < seen["left"] <= 0.2
+    assert seen["names"] == ("sr-w1", "sr-w2") and 0 < seen["left"] <= max(ASK_MIN_S, 0.2)
+
+
+def test_a_connect_that_came_late_still_leaves_slurmd_time_to_answer():
+    """The link flapped back at the end of the probe's deadline: the request still gets ASK_MIN_S."""
+    seen = {}
+
+    def late(node, t):
+        time.sleep(t)  # the whole deadline spent on the connect
+        return True
+
+    def answer(node, names, left):
+        seen["left"] = left
+        return True, "answered"
+    p = NodeProber(late, answer, 0.1)
+    p.start("n3", ["sr-w1"])
+    (r,) = _one(p)
+    assert r.answered is True and seen["left"] == ASK_MIN_S
 
 
 def test_prober_unreachable_port_is_silent_without_asking():
@@ -305,7 +322,7 @@ def test_a_silent_node_whose_slurmd_answers_and_whose_peers_reach_it_is_cut_from
               preempted=lambda: False, peers=link)
     now = time.time()
     w._hb_heard = {n: now for n in nodes}
-    w._hb_heard[cut.node] = now - 1.0  # quiet past node_silence_s (0.7 s)
+    w._hb_heard[cut.node] = now - 1.0  # quiet past node_silence_s (0.9 s)
     w._verdicts[cut.node] = NodeProbed(cut.node, True, True, "answered", now - 0.2, now - 0.1)
     suspects = {}
     silence(w, state, suspects, now)
@@ -321,6 +338,38 @@ def test_a_silent_node_whose_slurmd_answers_and_whose_peers_reach_it_is_cut_from
     assert state2.recovery.level == "node-replacement"
     ev = [a for a in of(acts, m.Emit) if a.kind is EventKind.FAULT_DETECTED][0]
     assert ev.fields["fault"]["kind"] == FaultKind.NODE_PARTITIONED.value
+
+
+def test_peers_are_asked_once_slurmd_answers_but_a_node_heard_before_the_deadline_is_not_held():
+    """A flap: the node quiet 0.7 s, its slurmd answered once the link was back, its peers
+    reach it. They are asked at once (their word is in by the deadline) but nothing is
+    held before the node has been quiet for node_silence_s; heard again, it never is."""
+    from slurm_resilience.supervisor.observe.probe import NodeProbed
+    from slurm_resilience.supervisor.observe.silence import silence
+    from test_partition import FakeLink
+
+    p = policy()
+    state, _ = started(p)
+    cut = state.table.slots[1]
+    nodes = state.watched_nodes()
+    link = FakeLink(nodes)
+    cfg = load_config({})
+    w = Watch(cfg=cfg, store=Store(), seen=None, launcher=Launcher(True), handles={}, events=None,
+              preempted=lambda: False, peers=link)
+    now = time.time()
+    w._hb_heard = {n: now for n in nodes}
+    w._hb_heard[cut.node] = now - 0.7  # past the probe's start, short of node_silence_s
+    w._verdicts[cut.node] = NodeProbed(cut.node, True, True, "answered", now - 0.1, now - 0.02)
+    suspects = {}
+    silence(w, state, suspects, now)
+    assert len(link.asked) == 1 and not w._held  # asked before the deadline
+    (ask,) = link.asked
+    link.answers = {n: {r["id"]: {"ok": {cut.node}, "bad": set()}} for n, r in ask.items()}
+    silence(w, state, suspects, now + 0.05)
+    assert not w._held  # they reach it, but it has been quiet 0.75 s only
+    w._hb_heard[cut.node] = now + 0.1  # its pulse is back on a fresh connection
+    silence(w, state, suspects, now + cfg.detect.silence_s)
+    assert not w._held and not suspects
 
 
 def test_a_stopped_rank_whose_pulse_still_speaks_is_hung_not_cut_from_the_supervisor():

@@ -95,6 +95,7 @@ class LivenessServer:
         self._lock = threading.Lock()
         self._pulses: dict[str, Pulse] = {}
         self._heard: dict[str, float] = {}  # node -> when its pulse's newest line came
+        self._line_t: dict[str, float] = {}  # node -> the newest line's own time (``t``)
         self._endpoints: dict[str, tuple[str, int]] = {}  # node -> its pulse's peer-probe endpoint
         self._reach: dict[str, dict[int, dict]] = {}  # node -> request id -> its pulse's answer (newest 4)
         self._conns: dict[str, socket.socket] = {}  # node -> its pulse's connection (for requests)
@@ -207,6 +208,9 @@ class LivenessServer:
                 if msg.get("reach"):
                     r = msg["reach"]
                     reach = (int(r["id"]), {"ok": set(map(str, r["ok"])), "bad": set(map(str, r["bad"]))})
+                if float(msg.get("t", 0)) < self._line_t.get(node, 0.0):
+                    continue  # resent late on a link its pulse has replaced (pulse_link.py): superseded
+                self._line_t[node] = float(msg.get("t", 0))
                 for wid, entry in dict(msg["ranks"]).items():
                     _pid, progress, phase, step, st, cpu = entry[:6]
                     phase = int(phase)  # worker/pulse.py: 0 computing, 1 waiting, 2 busy

@@ -11,7 +11,9 @@ thread, bounded by ``detect.slurmd_probe_deadline_s``. The answer comes back as 
 deadline → NODE_LOST (``classify.py``), answered → a process-level fault. The watch
 starts the probe early, once every rank on the node has been quiet for the heartbeat
 time-out less the deadline and one period, so that the verdict is usually in when
-the heartbeats go stale (``watch.Watch._probe_early``).
+the heartbeats go stale (``watch.Watch._probe_early``). The connect is retried with a
+fresh SYN every 50 ms (``slurm/reach.py``), and once it succeeds the request gets at
+least ``ASK_MIN_S``: a node whose link flapped back during the probe answers.
 
 Measured on the lab cluster (Slurm 22.05, frozen node = slurmd SIGSTOPped and the
 job cgroups frozen): healthy, the connect + step list + sstat take 10-20 ms;
@@ -26,9 +28,10 @@ import threading
 import time
 from typing import Any, Callable, Collection, Mapping, Sequence
 
-__all__ = ["NodeProbed", "NodeProber", "silent_nodes"]
+__all__ = ["HOLD_GRACE_S", "ASK_MIN_S", "NodeProbed", "NodeProber", "silent_nodes"]
 
 HOLD_GRACE_S = 1.0  # a probe thread past its deadline by this much is given up on
+ASK_MIN_S = 0.25  # the Slurm request's time at least, after the connect
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,8 +98,9 @@ class NodeProber:
             if not reachable:
                 answered, detail = False, "slurmd port refused or silent"
             else:
-                left = self.deadline_s - (time.monotonic() - t_mono)
-                answered, detail = self._probe(node, names, left) if left > 0 else (None, "no time left")
+                # a connect that came late (the link flapped back) still leaves slurmd time to answer
+                left = max(ASK_MIN_S, self.deadline_s - (time.monotonic() - t_mono))
+                answered, detail = self._probe(node, names, left)
         except Exception as exc:  # a probe that breaks is no verdict
             answered, detail = None, f"probe failed: {exc}"
         with self._lock:

@@ -13,10 +13,10 @@ a suspect with a stale heartbeat and the slurmd verdict attached: ``decide`` mak
 NODE_LOST (``decide/classify.py``). A healthy node that is only slow (a loaded box)
 answers the probe, and nothing happens; the heartbeat timeout still judges its ranks.
 
-A silent node whose slurmd *answered* is asked about once it has been quiet for
-``node_silence_s``: its peers probe its pulse (``partition.PartitionWatch.about``), and
-reached by them it is cut from the supervisor only (``NODE_PARTITIONED``), found at the
-same deadline rather than at the heartbeat timeout.
+A quiet node whose slurmd *answered* is asked about at once: its peers probe its pulse
+(``partition.PartitionWatch.about``), and when they reach it and it is still quiet at
+``node_silence_s``, it is cut from the supervisor only (``NODE_PARTITIONED``), found at
+the same deadline rather than at the heartbeat timeout.
 
 When no node at all has been heard for ``node_silence_s / 2`` it is the supervisor
 that is behind (its own threads starved), not every node: nothing is concluded.
@@ -89,10 +89,13 @@ def silence(watch: Any, state: Any, suspects: dict[str, dict[str, Any]], now: fl
     pw = watch.partition
     if pw is None or (len(last) > 1 and not any(now - t < d.silence_s / 2 for t in last.values() if t > 0)):
         return
-    for node, t in last.items():  # silent, yet slurmd answered: do its peers still reach it?
+    start_after = max(d.heartbeat_period_s, d.silence_s - d.slurmd_probe_deadline_s)
+    for node, t in last.items():  # quiet, yet slurmd answered: do its peers still reach it?
         v = watch._verdicts.get(node)
-        if (t > 0 and node not in watch._held and now - t >= d.silence_s and v is not None and v.answered
-                and v.started >= t and (why := pw.about(node, state.watched_nodes()))):
+        # asked as soon as slurmd has answered (the peers' word is in by the deadline), held only
+        # once quiet for the whole deadline: a node whose link flapped back is heard before that
+        if (t > 0 and node not in watch._held and now - t >= start_after and v is not None and v.answered
+                and v.started >= t and (why := pw.about(node, state.watched_nodes())) and now - t >= d.silence_s):
             _hold(watch, state, suspects, node, by_node[node], now, evidence=why, peers_cut=why)
 
 
