@@ -371,3 +371,33 @@ def test_while_the_pulse_relays_the_beats_the_store_heartbeat_is_written_only_ev
         from slurm_resilience.worker.progress import tidy_if_unused
 
         tidy_if_unused(hb._pulse_dir or directory)
+
+
+def test_a_pulse_whose_link_stops_taking_lines_moves_to_a_fresh_connection(tmp_path):
+    """The supervisor's side stops acknowledging (here: a listener that never reads, its
+    window shut; on a cluster: a cut link): the pulse's sent bytes stay unacknowledged,
+    and it connects afresh and goes on there (worker/pulse_link.py) instead of waiting."""
+    listener = socket.socket()
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2048)  # inherited by the accepted socket
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    listener.settimeout(30)
+
+    class Port:
+        port = listener.getsockname()[1]
+    directory = _node_dir(tmp_path)
+    rank = _rank(Port, directory, "n1.0")
+    try:
+        first, _ = listener.accept()  # never read: its window fills, the pulse's lines sit unacknowledged
+        second, _ = listener.accept()  # the pulse's fresh connection
+        second.settimeout(10)
+        buf = b""
+        while buf.count(b"\n") < 2:
+            buf += second.recv(65536)
+        hello, line = (json.loads(x) for x in buf.split(b"\n")[:2])
+        assert hello["worker_id"] == "pulse@n1" and "n1.0" in line["ranks"]
+        first.close()
+        second.close()
+    finally:
+        _end(rank)
+        listener.close()
