@@ -222,6 +222,24 @@ def test_torn_and_foreign_lines_are_skipped(server):
     assert not [o for o in _drain(out) if o.kind in ("connected", "closed")]
 
 
+def test_lines_resent_late_on_a_replaced_link_are_superseded(server):
+    """The pulse moved to a fresh connection (pulse_link.py); TCP still delivers what sat
+    on the old one. Those old lines say nothing new: only the current link's count."""
+    srv, out = server
+    hello = json.dumps({"token": TOKEN, "worker_id": "pulse@n", "node": "n", "pid": 1, "agent": True}).encode()
+    with socket.create_connection(("127.0.0.1", srv.port)) as old:
+        old.sendall(hello + b'\n{"t":1,"ranks":{"w2":[1,3,0,3,"S",5]},"gone":{}}\n')
+        _until(lambda: srv.pulses().get("w2"))
+        with socket.create_connection(("127.0.0.1", srv.port)) as new:
+            new.sendall(hello + b'\n{"t":3,"ranks":{"w2":[1,7,0,7,"S",9]},"gone":{}}\n')
+            _until(lambda: srv.pulses()["w2"].progress == 7)
+            old.sendall(b'{"t":2,"ranks":{"w2":[1,5,0,5,"S",7]},"gone":{"w3":4}}\n')  # resent late
+            _until(lambda: any(o.kind == "closed" and o.worker_id == "w3" for o in _drain(out)))  # "gone" counts
+            assert srv.pulses()["w2"].progress == 7  # the progress it carried does not
+            new.sendall(b'{"t":4,"ranks":{"w2":[1,8,0,8,"S",9]},"gone":{}}\n')
+            _until(lambda: srv.pulses()["w2"].progress == 8)
+
+
 def test_the_page_shows_the_innermost_phase():
     from slurm_resilience.worker.progress import ProgressBoard
 

@@ -95,7 +95,6 @@ class LivenessServer:
         self._lock = threading.Lock()
         self._pulses: dict[str, Pulse] = {}
         self._heard: dict[str, float] = {}  # node -> when its pulse's newest line came
-        self._line_t: dict[str, float] = {}  # node -> the newest line's own time (``t``)
         self._endpoints: dict[str, tuple[str, int]] = {}  # node -> its pulse's peer-probe endpoint
         self._reach: dict[str, dict[int, dict]] = {}  # node -> request id -> its pulse's answer (newest 4)
         self._conns: dict[str, socket.socket] = {}  # node -> its pulse's connection (for requests)
@@ -159,7 +158,7 @@ class LivenessServer:
             return  # nothing is expected from a rank after the hello
         state["buf"] += data
         if state["who"] is not None:
-            self._pulse_lines(state)
+            self._pulse_lines(state, conn)
             return
         if b"\n" not in state["buf"]:
             if len(state["buf"]) > 4096:
@@ -181,12 +180,12 @@ class LivenessServer:
             conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, TELL_BUFFER)  # a plan goes out in one send
             with self._lock:
                 self._conns[who[1]] = conn
-            self._pulse_lines(state)
+            self._pulse_lines(state, conn)
             return
         self._out.put(Observation("connected", state["who"][0], state["who"][1],
                                   time.time(), state["who"][2]))
 
-    def _pulse_lines(self, state: dict) -> None:
+    def _pulse_lines(self, state: dict, conn: socket.socket) -> None:
         """Keep the newest word on each rank of the node; a rank said gone is a close.
         Only the newest complete line counts for the progress (older ones are superseded),
         but every line's ``gone`` does."""
@@ -208,9 +207,8 @@ class LivenessServer:
                 if msg.get("reach"):
                     r = msg["reach"]
                     reach = (int(r["id"]), {"ok": set(map(str, r["ok"])), "bad": set(map(str, r["bad"]))})
-                if float(msg.get("t", 0)) < self._line_t.get(node, 0.0):
+                if self._conns.get(node) is not conn:
                     continue  # resent late on a link its pulse has replaced (pulse_link.py): superseded
-                self._line_t[node] = float(msg.get("t", 0))
                 for wid, entry in dict(msg["ranks"]).items():
                     _pid, progress, phase, step, st, cpu = entry[:6]
                     phase = int(phase)  # worker/pulse.py: 0 computing, 1 waiting, 2 busy
