@@ -285,7 +285,7 @@ def run(*, directory: str, host: str, period: float, hello: dict, idle_exit_s: f
                 sock.close()
                 sock, next_line = None, 0.0
         reach = probe.take()
-        if sock is not None and link.look(pulse_link.unacked(sock), time.monotonic()):
+        if sock is not None and link.look(pulse_link.timed_out(sock), time.monotonic()):
             fresh = pulse_link.connect(host, port, hello, timeout=pulse_link.RETRY_S)
             if fresh is not None:  # the link is back: the line goes out on the new one now
                 sock.close()

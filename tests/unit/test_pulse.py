@@ -4,6 +4,7 @@
 import json
 import os
 import queue
+import shutil
 import signal
 import socket
 import subprocess
@@ -391,31 +392,85 @@ def test_while_the_pulse_relays_the_beats_the_store_heartbeat_is_written_only_ev
         tidy_if_unused(hb._pulse_dir or directory)
 
 
-def test_a_pulse_whose_link_stops_taking_lines_moves_to_a_fresh_connection(tmp_path):
-    """The supervisor's side stops acknowledging (here: a listener that never reads, its
-    window shut; on a cluster: a cut link): the pulse's sent bytes stay unacknowledged,
-    and it connects afresh and goes on there (worker/pulse_link.py) instead of waiting."""
+def _mute_listener():
+    """A listener whose accepted sockets are never read, their window tiny."""
     listener = socket.socket()
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2048)  # inherited by the accepted socket
     listener.bind(("127.0.0.1", 0))
     listener.listen(8)
-    listener.settimeout(30)
+    return listener
+
+
+def _lines(conn, n):
+    conn.settimeout(10)
+    buf = b""
+    while buf.count(b"\n") < n:
+        chunk = conn.recv(65536)
+        assert chunk, "closed"
+        buf += chunk
+    return [json.loads(x) for x in buf.split(b"\n")[:n]]
+
+
+def test_a_full_window_is_not_a_cut_the_pulse_keeps_its_link(tmp_path):
+    """A supervisor that stops reading shuts its window: the pulse's bytes wait, but no
+    retransmission time-out fires, and a new link would not help: it keeps the one it has."""
+    listener = _mute_listener()
 
     class Port:
         port = listener.getsockname()[1]
-    directory = _node_dir(tmp_path)
-    rank = _rank(Port, directory, "n1.0")
+    rank = _rank(Port, _node_dir(tmp_path), "n1.0")
     try:
-        first, _ = listener.accept()  # never read: its window fills, the pulse's lines sit unacknowledged
+        listener.settimeout(30)
+        first, _ = listener.accept()  # never read
+        listener.settimeout(3.0)  # the window fills within ~1 s at 20 lines/s; then 2 s more
+        with pytest.raises(socket.timeout):
+            listener.accept()[0].close()
+        first.close()
+    finally:
+        _end(rank)
+        listener.close()
+
+
+IPTABLES = shutil.which("iptables")
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or IPTABLES is None, reason="needs root and iptables (the lab's own rules)")
+def test_a_pulse_whose_link_lost_packets_moves_to_a_fresh_connection_once_the_link_is_back(tmp_path):
+    """A real cut (iptables drops the port's packets both ways, as ``local-cluster
+    flap-node`` does): the kernel times out the pulse's line, the pulse's fresh SYNs are
+    dropped too until the cut ends, then one connects and the lines go on there
+    (worker/pulse_link.py) instead of waiting out TCP's retransmission back-off."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    port = listener.getsockname()[1]
+
+    class Port:
+        pass
+    Port.port = port
+    rules = [["INPUT", "-p", "tcp", "--dport", str(port), "-j", "DROP"],
+             ["INPUT", "-p", "tcp", "--sport", str(port), "-j", "DROP"]]
+    rank = _rank(Port, _node_dir(tmp_path), "n1.0")
+    cut = []
+    try:
+        listener.settimeout(30)
+        first, _ = listener.accept()
+        hello, _line = _lines(first, 2)
+        for rule in rules:
+            subprocess.run([IPTABLES, "-w", "-I", *rule], check=True)
+            cut.append(rule)
+        time.sleep(0.6)  # the cut lasts 0.6 s (a flap): long enough for the kernel's first RTO
+        for rule in list(cut):
+            subprocess.run([IPTABLES, "-w", "-D", *rule], check=True)
+            cut.remove(rule)
+        listener.settimeout(10)
         second, _ = listener.accept()  # the pulse's fresh connection
-        second.settimeout(10)
-        buf = b""
-        while buf.count(b"\n") < 2:
-            buf += second.recv(65536)
-        hello, line = (json.loads(x) for x in buf.split(b"\n")[:2])
-        assert hello["worker_id"] == "pulse@n1" and "n1.0" in line["ranks"]
+        hello2, line = _lines(second, 2)
+        assert hello2 == hello and "n1.0" in line["ranks"]
         first.close()
         second.close()
     finally:
+        for rule in cut:
+            subprocess.run([IPTABLES, "-w", "-D", *rule], check=False)
         _end(rank)
         listener.close()

@@ -64,17 +64,17 @@ def test_a_refused_port_is_an_answer_at_once():
 def test_link_rule_stuck_after_stuck_s_retries_every_retry_s_and_backs_off_after_a_swap():
     e = 1e-6  # past each boundary (float sums)
     link = Link()
-    assert not link.look(0, 0.0) and link.retry_in(0.0) == float("inf")
-    assert not link.look(10, 1.0)  # first seen unacknowledged
-    assert not link.look(10, 1.0 + STUCK_S / 2)
-    assert link.look(10, 1.0 + STUCK_S + e)  # stuck: try a fresh connection
-    assert not link.look(10, 1.0 + STUCK_S + RETRY_S / 2)  # not again before RETRY_S
-    assert link.look(10, 1.0 + STUCK_S + RETRY_S + 2 * e)
+    assert not link.look(False, 0.0) and link.retry_in(0.0) == float("inf")
+    assert not link.look(True, 1.0)  # first seen timed out
+    assert not link.look(True, 1.0 + STUCK_S / 2)
+    assert link.look(True, 1.0 + STUCK_S + e)  # stuck: try a fresh connection
+    assert not link.look(True, 1.0 + STUCK_S + RETRY_S / 2)  # not again before RETRY_S
+    assert link.look(True, 1.0 + STUCK_S + RETRY_S + 2 * e)
     link.swapped(2.0)
     assert link.replaced == 1 and link.wait == 2 * STUCK_S
-    assert not link.look(10, 2.0) and not link.look(10, 2.0 + STUCK_S)  # a new link gets longer
-    assert link.look(10, 2.0 + 2 * STUCK_S + e)
-    assert not link.look(0, 3.0) and link.wait == STUCK_S  # acknowledged: back to the short wait
+    assert not link.look(True, 2.0) and not link.look(True, 2.0 + STUCK_S)  # a new link gets longer
+    assert link.look(True, 2.0 + 2 * STUCK_S + e)
+    assert not link.look(False, 3.0) and link.wait == STUCK_S  # acknowledged: back to the short wait
     for _ in range(10):
         link.swapped(4.0)
     assert link.wait == STUCK_MAX_S
