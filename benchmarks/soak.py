@@ -1,5 +1,5 @@
 """No-fault soak on the local Slurm: fault-free jobs back to back under load, at the
-default detection deadlines (node silence 0.7 s, heartbeat timeout 2 s, peer probes
+default detection deadlines (node silence 0.9 s, heartbeat timeout 2 s, peer probes
 after a 2 s stall), counting every recovery and every alarm. The bar: zero.
 
 Each job is the lab's example program at G ranks per node on ``--nodes`` worker nodes

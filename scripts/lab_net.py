@@ -22,6 +22,13 @@ passes OUTPUT once, on the sending side):
 - ``SR_LAB``: the faults, each rule tagged with a comment ``sr-lab NODE FAULT``;
   ``heal NODE`` deletes the node's rules, ``reset`` flushes the chain.
 
+A slow node (``slow-node NODE RATE``: a link that negotiated down, a congested port)
+is shaped, not dropped: an htb qdisc on ``lo`` (no ``netem`` on every kernel, so no
+fixed added delay) with a class of RATE per slow node, and rules in the mangle table's
+``SR_LAB_SLOW`` chain (from POSTROUTING, after the marks are set) that put every packet
+of the node's connections into its class (``CLASSIFY``); everything else passes
+unshaped. Healing the last slow node removes the qdisc.
+
 Nodes n1..n32 have a bit each (the conntrack mark has 32); larger labs get
 addresses for every node but network faults only on the first 32.
 
@@ -41,7 +48,9 @@ MARK_CHAIN = "SR_LAB_MARK"
 FAULT_CHAIN = "SR_LAB"
 FIRST_HOST = 10  # n1 -> 127.0.0.11
 MAX_FAULT_NODES = 32
-FAULTS = ("partition-node", "partition-peers", "partition-supervisor", "lossy-node")
+SLOW_CHAIN = "SR_LAB_SLOW"  # mangle table: which packets go to a slow node's class
+SLOW_QDISC = "1:"  # htb on lo while a node is slow; unclassified packets pass unshaped (default 0)
+FAULTS = ("partition-node", "partition-peers", "partition-supervisor", "lossy-node", "slow-node")
 
 
 class NetError(Exception):
@@ -101,7 +110,36 @@ def teardown_rules() -> list[list[str]]:
     """Undo :func:`setup_rules` and every fault (each may fail: nothing there)."""
     return [["iptables", "-D", "OUTPUT", "-j", MARK_CHAIN], ["iptables", "-D", "OUTPUT", "-j", FAULT_CHAIN],
             ["iptables", "-F", MARK_CHAIN], ["iptables", "-X", MARK_CHAIN],
-            ["iptables", "-F", FAULT_CHAIN], ["iptables", "-X", FAULT_CHAIN]]
+            ["iptables", "-F", FAULT_CHAIN], ["iptables", "-X", FAULT_CHAIN],
+            ["iptables", "-t", "mangle", "-D", "POSTROUTING", "-j", SLOW_CHAIN],
+            ["iptables", "-t", "mangle", "-F", SLOW_CHAIN], ["iptables", "-t", "mangle", "-X", SLOW_CHAIN],
+            unshape_rule()]
+
+
+def slow_chain_rules() -> list[list[str]]:
+    """Create the mangle chain and its jump (run with check=False: either may exist)."""
+    return [["iptables", "-t", "mangle", "-N", SLOW_CHAIN],
+            ["iptables", "-t", "mangle", "-I", "POSTROUTING", "1", "-j", SLOW_CHAIN]]
+
+
+def slow_rules(node: str, rate: str, *, shaped: bool) -> list[list[str]]:
+    """Shape every connection of ``node`` to ``rate`` (tc units: 800kbit, 2mbit, ...);
+    ``shaped``: the htb qdisc is on ``lo`` already (another slow node)."""
+    if not re.fullmatch(r"\d+(\.\d+)?(bit|kbit|mbit|gbit)", rate) or float(re.match(r"[\d.]+", rate).group()) <= 0:
+        raise NetError(f"slow-node RATE must be a tc rate above 0 such as 800kbit or 2mbit, not {rate!r}")
+    cls = f"{SLOW_QDISC}{node_index(node) + FIRST_HOST:x}"
+    base = ["iptables", "-t", "mangle", "-A", SLOW_CHAIN, *_tag(node, "slow-node")]
+    rules = [] if shaped else [["tc", "qdisc", "add", "dev", "lo", "root", "handle", SLOW_QDISC, "htb", "default", "0"]]
+    return rules + [
+        ["tc", "class", "replace", "dev", "lo", "parent", SLOW_QDISC, "classid", cls, "htb", "rate", rate,
+         "ceil", rate],
+        [*base, "-m", "connmark", "--mark", _mark(node_bit(node)), "-j", "CLASSIFY", "--set-class", cls],
+        [*base, "-d", node_addr(node), "-j", "CLASSIFY", "--set-class", cls]]
+
+
+def unshape_rule() -> list[str]:
+    """Remove the htb qdisc from ``lo`` (its classes go with it)."""
+    return ["tc", "qdisc", "del", "dev", "lo", "root", "handle", SLOW_QDISC]
 
 
 def _cut(node: str, fault: str, extra: list[str]) -> list[list[str]]:
@@ -155,17 +193,23 @@ def supervisor_rules(node: str, sup_addr: str, ports: list[int]) -> list[list[st
              "--sports", plist, "-j", "DROP"]]
 
 
-def heal_rules(listing: str, node: str | None = None) -> list[list[str]]:
+def heal_rules(listing: str, node: str | None = None, *, slow: str = "") -> list[list[str]]:
     """The deletions that remove ``node``'s fault rules (every node's when None), from
-    ``iptables -S SR_LAB`` output."""
+    ``iptables -S SR_LAB`` output, and from ``iptables -t mangle -S SR_LAB_SLOW`` output
+    (``slow``); with no slow node left after them, the htb qdisc goes too."""
     out = []
-    for line in listing.splitlines():
-        words = shlex.split(line)
-        if len(words) < 3 or words[:2] != ["-A", FAULT_CHAIN]:
-            continue
-        m = re.search(r"sr-lab (\S+) ", line)
-        if m and (node is None or m.group(1) == node):
-            out.append(["iptables", "-D", *words[1:]])
+    for chain, text, table in ((FAULT_CHAIN, listing, []), (SLOW_CHAIN, slow, ["-t", "mangle"])):
+        for line in text.splitlines():
+            words = shlex.split(line)
+            if len(words) < 3 or words[:2] != ["-A", chain]:
+                continue
+            m = re.search(r"sr-lab (\S+) ", line)
+            if m and (node is None or m.group(1) == node):
+                out.append(["iptables", *table, "-D", *words[1:]])
+    left = [ln for ln in slow.splitlines() if ln.startswith(f"-A {SLOW_CHAIN} ")]
+    removed = sum(1 for r in out if r[1:3] == ["-t", "mangle"])
+    if left and removed == len(left):
+        out.append(unshape_rule())
     return out
 
 
@@ -188,6 +232,12 @@ def listing() -> str:
     if res.returncode != 0:
         raise NetError("no SR_LAB chain: start the lab (scripts/local-cluster start) first")
     return res.stdout
+
+
+def slow_listing() -> str:
+    """The slow nodes' rules ("" when there is no such chain yet)."""
+    res = subprocess.run(["iptables", "-t", "mangle", "-S", SLOW_CHAIN], capture_output=True, text=True, timeout=15)
+    return res.stdout if res.returncode == 0 else ""
 
 
 def has_cgroup2() -> bool:

@@ -286,7 +286,7 @@ def cmd_inject(args) -> int:
     from .inject import inject
 
     print(json.dumps(inject(args.fault, args.job, rank=args.rank, seconds=args.seconds,
-                            path=args.path, probability=args.probability)))
+                            path=args.path, probability=args.probability, rate=args.rate)))
     return 0
 
 
@@ -351,6 +351,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rank", type=int, default=1)
     p.add_argument("--seconds", type=float, default=5.0, help="slow-rank: how long; flap-node: how long cut off")
     p.add_argument("--probability", type=float, default=0.05, help="lossy-node: of dropping each packet")
+    p.add_argument("--rate", default="1mbit", help="slow-node: its links' rate (800kbit, 2mbit, ...)")
     p.add_argument("--path", help="corrupt-checkpoint: tier root; fill-disk: directory to fill")
     p.set_defaults(func=cmd_inject)
     return ap

@@ -115,7 +115,7 @@ def cluster(*args: str, timeout: float = 120) -> str:
 
 def net_fault(*args: str, timeout: float = 60) -> float:
     """A network fault (``local-cluster partition-node NODE``, ``partition-peers``,
-    ``partition-supervisor``, ``lossy-node``, ``flap-node``, ``heal``); returns its wall
+    ``partition-supervisor``, ``lossy-node``, ``slow-node``, ``flap-node``, ``heal``); returns its wall
     time (a flap returns once healed: the time it began)."""
     out = cluster(*args, timeout=timeout)
     m = re.search(r"\bat=([0-9.]+)", out) or re.search(r"healed_at=([0-9.]+)", out)

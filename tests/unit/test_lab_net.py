@@ -49,6 +49,29 @@ def test_setup_marks_each_nodes_connections_and_teardown_undoes_it():
     assert text.index("iptables -I OUTPUT 1 -j SR_LAB_MARK") > text.index("iptables -I OUTPUT 1 -j SR_LAB")
 
 
+def test_slow_node_shapes_its_connections_in_a_class_of_its_own_and_the_last_heal_unshapes():
+    rules = lab_net.slow_rules("n3", "2mbit", shaped=False)
+    text = _words(rules)
+    assert text[0] == "tc qdisc add dev lo root handle 1: htb default 0"  # unclassified: unshaped
+    assert "tc class replace dev lo parent 1: classid 1:d htb rate 2mbit ceil 2mbit" in text
+    marks = [r for r in rules if "CLASSIFY" in r]
+    assert len(marks) == 2 and all(r[:5] == ["iptables", "-t", "mangle", "-A", "SR_LAB_SLOW"] for r in marks)
+    assert any("--mark 0x4/0x4" in t for t in text) and any("-d 127.0.0.13" in t for t in text)
+    assert lab_net.slow_rules("n4", "2mbit", shaped=True)[0][:2] == ["tc", "class"]  # the qdisc is there
+    for bad in ("2", "fast", "0kbit", "2mbps"):
+        with pytest.raises(lab_net.NetError, match="RATE"):
+            lab_net.slow_rules("n3", bad, shaped=False)
+    listing = "\n".join(["-N SR_LAB_SLOW"] + [
+        f'-A SR_LAB_SLOW -m comment --comment "sr-lab {n} slow-node" -j CLASSIFY --set-class 0001:000{i}'
+        for n, i in (("n3", "d"), ("n4", "e"))])
+    one = _words(lab_net.heal_rules("-N SR_LAB", "n3", slow=listing))
+    assert one == ['iptables -t mangle -D SR_LAB_SLOW -m comment --comment sr-lab n3 slow-node -j CLASSIFY '
+                   '--set-class 0001:000d']  # n4 is still slow: the qdisc stays
+    every = _words(lab_net.heal_rules("-N SR_LAB", None, slow=listing))
+    assert len(every) == 3 and every[-1] == "tc qdisc del dev lo root handle 1:"
+    assert "tc qdisc del dev lo root handle 1:" in _words(lab_net.teardown_rules())
+
+
 def test_partition_drops_the_nodes_connections_and_new_ones_to_its_address():
     rules = lab_net.partition_rules("n3")
     assert all(r[:3] == ["iptables", "-A", "SR_LAB"] and r[-2:] == ["-j", "DROP"] for r in rules)
@@ -128,6 +151,7 @@ def test_inject_network_faults_name_the_ranks_node():
                                                     "127.0.0.11", "--ports", "40001,40002"])
     assert _args("flap-node") == ("n2", ["flap-node", "n2", "1.5"])
     assert _args("lossy-node", rank=2) == ("n3", ["lossy-node", "n3", "0.1"])
+    assert _args("slow-node", rate="800kbit") == ("n2", ["slow-node", "n2", "800kbit"])
     assert _args("heal") == ("", ["heal"])
 
 
@@ -138,6 +162,9 @@ def test_inject_network_faults_refuse_bad_input():
         _args("flap-node", seconds=0)
     with pytest.raises(ResilienceError, match="--probability"):
         _args("lossy-node", probability=1.5)
+    for bad in ("fast", "0mbit", "2 mbit", "-1kbit"):
+        with pytest.raises(ResilienceError, match="--rate"):
+            _args("slow-node", rate=bad)
     with pytest.raises(ResilienceError, match="endpoints"):
         network_args("partition-supervisor", {**STATUS, "endpoints": {}}, rank=1, seconds=1, probability=0.1)
     one_node = {"ranks": [{"rank": 0, "node": "n1", "pid": 1}, {"rank": 1, "node": "n1", "pid": 2}]}
