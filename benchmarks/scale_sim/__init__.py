@@ -10,7 +10,7 @@ Four kinds of process, all on 127.0.0.1::
        └── starts ────► store_host.py: the job's TCPStore, alone in its process (the keeper's)
 
 The simulated ranks speak the real protocol through the real worker-side functions:
-the liveness hello (``heartbeat.connect_liveness``), the pulse lines (``pulse._connect``,
+the liveness hello (``heartbeat.connect_liveness``), the pulse lines (``pulse_link.connect``,
 ``pulse._send``), ``hb/{worker}`` heartbeats as ``Heartbeat._beat`` writes them, events
 through ``EventSink``, the plan read from ``plan/{g}`` and admitted as ``membership``
 does. No torch compute, no process group.

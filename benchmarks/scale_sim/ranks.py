@@ -4,7 +4,7 @@ One ``Driver`` thread owns a set of ranks and one store client (its calls counte
 and runs their timers from a heap. A rank:
 
 * connects its liveness socket with the job's token (``heartbeat.connect_liveness``);
-  with ``pulse``, its node has one pulse connection (``pulse._connect``, per node and
+  with ``pulse``, its node has one pulse connection (``pulse_link.connect``, per node and
   driver, as the node's one pulse process has);
 * every ``heartbeat_period_s`` writes ``hb/{worker}`` as ``Heartbeat._beat`` does; the
   node's pulse sends one line for all its ranks a period, as ``pulse.run`` does
@@ -44,6 +44,15 @@ from slurm_resilience.protocol import Plan, PlanAction, Role, StoreKey, WorkerEn
 from slurm_resilience.worker.event_sink import EventSink
 from slurm_resilience.worker.heartbeat import connect_liveness
 from slurm_resilience.worker import pulse as pulse_wire
+try:
+    from slurm_resilience.worker.pulse_link import connect as _link_connect
+
+    def _pulse_connect(host: str, port: int, hello: dict):
+        """The pulse's connection (``pulse_link.connect``), with the patience of a
+        connect into a full accept backlog while thousands of ranks start."""
+        return _link_connect(host, port, hello, timeout=2)
+except ImportError:  # an older tree under test
+    _pulse_connect = pulse_wire._connect
 
 from .common import CountingStore
 
@@ -71,7 +80,7 @@ def connect(environ: dict, pulse: bool) -> SimRank:
     r.pulsed = pulse
     if pulse and not NODE_PULSE:  # an older tree under test: one pulse process per rank
         hello = {"token": r.env.token, "worker_id": r.env.worker_id, "node": r.env.node, "pid": 0, "pulse": True}
-        r.pulse = pulse_wire._connect(r.env.store_addr, r.env.liveness_port, hello)
+        r.pulse = _pulse_connect(r.env.store_addr, r.env.liveness_port, hello)
     return r
 
 
@@ -101,7 +110,7 @@ class NodePulse:
 
     def __init__(self, env: WorkerEnv) -> None:
         hello = {"token": env.token, "worker_id": f"pulse@{env.node}", "node": env.node, "pid": 0, "agent": True}
-        self.sock = pulse_wire._connect(env.store_addr, env.liveness_port, hello)
+        self.sock = _pulse_connect(env.store_addr, env.liveness_port, hello)
         self.ranks: list[SimRank] = []
         self.gone: dict[str, int] = {}
         self.last = 0.0
