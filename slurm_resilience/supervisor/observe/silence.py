@@ -31,7 +31,12 @@ from typing import Any, Mapping, Sequence
 
 from .probe import NodeProbed
 
-__all__ = ["quiet_nodes", "silence"]
+__all__ = ["probe_lead_s", "quiet_nodes", "silence"]
+
+
+def probe_lead_s(silence_s: float, probe_s: float, period_s: float) -> float:
+    """How long a node is quiet before its slurmd is probed (and its peers may be asked)."""
+    return max(period_s, silence_s - probe_s)
 
 
 def quiet_nodes(last: Mapping[str, float], now: float, *, silence_s: float, probe_s: float, period_s: float,
@@ -46,7 +51,7 @@ def quiet_nodes(last: Mapping[str, float], now: float, *, silence_s: float, prob
     judged = {n: t for n, t in last.items() if t > 0 and n not in held}
     if len(last) > 1 and not any(now - t < silence_s / 2 for t in last.values() if t > 0):
         return [], []  # nobody heard: the observer is behind, not every node
-    start_after = max(period_s, silence_s - probe_s)
+    start_after = probe_lead_s(silence_s, probe_s, period_s)
     probe, silent = [], []
     for node, t in judged.items():
         quiet = now - t
@@ -89,7 +94,7 @@ def silence(watch: Any, state: Any, suspects: dict[str, dict[str, Any]], now: fl
     pw = watch.partition
     if pw is None or (len(last) > 1 and not any(now - t < d.silence_s / 2 for t in last.values() if t > 0)):
         return
-    start_after = max(d.heartbeat_period_s, d.silence_s - d.slurmd_probe_deadline_s)
+    start_after = probe_lead_s(d.silence_s, d.slurmd_probe_deadline_s, d.heartbeat_period_s)
     for node, t in last.items():  # quiet, yet slurmd answered: do its peers still reach it?
         v = watch._verdicts.get(node)
         # asked as soon as slurmd has answered (the peers' word is in by the deadline), held only
