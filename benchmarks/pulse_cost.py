@@ -28,14 +28,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from slurm_resilience.supervisor.observe.detect import LivenessServer  # noqa: E402
-from slurm_resilience.worker.progress import ProgressBoard  # noqa: E402
+from slurm_resilience.worker.progress_page import ProgressBoard  # noqa: E402
 from slurm_resilience.worker.pulse import proc_stat  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from provenance import stamped  # noqa: E402
 
 RANK = r"""
 import sys, time
-from slurm_resilience.worker.progress import ProgressBoard, ensure_pulse
+from slurm_resilience.worker.progress_page import ProgressBoard, ensure_pulse
 board = ProgressBoard(int(sys.argv[1]), sys.argv[6], sys.argv[4])
 t0 = time.perf_counter()
 pulse = ensure_pulse(sys.argv[6], host="127.0.0.1", period_s=float(sys.argv[3]),

@@ -3,7 +3,7 @@
 
 Two read patterns over the same store, keys, repeats and process: the one the
 supervisor used until issue 23 (one ``check`` round trip per worker, then one
-``multi_get``) and ``supervisor/observe/detect.read_heartbeats`` as it is now (one ``check`` of
+``multi_get``) and ``supervisor/observe/heartbeats.read_heartbeats`` as it is now (one ``check`` of
 all keys, one ``multi_get``; bisection only while some worker has not beaten yet).
 Every key holds a heartbeat as ``worker/heartbeat.py`` writes it. No writers run
 meanwhile, so this is the poll's own floor; ``benchmarks/scale.py`` measures it
@@ -24,7 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.figures import run_and_write, stats  # noqa: E402
 from slurm_resilience.protocol import StoreKey  # noqa: E402
-from slurm_resilience.supervisor.observe.detect import read_heartbeats  # noqa: E402
+from slurm_resilience.supervisor.observe.heartbeats import read_heartbeats  # noqa: E402
 
 
 def per_key_check(store, keys: dict[str, str]) -> dict:

@@ -79,7 +79,7 @@ def __getattr__(name):  # lazy: the supervisor CLI must not pay for torch on imp
 
         return JobEnded
     if name == "ResilientExecutor":
-        from .launch.executor import ResilientExecutor
+        from .launch.submitter import ResilientExecutor
 
         return ResilientExecutor
     raise AttributeError(name)

@@ -1,6 +1,6 @@
 """The job's lifecycle as an explicit state machine: its phases and the allowed moves.
 
-Every change of phase is a decision (``supervisor/decide/plans.py`` ``move``), which
+Every change of phase is a decision (``supervisor/decide/actions.py`` ``move``), which
 checks the ``TRANSITIONS`` table and raises ``RecoveryError`` on any other move.
 """
 

@@ -7,7 +7,7 @@ submitit runs the supervisor once, in the batch step (``slurm_use_srun=False``),
 an ``sbatch --no-kill`` allocation of 1 + nodes + spares nodes; the supervisor then
 starts the ranks and warm standbys as ``srun`` steps, exactly as on the sbatch path.
 ``job_dir`` may hold ``%j`` (as submitit's folder does): it becomes the job id in
-the batch step. ``launch/executor.py`` wraps this in a submitit-like executor.
+the batch step. ``launch/submitter.py`` wraps this in a submitit-like executor.
 ``tasks_per_node`` has submitit's meaning: G ranks on each worker node (one per
 GPU), G warm standbys on each spare. The site's ``job.sbatch_options`` reach
 submitit's ``slurm_additional_parameters`` next to the toolkit's own (``no_kill``,

@@ -27,7 +27,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from ..protocol import StoreKey, WorkerEnv
-from .progress import ProgressBoard, ensure_pulse, pulse_dir, stop_pulse, tidy_if_unused
+from .progress_page import ProgressBoard, ensure_pulse, pulse_dir, stop_pulse, tidy_if_unused
 
 
 __all__ = ["open_store", "connect_liveness", "STORE_EVERY", "Heartbeat"]

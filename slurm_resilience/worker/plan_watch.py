@@ -59,7 +59,7 @@ def look(g: int, told: int, ended: bool, relayed_age_s: float, asked_age_s: floa
 
 class PlanWatch:
     """One thread's view of the plans: its store client and the rank's page (``board``,
-    a ``progress.ProgressBoard``; its heartbeat period ``period_s``)."""
+    a ``progress_page.ProgressBoard``; its heartbeat period ``period_s``)."""
 
     def __init__(self, store: Any, board: Any, period_s: float, fallback_s: float = STORE_FALLBACK_S) -> None:
         self._store, self._board = store, board

@@ -1,11 +1,11 @@
 """The node's pulse: one tiny process per node vouches for every rank there while
 their interpreters cannot.
 
-Started by whichever rank of the node first finds none running (``progress.ensure_pulse``,
+Started by whichever rank of the node first finds none running (``progress_page.ensure_pulse``,
 an exclusive ``flock`` on ``pulse.lock`` in the node's pulse directory that the pulse
 holds for its life) as ``python -I pulse.py``: the standard library only, no torch, no
 package import (~10 MB, ~30 ms to start). Each rank shares one page with it
-(``progress.ProgressBoard``: ``{worker}.board`` in that directory, mmap'ed by both)
+(``progress_page.ProgressBoard``: ``{worker}.board`` in that directory, mmap'ed by both)
 and announces itself with ``{worker}.rank`` (its pid). Every ``period`` seconds the
 pulse sends the supervisor's liveness socket (connected with the job's token, read
 from stdin, never argv) **one** JSON line for the whole node::

@@ -11,7 +11,7 @@ from .localjob import INJECT_AFTER, LocalJob, assert_same_training, final_state,
 
 G = 2
 # 6 ranks + 2 standbys on a 2-core box run with the default heartbeat timeout: a starved
-# heartbeat thread is only a suspect (each rank's pulse vouches for it, supervisor/observe/progress.py).
+# heartbeat thread is only a suspect (each rank's pulse vouches for it, supervisor/observe/watchdog.py).
 
 
 @pytest.fixture(scope="module")

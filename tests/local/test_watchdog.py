@@ -1,4 +1,4 @@
-"""Tier 3, the step-progress watchdog (supervisor/observe/progress.py, worker/pulse.py): a rank
+"""Tier 3, the step-progress watchdog (supervisor/observe/watchdog.py, worker/pulse.py): a rank
 whose main thread is stuck while its process and heartbeat thread live on is found (by
 the blocking timeout: every other rank waits on it) and recovered; a healthy rank that
 holds the GIL for 3 s on an oversubscribed CPU is only reported (the same defaults).

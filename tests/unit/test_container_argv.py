@@ -23,7 +23,7 @@ from slurm_resilience.supervisor.executors.relaunch import step_argv
 GOLDEN = Path(__file__).parent / "golden" / "container-steps.txt"
 SECTION = {"image": "IMAGE", "mounts": ["/shared/data:/data:ro", "/scratch"], "env": ["HF_HOME"],
            "extra_args": ["--x-extra"]}
-IMAGES = {"pyxis": "nvcr.io#nvidia/pytorch:24.05-py3", "apptainer": "/shared/images/train.sif",
+IMAGES = {"pyxis": "/shared/images/pytorch-24.05.sqsh", "apptainer": "/shared/images/train.sif",
           "podman": "localhost/train:1"}
 
 
@@ -72,7 +72,7 @@ def test_pyxis_is_srun_flags_and_the_command_is_untouched():
     assert "--container-name=sr-42" in argv  # per job: created once per node, reused by later steps
     assert "--container-mounts=/shared/data:/data:ro,/scratch:/scratch,/home/u/sr-jobs/42:/home/u/sr-jobs/42," \
            "/home/u/proj:/home/u/proj" in argv
-    assert argv.index("--cpu-bind=cores") < argv.index("--container-image=nvcr.io#nvidia/pytorch:24.05-py3")
+    assert argv.index("--cpu-bind=cores") < argv.index("--container-image=/shared/images/pytorch-24.05.sqsh")
 
 
 def test_podman_shares_network_ipc_pid_and_passes_env_by_name_only():

@@ -10,7 +10,8 @@ from datetime import timedelta
 import pytest
 
 from slurm_resilience.protocol import StoreKey
-from slurm_resilience.supervisor.observe.detect import LivenessServer, Observation, read_heartbeats, stale_workers
+from slurm_resilience.supervisor.observe.detect import LivenessServer, Sighting
+from slurm_resilience.supervisor.observe.heartbeats import read_heartbeats, stale_workers
 
 TOKEN = "0123456789abcdef0123456789abcdef"
 
@@ -46,7 +47,7 @@ def test_empty():
 # -- LivenessServer -----------------------------------------------------------------
 @pytest.fixture
 def server():
-    out: "queue.Queue[Observation]" = queue.Queue()
+    out: "queue.Queue[Sighting]" = queue.Queue()
     srv = LivenessServer("127.0.0.1", TOKEN, out).start()
     yield srv, out
     srv.close()
@@ -257,7 +258,7 @@ def test_a_poll_of_many_workers_costs_two_round_trips_once_all_beat(store):
 
 
 def test_missing_heartbeats_are_found_by_bisection_not_per_key(store):
-    from slurm_resilience.supervisor.observe.detect import present_keys
+    from slurm_resilience.supervisor.observe.heartbeats import present_keys
 
     keys = [StoreKey.HEARTBEAT.of(f"w{i}") for i in range(1024)]
     missing = {keys[3], keys[700]}

@@ -10,7 +10,7 @@ from slurm_resilience.lifecycle import TRANSITIONS, JobPhase
 from slurm_resilience.model import Fault, FaultKind, RankTable
 from slurm_resilience.protocol import EventKind, RecoveryPhase, WorkerEvent
 from slurm_resilience.supervisor.decide import messages as m
-from slurm_resilience.supervisor.decide.plans import move
+from slurm_resilience.supervisor.decide.actions import move
 from slurm_resilience.supervisor.decide.state import SupervisorState
 
 
@@ -101,7 +101,7 @@ def _in(phase: JobPhase) -> SupervisorState:
 
 @pytest.mark.parametrize("frm,to", ALL_PAIRS)
 def test_every_pair(frm, to):
-    """Every phase change is a decision (``plans.move``) checked against TRANSITIONS."""
+    """Every phase change is a decision (``actions.move``) checked against TRANSITIONS."""
     if frm is to:
         assert move(_in(frm), to, "why") == (_in(frm), [])  # already there: nothing to do
     elif to in TRANSITIONS[frm]:

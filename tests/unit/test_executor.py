@@ -8,7 +8,7 @@ import pytest
 
 import slurm_resilience
 from slurm_resilience.errors import ConfigError, ResilienceError
-from slurm_resilience.launch import executor as executor_mod
+from slurm_resilience.launch import submitter as executor_mod
 from slurm_resilience.launch import submitit_launch
 from slurm_resilience.slurm import commands
 from slurm_resilience.run_identity import check_run_id

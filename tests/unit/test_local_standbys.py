@@ -1,4 +1,4 @@
-"""recovery.local_standbys (supervisor/decide/local.py): one warm standby per worker node takes
+"""recovery.local_standbys (supervisor/decide/standbys.py): one warm standby per worker node takes
 the slot of a rank restarted in place; pure decisions only (no Slurm, torch or files).
 K standbys per node (``local_standbys_per_node``) and a spare's extra ones:
 tests/unit/test_local_standbys_count.py."""
@@ -11,7 +11,7 @@ from slurm_resilience.errors import ConfigError
 from slurm_resilience.lifecycle import JobPhase
 from slurm_resilience.model import RankTable
 from slurm_resilience.protocol import EventKind, Role, WorkerEvent
-from slurm_resilience.supervisor.decide import local
+from slurm_resilience.supervisor.decide import standbys
 from slurm_resilience.supervisor.decide import messages as m
 from slurm_resilience.supervisor.decide.decide import decide
 from slurm_resilience.supervisor.executors.reattach import adopt_plans
@@ -215,7 +215,7 @@ def test_state_round_trips_reattach_drops_a_taken_standby_and_status_lists_them(
     st = status_dict(state, mode=StatusMode.ONLINE, retry_budget=3)
     assert [(x["node"], x["worker_id"], x["pid"]) for x in st["local_standbys"]] == \
         [(n, one(state, n), 100) for n in WORKERS + SPARES]
-    assert local.is_local(state, one(state, "n2")) and not local.is_local(state, plan.table.slots[0].worker_id)
+    assert standbys.is_local(state, one(state, "n2")) and not standbys.is_local(state, plan.table.slots[0].worker_id)
 
 
 def test_status_tolerates_a_slot_whose_launch_failed():
@@ -245,7 +245,7 @@ def test_a_migrated_straggler_node_ends_its_standby():
     state, acts = decide(state, m.Straggler(1, 50.0, (10.0, 11.0)), 1.0, p)
     assert m.Kill(warm) in acts and "n3" not in state.local_standbys and state.workers[warm].dead
     state = dataclasses.replace(state, recovery=None)
-    state, acts = local.refill(state, p, state.table.generation)
+    state, acts = standbys.refill(state, p, state.table.generation)
     assert not of(acts, m.Launch)  # n3 is excluded; n5 brought its extra standby
 
 

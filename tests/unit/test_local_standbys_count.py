@@ -1,4 +1,4 @@
-"""recovery.local_standbys_per_node (supervisor/decide/local.py): K standbys per node, and the K
+"""recovery.local_standbys_per_node (supervisor/decide/standbys.py): K standbys per node, and the K
 extra ones every spare node keeps, so that a process restart right after a node
 replacement finds every slot warm. Pure decisions only (no Slurm, torch or files)."""
 
@@ -9,7 +9,7 @@ import pytest
 from slurm_resilience.config import load_config
 from slurm_resilience.errors import ConfigError
 from slurm_resilience.protocol import EventKind, Role
-from slurm_resilience.supervisor.decide import local
+from slurm_resilience.supervisor.decide import standbys
 from slurm_resilience.supervisor.decide import messages as m
 from slurm_resilience.supervisor.decide.decide import decide
 from slurm_resilience.supervisor.executors.reattach import adopt_plans
@@ -46,7 +46,7 @@ def test_a_bad_count_is_one_line_naming_the_key(bad, message):
 def test_k_is_the_count_never_more_than_g_and_zero_when_off(g, value, off, want):
     p = policy(local_standbys=not off, local_standbys_per_node=value)
     state, _ = started(p, g=g)
-    assert local.per_node(state, p) == want
+    assert standbys.per_node(state, p) == want
     assert {n: len(w) for n, w in state.local_standbys.items()} == ({} if off else
                                                                     {n: want for n in WORKERS + SPARES})
     assert all(x not in state.standbys["n5"] for x in state.local_standbys.get("n5", ()))
@@ -102,7 +102,7 @@ def test_a_lost_spare_takes_its_extra_standbys_with_it_and_nothing_waits_on_it()
                                                       slurmd_reachable=False),)), 1.0, p)
     assert "n5" not in state.local_standbys and all(state.workers[w].dead for w in extra)
     assert not {a.worker_id for a in of(acts, m.Kill)} & set(extra) and "n5" in state.excluded
-    state, acts = local.refill(state, p, 0)
+    state, acts = standbys.refill(state, p, 0)
     assert not of(acts, m.Launch)  # an excluded node gets none
 
 

@@ -8,7 +8,7 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 # a registry host, or a path only the build box has (its checkout, its tool library, root's home)
-FORBIDDEN = ("pypi.org/simple", "files.pythonhosted.org", "docker.io/", "quay.io/", "ghcr.io/", "registry-1.",
+FORBIDDEN = ("pypi.org/simple", "files.pythonhosted.org", "docker.io/", "quay.io/", "ghcr.io/", "registry-1.", "nvcr.io",
              "/work/main", "/work/.library", "/root/.pyenv", "/root/.cache")
 
 

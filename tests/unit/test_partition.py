@@ -156,7 +156,7 @@ def test_a_probe_needs_the_jobs_secret_and_a_dead_endpoint_answers_no_within_the
 
 RANK = r"""
 import sys
-from slurm_resilience.worker.progress import ProgressBoard, ensure_pulse
+from slurm_resilience.worker.progress_page import ProgressBoard, ensure_pulse
 port, token, directory, wid, node = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5]
 board = ProgressBoard(port, directory, wid)
 ensure_pulse(directory, host="127.0.0.1", period_s=0.05,
@@ -201,7 +201,7 @@ def test_real_pulses_announce_their_endpoints_on_the_node_address_and_probe_on_r
 
 def test_the_watchdog_keeps_how_long_the_whole_job_has_stalled():
     from slurm_resilience.supervisor.observe.detect import Pulse
-    from slurm_resilience.supervisor.observe.progress import ProgressWatch
+    from slurm_resilience.supervisor.observe.watchdog import ProgressWatch
 
     pw = ProgressWatch(stale_s=2, soft_s=10, hard_s=20, factor=10)
 

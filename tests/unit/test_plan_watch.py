@@ -8,7 +8,7 @@ import pytest
 from slurm_resilience.protocol import StoreKey
 from slurm_resilience.worker import notices, pulse
 from slurm_resilience.worker.plan_watch import STORE_FALLBACK_S, Look, PlanWatch, look
-from slurm_resilience.worker.progress import ProgressBoard
+from slurm_resilience.worker.progress_page import ProgressBoard
 
 P = 0.25  # heartbeat period
 

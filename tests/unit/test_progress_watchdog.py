@@ -1,4 +1,4 @@
-"""The step-progress watchdog (supervisor/observe/progress.py) is pure: every row of its table,
+"""The step-progress watchdog (supervisor/observe/watchdog.py) is pure: every row of its table,
 the cross-rank culprit rule, derived timeouts, and what decide() makes of a verdict."""
 
 import pytest
@@ -8,7 +8,7 @@ from slurm_resilience.protocol import EventKind
 from slurm_resilience.supervisor.decide import messages as m
 from slurm_resilience.supervisor.decide.decide import decide
 from slurm_resilience.supervisor.observe.detect import Pulse
-from slurm_resilience.supervisor.observe.progress import (
+from slurm_resilience.supervisor.observe.watchdog import (
     ProgressWatch, Signs, Timeouts, Verdict, assess, derive_timeouts, progress_in,
 )
 

@@ -19,7 +19,7 @@ TOKEN = "t" * 32
 
 RANK = r"""
 import sys, time
-from slurm_resilience.worker.progress import ProgressBoard, ensure_pulse
+from slurm_resilience.worker.progress_page import ProgressBoard, ensure_pulse
 port, token, directory, wid = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
 board = ProgressBoard(port, directory, wid)
 pulse = ensure_pulse(directory, host="127.0.0.1", period_s=0.05,
@@ -242,7 +242,7 @@ def test_lines_resent_late_on_a_replaced_link_are_superseded(server):
 
 
 def test_the_page_shows_the_innermost_phase():
-    from slurm_resilience.worker.progress import ProgressBoard
+    from slurm_resilience.worker.progress_page import ProgressBoard
 
     board = ProgressBoard(port=1234)
     assert board.read() == (0, 0, 1234, 0)
@@ -267,8 +267,8 @@ def test_a_dead_pulse_leaves_the_progress_in_the_heartbeat_and_the_watchdog_find
     import torch.distributed as dist
 
     from slurm_resilience.protocol import Role, StoreKey, WorkerEnv
-    from slurm_resilience.supervisor.observe.detect import read_heartbeats
-    from slurm_resilience.supervisor.observe.progress import ProgressWatch, Verdict, progress_in
+    from slurm_resilience.supervisor.observe.heartbeats import read_heartbeats
+    from slurm_resilience.supervisor.observe.watchdog import ProgressWatch, Verdict, progress_in
     from slurm_resilience.worker.heartbeat import Heartbeat
 
     srv, _ = server
@@ -303,7 +303,7 @@ def test_a_dead_pulse_leaves_the_progress_in_the_heartbeat_and_the_watchdog_find
         assert verdict is Verdict.SUSPECT and "pulse silent" in why, why
     finally:
         hb.stop()
-        from slurm_resilience.worker.progress import tidy_if_unused
+        from slurm_resilience.worker.progress_page import tidy_if_unused
 
         tidy_if_unused(hb._pulse_dir or directory)
 
@@ -350,7 +350,7 @@ def test_while_the_pulse_relays_the_beats_the_store_heartbeat_is_written_only_ev
     import torch.distributed as dist
 
     from slurm_resilience.protocol import Role, StoreKey, WorkerEnv
-    from slurm_resilience.supervisor.observe.detect import read_heartbeats
+    from slurm_resilience.supervisor.observe.heartbeats import read_heartbeats
     from slurm_resilience.worker import heartbeat as hb_mod
 
     srv, _ = server
@@ -387,7 +387,7 @@ def test_while_the_pulse_relays_the_beats_the_store_heartbeat_is_written_only_ev
         _until(lambda: (t := store_t()) is not None and t > last)  # the store carries the beats again
     finally:
         hb.stop()
-        from slurm_resilience.worker.progress import tidy_if_unused
+        from slurm_resilience.worker.progress_page import tidy_if_unused
 
         tidy_if_unused(hb._pulse_dir or directory)
 

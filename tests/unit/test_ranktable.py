@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from slurm_resilience.errors import RankTableError
-from slurm_resilience.supervisor.adapters.stop import write_table
+from slurm_resilience.supervisor.adapters.publish import write_table
 from slurm_resilience.supervisor.decide.ranktable import Replacement, initial_table, regenerate
 
 ADDR = {f"n{i}": f"10.0.0.{i}" for i in range(40)}

@@ -159,7 +159,9 @@ def test_an_event_whose_writer_died_does_not_hold_up_the_later_ones(tmp_path, mo
     store, seen = _Store(), []
     store.delete_key = lambda k: store.d.pop(k)
     events = types.SimpleNamespace(emit=lambda kind, **f: seen.append((kind, f.get("step"))))
-    w = watch.Watch(cfg=load_config({}), store=store, seen=None, launcher=None, handles={}, events=events,
+    launcher = types.SimpleNamespace(node_reachable=lambda node, timeout_s: True,
+                                     probe_slurmd=lambda node, steps, deadline_s: (True, "answered"))
+    w = watch.Watch(cfg=load_config({}), store=store, seen=None, launcher=launcher, handles={}, events=events,
                     preempted=lambda: False)
     state = SupervisorState(job_id="1", phase=JobPhase.RUNNING, table=initial_table(["n1"], ["n1.1"], {"n1": "x"}),
                             target_world=1, worker_nodes=("n1",), spare_nodes=(), addresses={"n1": "x"})

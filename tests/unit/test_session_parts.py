@@ -255,7 +255,7 @@ def test_real_gloo_wait_abandoned_when_a_newer_plan_appears():
 # -- membership --------------------------------------------------------------------------------
 class _Recorder:
     def __init__(self):
-        from slurm_resilience.worker.progress import ProgressBoard
+        from slurm_resilience.worker.progress_page import ProgressBoard
 
         self.events, self.bound, self.hb = [], [], {}
         self.progress = ProgressBoard(port=0)  # the real page the watchdog's pulse would read

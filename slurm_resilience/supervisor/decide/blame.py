@@ -111,7 +111,7 @@ def remember(history: Sequence[ErrorSeen], new: Iterable[ErrorSeen]) -> tuple[Er
 
 def last_error(history: Sequence[ErrorSeen], cases: Iterable, recovery: int) -> dict:
     """Pure: the newest program error the incident's ranks (``cases``' ``rank``) reported
-    in recovery ``recovery``, as ``plans.abort`` fields (the status shows its traceback
+    in recovery ``recovery``, as ``actions.abort`` fields (the status shows its traceback
     with the failure, whatever ended the ladder); {} when none reported one."""
     ranks = {c.rank for c in cases if c.rank is not None}
     seen = next((e for e in reversed(history) if e.rank in ranks and e.recovery == recovery), None)

@@ -28,13 +28,13 @@ import dataclasses
 from ...lifecycle import JobPhase
 from ...model import Fault, FaultKind
 from ...protocol import EventKind, Plan, PlanAction, Role, WorkerEvent
-from . import local, recover, relaunch_recovery, spares
+from . import recover, relaunch_recovery, spares, standbys
 from .messages import (
     Action, AllDone, Connected, DrainEvents, Exit, Isolate, Kill, NodeBack, Observation, Preempted, Published, Reap,
     LivenessChange, Relaunch, Say, ShutDownStandbys, SpareChecked, Start, StepFaults, StepTrained, Straggler, Suspects,
     Tick, Verdict, WorkerMark, emit,
 )
-from .plans import EXIT_FAILED, EXIT_OK, EXIT_REQUEUED, Decision, launch, launch_standbys, move, publish, requeue
+from .actions import EXIT_FAILED, EXIT_OK, EXIT_REQUEUED, Decision, launch, launch_standbys, move, publish, requeue
 from .ranktable import initial_table
 from .ladder import Level
 from .report import Mark, recovery_phases
@@ -154,7 +154,7 @@ _MARKS = {WorkerEvent.RECONNECTED: Mark.RECONNECTED, WorkerEvent.RESTORED: Mark.
 def _mark(state: SupervisorState, obs: WorkerMark, policy: Policy) -> Decision:
     rec = state.recovery
     if rec is None and obs.kind is WorkerEvent.FIRST_STEP and obs.generation == state.table.generation:
-        return local.refill(state, policy, obs.generation)  # the job trains: now the nodes' standbys
+        return standbys.refill(state, policy, obs.generation)  # the job trains: now the nodes' standbys
     if rec is None or obs.generation != rec.generation or obs.kind not in _MARKS:
         return state, []
     key = _MARKS[obs.kind]
@@ -177,7 +177,7 @@ def _mark(state: SupervisorState, obs: WorkerMark, policy: Policy) -> Decision:
     state = dataclasses.replace(state, recovery=None)
     state, more = move(state, JobPhase.RUNNING, f"recovery {rec.number} done")
     acts += more
-    state, more = local.refill(state, policy, rec.generation)  # off the critical path: it is done
+    state, more = standbys.refill(state, policy, rec.generation)  # off the critical path: it is done
     return state, acts + more
 
 
@@ -200,7 +200,7 @@ def _node_back(state: SupervisorState, obs: NodeBack, policy: Policy) -> Decisio
         return state, []
     state = dataclasses.replace(state, excluded=state.excluded - {obs.node}, returning=state.returning | {obs.node})
     state, acts = launch_standbys(state, obs.node, state.table.generation)
-    state, more = local.refill(state, policy, state.table.generation)  # its own K, like every spare's
+    state, more = standbys.refill(state, policy, state.table.generation)  # its own K, like every spare's
     acts += more
     return state, acts + [emit(EventKind.NODE_RETURNED, node=obs.node, state=obs.state),
                           Say(f"node {obs.node} is back in service ({obs.state}): starting "
@@ -225,7 +225,7 @@ def _spare_checked(state: SupervisorState, obs: SpareChecked, now: float, policy
                                 standbys={n: w for n, w in state.standbys.items() if n != obs.node},
                                 returning=state.returning - {obs.node})
     acts += [Kill(w) for w in pool]
-    state, more = local.drop(state, obs.node, kill=True)  # a spare's extra standbys (or, adopted, its own)
+    state, more = standbys.drop(state, obs.node, kill=True)  # a spare's extra standbys (or, adopted, its own)
     acts += more
     ranks = state.table.ranks_on(obs.node)
     if ranks:  # adopted before a stale re-check came back: its ranks move on

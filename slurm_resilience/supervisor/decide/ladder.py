@@ -33,7 +33,7 @@ from ...model import FaultKind
 
 
 __all__ = [
-    "Level", "RUNGS", "LadderPolicy", "LadderInput", "Decision", "choose_level", "FaultCase", "RecoveryPlan",
+    "Level", "RUNGS", "LadderPolicy", "LadderInput", "LevelChoice", "choose_level", "FaultCase", "RecoveryPlan",
     "plan_recovery"
 ]
 
@@ -101,7 +101,7 @@ class LadderInput:
 
 
 @dataclasses.dataclass(frozen=True)
-class Decision:
+class LevelChoice:
     """The level chosen for one fault and why (for FAIL: why each level was ruled out)."""
 
     level: Level
@@ -115,7 +115,7 @@ _PROCESS_FAULTS = (FaultKind.PROCESS_DIED, FaultKind.PROCESS_HUNG)
 _KEEP_SURVIVORS = (Level.ONLINE, Level.NODE_REPLACEMENT, Level.SCALE_IN)
 
 
-def choose_level(inp: LadderInput) -> Decision:
+def choose_level(inp: LadderInput) -> LevelChoice:
     """The finest level whose preconditions hold and that has not failed for this incident."""
     process_fault = inp.fault in _PROCESS_FAULTS
     budget_left = inp.retries_used < inp.retry_budget
@@ -140,9 +140,9 @@ def choose_level(inp: LadderInput) -> Decision:
             continue
         ok, why = _allowed(level, inp)
         if ok:
-            return Decision(level, why)
+            return LevelChoice(level, why)
         why_not.append(why)
-    return Decision(Level.FAIL, "; ".join(why_not) or "no level applies")
+    return LevelChoice(Level.FAIL, "; ".join(why_not) or "no level applies")
 
 
 def _allowed(level: Level, inp: LadderInput) -> tuple[bool, str]:
@@ -218,7 +218,7 @@ def plan_recovery(cases: list[FaultCase], *, spares: list[str], world_size: int,
     free = list(spares)
     node_faults = [c for c in cases if c.kind not in _PROCESS_FAULTS
                    or (retries_used >= policy.retry_budget and c.node_suspect)]
-    decisions: list[tuple[FaultCase, Decision]] = []
+    decisions: list[tuple[FaultCase, LevelChoice]] = []
     lost_so_far = 0
     for c in cases:
         d = choose_level(LadderInput(

@@ -154,7 +154,7 @@ class Straggler:
 
 
 class Verdict(enum.Enum):
-    """What the step-progress watchdog (``observe/progress.py``) thinks of one rank.
+    """What the step-progress watchdog (``observe/watchdog.py``) thinks of one rank.
 
     OK: alive and moving. SUSPECT: one sign of life is late while another says the rank
     lives and moves (a starved heartbeat thread, a GIL held for long): reported only.

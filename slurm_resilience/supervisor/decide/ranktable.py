@@ -1,4 +1,4 @@
-"""Pure rank-table regeneration (its file is written by ``adapters/stop.py``).
+"""Pure rank-table regeneration (its file is written by ``adapters/publish.py``).
 
 A rank table maps each rank to a slot (node, worker id, address). When a node
 is lost, the supervisor replaces it with a spare: the new table is the old one

@@ -21,8 +21,9 @@ from ...model import Fault, FaultKind
 from ...protocol import EventKind, Plan, PlanAction, Role
 from .classify import classify_fault, is_node_fault
 from .ladder import RUNGS, FaultCase, LadderInput, Level, RecoveryPlan, choose_level, plan_recovery
-from . import blame, local, relaunch_recovery, spares
-from .plans import Decision, abort, launch, move, publish, requeue
+from . import blame, relaunch_recovery, spares
+from . import standbys as node_standbys
+from .actions import Decision, abort, launch, move, publish, requeue
 from .messages import Action, Isolate, Kill, Relaunch, Say, StepFaults, Straggler, Suspects, emit
 from .report import Mark
 from .ranktable import Replacement, grow as grow_table, in_node_order, regenerate, shrink
@@ -66,15 +67,15 @@ def on_suspects(state: SupervisorState, obs: Suspects, now: float, policy: Polic
                 errors.append(blame.ErrorSeen(slot.rank, w.node, state.recoveries, s.error))
         if fault.kind is FaultKind.PROCESS_HUNG or (s.slurmd_reachable and s.still_running):
             acts.append(Kill(s.worker_id))
-        if slot is None and local.is_local(state, s.worker_id):  # a node's own standby lost:
-            state = local.forget(state, s.worker_id)  # its node's ranks (or spare pool) speak for the node
+        if slot is None and node_standbys.is_local(state, s.worker_id):  # a node's own standby lost:
+            state = node_standbys.forget(state, s.worker_id)  # its node's ranks (or spare pool) speak for the node
             continue  # (isolating it here would strand them on an excluded node)
         if slot is None:  # a standby lost: its node can no longer take over a whole node
             pool = state.standbys.get(w.node, ())
             state = dataclasses.replace(state.with_dead(*pool),
                                         standbys={n: x for n, x in state.standbys.items() if n != w.node})
             acts += [Kill(x) for x in pool if x != s.worker_id]
-            state, more = local.drop(state, w.node, kill=not is_node_fault(fault.kind))  # a spare's extra ones
+            state, more = node_standbys.drop(state, w.node, kill=not is_node_fault(fault.kind))  # a spare's extra ones
             acts += more
             if is_node_fault(fault.kind):
                 state, more = _isolate(state, w.node, fault.kind, policy)
@@ -85,7 +86,7 @@ def on_suspects(state: SupervisorState, obs: Suspects, now: float, policy: Polic
             state = state.with_dead(*mates)
             if s.slurmd_reachable:
                 acts += [Kill(x) for x in mates]
-            state, more = local.drop(state, w.node, kill=s.slurmd_reachable)
+            state, more = node_standbys.drop(state, w.node, kill=s.slurmd_reachable)
             acts += more
         faults.append(fault)
     if errors:
@@ -171,7 +172,7 @@ def carry_out(state: SupervisorState, plan: RecoveryPlan, cases: tuple[FaultCase
     in_place, adopted = [], []
     for r in plan.restarts:  # the node's warm standby takes the slot if it can, else a new process
         node = state.table.slots[r].node
-        state, wid = local.take(state, node, policy)
+        state, wid = node_standbys.take(state, node, policy)
         if wid is None:
             state, wid = state.new_id(node)
             in_place.append(Replacement(r, node, node, wid))
@@ -235,7 +236,7 @@ def _relaunch_all(state: SupervisorState, cases, failed, detected: float, now: f
     that node's first K slots; the node's other slots get new processes."""
     moves, adopted = [], []
     for slot in state.table.slots:
-        state, wid = local.take(state, slot.node, policy)
+        state, wid = node_standbys.take(state, slot.node, policy)
         if wid is None:
             state, wid = state.new_id(slot.node)
             moves.append(Replacement(slot.rank, slot.node, slot.node, wid))
@@ -337,7 +338,7 @@ def on_straggler(state: SupervisorState, obs: Straggler, now: float, policy: Pol
     moves = [Replacement(r, slot.node, spare, warm[state.table.slots[r].local_rank]) for r in ranks]
     state = dataclasses.replace(state.with_dead(*(state.table.slots[r].worker_id for r in ranks)),
                                 standbys=standbys, excluded=state.excluded | {slot.node})
-    state, more = local.drop(state, slot.node, kill=True)
+    state, more = node_standbys.drop(state, slot.node, kill=True)
     acts += more
     acts.append(Isolate(slot.node, "DRAIN", f"slurm_resilience job {state.job_id}: straggler"))
     table = regenerate(state.table, moves, state.addresses)

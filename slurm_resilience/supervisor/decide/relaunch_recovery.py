@@ -24,7 +24,7 @@ from ...model import Fault
 from ...protocol import EventKind, RecoveryPhase
 from .messages import Action, Published, Say, StepFaults, StepTrained, emit
 from .report import Mark, recovery_phases
-from .plans import Decision
+from .actions import Decision
 from .state import Recovery, SupervisorState
 
 _NOT_OBSERVED = (RecoveryPhase.RECONNECT, RecoveryPhase.RESTORE)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 
 from .messages import Action, CheckSpare
-from .plans import Decision
+from .actions import Decision
 from .state import Policy, SupervisorState
 
 

@@ -48,7 +48,7 @@ from ..decide.messages import (
 from ..observe.metrics import Metrics
 from ..adapters.status import StatusMode, status_dict, write_status
 from ..decide.state import Mode, Policy, SupervisorState
-from ..adapters.stop import publish_plan, shut_down_standbys
+from ..adapters.publish import publish_plan, shut_down_standbys
 from ..observe.sweep import Sweeper
 from ..observe.watch import Watch
 

@@ -9,7 +9,7 @@ Four sources, fastest first:
   watchdog, ``progress.py``, weighs it): N/G connections and lines, not N;
 * the job step — ``srun`` returns when the step's task ends;
 * heartbeats in the store — stale after ``heartbeat_timeout_s``: hung processes and
-  nodes that vanish without closing anything.
+  nodes that vanish without closing anything (read by ``heartbeats.py``).
 Slurm's own node state is polled off the critical path (see :class:`NodeWatcher`).
 """
 
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import enum
 import hmac
 import json
 import logging
@@ -27,18 +28,27 @@ import threading
 import time
 from typing import Any, Callable, Iterable, Mapping, NamedTuple, Sequence
 
-__all__ = ["Observation", "Pulse", "LivenessServer", "stale_workers", "present_keys", "read_heartbeats", "NodeWatcher"]
+__all__ = ["SightingKind", "Sighting", "Pulse", "LivenessServer", "NodeWatcher"]
 
 log = logging.getLogger(__name__)
 
 TELL_BUFFER = 4 << 20  # send buffer of a pulse's connection: a plan (74 KB at 16,384 ranks) fits whole
 
 
-@dataclasses.dataclass(frozen=True)
-class Observation:
-    """Something the supervisor saw about one worker."""
+class SightingKind(str, enum.Enum):
+    """What the liveness server or the node watcher saw (a str enum: its values are the old strings)."""
 
-    kind: str  # "connected" | "closed" | "node_state"
+    CONNECTED = "connected"  # a worker's liveness connection came up
+    CLOSED = "closed"  # it closed, or the node's pulse reported the process gone
+    NODE_STATE = "node_state"  # the resource manager says the node is unhealthy
+
+
+@dataclasses.dataclass(frozen=True)
+class Sighting:
+    """Something the supervisor saw about one worker or node, before ``watch`` turns it
+    into an observation for ``decide`` (``decide/messages.py``)."""
+
+    kind: SightingKind
     worker_id: str | None
     node: str
     time: float
@@ -82,7 +92,7 @@ class LivenessServer:
     and one per node's pulse process, whose newest line about each rank is kept
     (:meth:`pulses`)."""
 
-    def __init__(self, host: str, token: str, out: "queue.Queue[Observation]") -> None:
+    def __init__(self, host: str, token: str, out: "queue.Queue[Sighting]") -> None:
         self._token = token.encode()
         self._out = out
         self._sel = selectors.DefaultSelector()
@@ -152,7 +162,7 @@ class LivenessServer:
             conn.close()
             if state["who"] is not None and not state.get("pulse"):  # a pulse's end is not the rank's
                 wid, node, pid = state["who"]
-                self._out.put(Observation("closed", wid, node, time.time(), pid))
+                self._out.put(Sighting(SightingKind.CLOSED, wid, node, time.time(), pid))
             return
         if state["who"] is not None and not state.get("pulse"):
             return  # nothing is expected from a rank after the hello
@@ -182,7 +192,7 @@ class LivenessServer:
                 self._conns[who[1]] = conn
             self._pulse_lines(state, conn)
             return
-        self._out.put(Observation("connected", state["who"][0], state["who"][1],
+        self._out.put(Sighting(SightingKind.CONNECTED, state["who"][0], state["who"][1],
                                   time.time(), state["who"][2]))
 
     def _pulse_lines(self, state: dict, conn: socket.socket) -> None:
@@ -201,7 +211,7 @@ class LivenessServer:
                 msg = json.loads(line)
                 for wid, pid in dict(msg.get("gone") or {}).items():
                     fresh.pop(str(wid), None)
-                    self._out.put(Observation("closed", str(wid), node, now, int(pid), detail="pulse: process gone"))
+                    self._out.put(Sighting(SightingKind.CLOSED, str(wid), node, now, int(pid), detail="pulse: process gone"))
                 if msg.get("probe"):
                     endpoint = (str(msg["probe"][0]), int(msg["probe"][1]))
                 if msg.get("reach"):
@@ -304,71 +314,12 @@ class LivenessServer:
         conn.close()
 
 
-def stale_workers(beats: Mapping[str, float | None], now: float, timeout_s: float,
-                  started: Mapping[str, float]) -> list[str]:
-    """Pure: workers whose last heartbeat (or start, if none yet) is older than ``timeout_s``.
-
-    A worker that has not beaten yet is given ``started + timeout_s`` plus start-up
-    grace by the caller (``started`` holds the time from which to count).
-    """
-    out = []
-    for wid, t in beats.items():
-        last = t if t is not None else started.get(wid, now)
-        if now - last > timeout_s:
-            out.append(wid)
-    return out
-
-
-def present_keys(store, keys: Sequence[str]) -> list[str]:
-    """The keys of ``keys`` that are in ``store``, in order, in as few round trips as it
-    takes: one ``check`` of all of them when all are there (the steady state: every
-    worker has beaten), else the halves recursively — O(missing · log N) round trips,
-    never one per key. ``multi_get`` of a missing key would block until the store's
-    timeout, so nothing absent may reach it."""
-    if not keys:
-        return []
-    if store.check(list(keys)):
-        return list(keys)
-    if len(keys) == 1:
-        return []
-    mid = len(keys) // 2
-    return present_keys(store, keys[:mid]) + present_keys(store, keys[mid:])
-
-
-def read_heartbeats(store, keys: Mapping[str, str]) -> dict[str, dict | None]:
-    """Last heartbeat per worker (``{"t", "step", "pid", ...}``; None when it never beat).
-
-    Two round trips per poll whatever the number of workers (one ``check``, one
-    ``multi_get``) once all have beaten; before, :func:`present_keys` bisects."""
-    wids = list(keys)
-    present = set(present_keys(store, [keys[w] for w in wids]))
-    have = [w for w in wids if keys[w] in present]
-    values = [bytes(v) for v in store.multi_get([keys[w] for w in have])] if have else []
-    out: dict[str, dict | None] = {w: None for w in wids}
-    try:  # one parse of all N values (2-3x faster than N calls); per value if one is torn
-        parsed = json.loads(b"[" + b",".join(values) + b"]") if values else []
-        if len(parsed) != len(values):
-            raise ValueError("a value held more than one JSON document")
-    except ValueError:
-        parsed = [_one(v) for v in values]
-    for w, beat in zip(have, parsed):
-        out[w] = beat if isinstance(beat, dict) else None
-    return out
-
-
-def _one(raw: bytes) -> dict | None:
-    try:
-        return json.loads(raw)
-    except ValueError:
-        return None  # a torn or foreign value: as if the worker had not beaten
-
-
 class NodeWatcher:
     """Polls the resource manager's node states in a thread; reports unhealthy ones."""
 
     def __init__(self, states: Callable[[Sequence[str]], dict[str, str]],
                  nodes: Callable[[], Iterable[str]], period_s: float,
-                 out: "queue.Queue[Observation]", unhealthy: Callable[[str], bool]) -> None:
+                 out: "queue.Queue[Sighting]", unhealthy: Callable[[str], bool]) -> None:
         self._states, self._nodes, self._period = states, nodes, period_s
         self._out, self._unhealthy = out, unhealthy
         self._stop = threading.Event()
@@ -394,4 +345,4 @@ class NodeWatcher:
                 continue
             for node, state in states.items():
                 if self._unhealthy(state):
-                    self._out.put(Observation("node_state", None, node, time.time(), detail=state))
+                    self._out.put(Sighting(SightingKind.NODE_STATE, None, node, time.time(), detail=state))

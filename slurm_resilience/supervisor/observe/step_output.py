@@ -24,7 +24,7 @@ from typing import Sequence
 
 from ...model import Fault, FaultKind
 from ...slurm.parse import compress_hostlist, parse_task_exits
-from .progress import derive_timeouts
+from .watchdog import derive_timeouts
 
 PROGRESS_VAR = "SR_PROGRESS_FILE"
 
@@ -134,7 +134,7 @@ def stalled_step(nodes: Sequence[str], *, quiet_s: float | None, steps: Sequence
                  factor: float, now: float) -> Fault | None:
     """Pure: the whole step's PROCESS_HUNG fault when its progress file has been quiet
     (``quiet_s``) past the hard step timeout, ``max(hard_s, factor x the longest recent
-    step)`` (``progress.derive_timeouts``, the torch path's rule); None before the
+    step)`` (``watchdog.derive_timeouts``, the torch path's rule); None before the
     step's first line (``quiet_s`` None: start-up is not a hang) or while it moves."""
     if quiet_s is None:
         return None

@@ -29,7 +29,8 @@ from ...events import EventLog
 from ...program_error import ProgramError
 from ...protocol import EventKind, StoreKey, WorkerEvent
 from ..decide.classify import node_unhealthy
-from .detect import Observation as Seen, present_keys, read_heartbeats, stale_workers
+from .detect import Sighting, SightingKind
+from .heartbeats import present_keys, read_heartbeats, stale_workers
 from ..adapters.launcher import Launcher, StepHandle
 from .probe import NodeProbed, NodeProber, silent_nodes
 from .silence import silence
@@ -37,8 +38,8 @@ from . import partition
 from ..decide.messages import (
     AllDone, Connected, LivenessChange, NodeBack, Observation, Preempted, Straggler, Suspect, Suspects, Tick, WorkerMark,
 )
-from .progress import ACTED_ON, ProgressWatch, progress_in
-from ..decide import local
+from .watchdog import ACTED_ON, ProgressWatch, progress_in
+from ..decide import standbys
 from ..decide.recover import returning_candidates
 from ..decide.state import SupervisorState
 from .straggler import StragglerPolicy, StragglerWatch
@@ -56,7 +57,7 @@ _MARKS = frozenset({WorkerEvent.RECONNECTED, WorkerEvent.RESTORED, WorkerEvent.F
 class Watch:
     """Gathers observations; holds only detection bookkeeping (never decisions)."""
 
-    def __init__(self, *, cfg: ResilienceConfig, store, seen: "queue.Queue[Seen]", launcher: Launcher,
+    def __init__(self, *, cfg: ResilienceConfig, store, seen: "queue.Queue[Sighting]", launcher: Launcher,
                  handles: Mapping[str, StepHandle], events: EventLog, preempted: Callable[[], bool],
                  events_seen: int = 0, pulses: Callable[[], Mapping[str, Any]] = dict,
                  sweep: Callable[[list[str]], None] | None = None,
@@ -86,8 +87,7 @@ class Watch:
             threshold=cfg.detect.straggler_threshold, window=cfg.detect.straggler_window))
         self._hole, self._late = None, {}  # (event number, since) not yet written; skipped holes (number → since)
         self._last_hb, self._last_return, self._last_silence, self._preempt_sent = 0.0, 0.0, 0.0, False
-        self.prober = (NodeProber(launcher.node_reachable, launcher.probe_slurmd, cfg.detect.slurmd_probe_deadline_s)
-                       if hasattr(launcher, "probe_slurmd") else None)
+        self.prober = NodeProber(launcher.node_reachable, launcher.probe_slurmd, cfg.detect.slurmd_probe_deadline_s)
         self._held: dict[str, dict[str, dict[str, Any]]] = {}  # silent node → its suspects, probe running
         self._verdicts: dict[str, NodeProbed] = {}  # newest probe result per node
         self._beats: dict[str, float] = {}  # newest heartbeat time per worker
@@ -112,10 +112,10 @@ class Watch:
             out += self._heartbeats(state, suspects, now)
             partition.look(self, state, suspects, now)
             out += self._drain(state, suspects, 0.0)  # a socket closed during the O(N) read
-        if self.prober is not None and self.cfg.detect.silence_s and now - self._last_silence >= SILENCE_LOOK_S:
+        if self.cfg.detect.silence_s and now - self._last_silence >= SILENCE_LOOK_S:
             self._last_silence = now
             silence(self, state, suspects, now)
-        if suspects and self.prober is not None:
+        if suspects:
             self._hold_silent(state, suspects)
         probed = self._probed(state)
         if suspects or probed:
@@ -146,12 +146,12 @@ class Watch:
         except queue.Empty:
             return out
         while True:
-            if seen.kind == "connected" and seen.worker_id in state.workers:
+            if seen.kind is SightingKind.CONNECTED and seen.worker_id in state.workers:
                 self.connected_at[seen.worker_id] = seen.time
                 out.append(Connected(seen.worker_id, seen.pid, seen.time))
-            elif seen.kind == "closed" and state.watched(seen.worker_id):
+            elif seen.kind is SightingKind.CLOSED and state.watched(seen.worker_id):
                 suspects.setdefault(seen.worker_id, {"t": seen.time})["process_exited"] = True
-            elif seen.kind == "node_state" and seen.node not in state.excluded:
+            elif seen.kind is SightingKind.NODE_STATE and seen.node not in state.excluded:
                 for w in state.workers.values():
                     if w.node == seen.node and state.watched(w.worker_id):
                         suspects.setdefault(w.worker_id, {"t": seen.time})["node_state"] = seen.detail
@@ -206,15 +206,15 @@ class Watch:
                 out.append(Straggler(rank, compute[rank], tuple(v for r, v in compute.items() if r != rank)))
         # Ranks: the watchdog decides (a stale heartbeat alone is a suspect, not a fault).
         ranks_t = {w: (t if t is not None else self.connected_at[w]) for w, t in times.items() if w in ranks}
-        if self.prober is not None:  # the slurmd probe of a node gone quiet (probe.py)
-            self._beats.update({w: t for w, t in times.items() if t is not None})
-            for w, t in times.items():
-                if t is not None and w in ranks:
-                    node = state.workers[w].node
-                    if t > self._hb_heard.get(node, 0.0):
-                        self._hb_heard[node] = t
-            if not self.cfg.detect.silence_s:
-                self._probe_early(state, {w: t for w, t in times.items() if w in ranks}, now)
+        # the slurmd probe of a node gone quiet (probe.py)
+        self._beats.update({w: t for w, t in times.items() if t is not None})
+        for w, t in times.items():
+            if t is not None and w in ranks:
+                node = state.workers[w].node
+                if t > self._hb_heard.get(node, 0.0):
+                    self._hb_heard[node] = t
+        if not self.cfg.detect.silence_s:
+            self._probe_early(state, {w: t for w, t in times.items() if w in ranks}, now)
         carried = {w: c for w, b in beats.items() if w in ranks and (c := progress_in(b)) is not None}
         changes = self.progress.observe(ranks_t, pulses, now, paused=state.recovery is not None, hb_progress=carried)
         for wid, (verdict, why) in self.progress.verdicts.items():
@@ -245,7 +245,7 @@ class Watch:
         ``suspects`` into ``_held`` (``_probed`` gets each a verdict)."""
         by_node: dict[str, list[str]] = {}
         for wid, w in state.workers.items():  # a worker node's own standby is judged on a longer
-            if state.watched(wid) and not local.is_local(state, wid):  # time-out: its ranks decide
+            if state.watched(wid) and not standbys.is_local(state, wid):  # time-out: its ranks decide
                 by_node.setdefault(w.node, []).append(wid)
         touched = {state.workers[wid].node for wid in suspects}
         d, now = self.cfg.detect, time.time()
@@ -275,8 +275,6 @@ class Watch:
         worker. A verdict counts if its probe started after the node's newest beat;
         a held node without one gets a probe (no-op while one runs)."""
         out: dict[str, tuple[dict[str, Any], NodeProbed | None]] = {}
-        if self.prober is None:
-            return out
         self._verdicts.update({r.node: r for r in self.prober.drain()})
         for node, held in list(self._held.items()):
             newest = max((self._beats.get(w, 0.0) for w in held), default=0.0)
@@ -337,7 +335,7 @@ class Watch:
         """Log the workers' new events; the recovery marks among them become observations.
 
         Batched: one ``check`` and one ``multi_get`` for all the events counted since the
-        last poll (``detect.present_keys``), not a round trip per event."""
+        last poll (``heartbeats.present_keys``), not a round trip per event."""
         n = self.store.add(StoreKey.EVENT_COUNTER.value, 0)
         numbers = range(self.events_seen + 1, n + 1)
         present = set(present_keys(self.store, [*map(StoreKey.EVENT.of, numbers)])) if n > self.events_seen else set()

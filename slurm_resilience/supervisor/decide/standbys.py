@@ -30,7 +30,7 @@ import dataclasses
 
 from ...protocol import EventKind, Role
 from .messages import Action, Kill, emit
-from .plans import Decision, launch
+from .actions import Decision, launch
 from .state import Policy, SupervisorState
 
 

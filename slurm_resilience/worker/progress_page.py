@@ -5,7 +5,7 @@ restore) and marks the bounded waits on its peers or on the supervisor's plan; a
 write is a ``struct.pack_into`` into an mmap'ed page, no system call and no store
 round trip. The node's pulse process (``pulse.py``, one per node for all its ranks)
 reads the page and reports it to the supervisor, whose watchdog
-(``supervisor/observe/progress.py``) tells a rank that stopped making progress (hung) from one
+(``supervisor/observe/watchdog.py``) tells a rank that stopped making progress (hung) from one
 whose heartbeat thread is merely starved.
 
 The page is ``{worker}.board`` in the node's pulse directory (:func:`pulse_dir`: node-local
