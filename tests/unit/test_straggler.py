@@ -26,3 +26,12 @@ def test_needs_window_consecutive_checks_and_reports_once():
 def test_equal_times_are_never_slow(times):
     same = {r: times[0] for r in range(len(times))}
     assert slow_ranks(same, P) == set()
+
+
+def test_a_new_generation_starts_the_streaks_afresh():
+    w = StragglerWatch(StragglerPolicy(threshold=1.5, window=2))
+    fast, slow1 = {0: 10.0, 1: 10.0, 2: 10.0}, {0: 10.0, 1: 30.0, 2: 10.0}
+    assert w.observe(slow1, 1) == []  # streak 1 for rank 1
+    assert w.observe(slow1, 2) == []  # generation 2: rank 1 may be another process; its streak restarts
+    assert w.observe(slow1, 2) == [1]
+    assert w.observe(fast, 3) == [] and w.observe(slow1, 3) == [] and w.observe(slow1, 3) == [1]  # reported anew

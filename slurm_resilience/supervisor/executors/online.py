@@ -260,7 +260,6 @@ class Supervisor:
                 self._kill(action.worker_id)
         elif isinstance(action, Publish):
             publish_plan(self.store, action.plan, self.job_dir, tell=self.liveness.tell)
-            self.watch.stragglers.reset()  # ranks may be renumbered
             if action.recovery:
                 return [Published(action.plan.generation, time.time())]
         elif isinstance(action, Isolate):

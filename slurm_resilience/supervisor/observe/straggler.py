@@ -55,9 +55,14 @@ class StragglerWatch:
         self.policy = policy
         self._streaks: dict[int, int] = {}
         self._reported: set[int] = set()
+        self._generation: int | None = None
 
-    def observe(self, compute_ms: Mapping[int, float]) -> list[int]:
-        """One check of every rank's compute time (rank -> ms): the ranks that just became stragglers."""
+    def observe(self, compute_ms: Mapping[int, float], generation: int | None = None) -> list[int]:
+        """One check of every rank's compute time (rank -> ms): the ranks that just became
+        stragglers. A new ``generation`` starts the streaks afresh (ranks may be renumbered)."""
+        if generation != self._generation:
+            self.reset()
+            self._generation = generation
         if len(compute_ms) < 2:
             return []
         self._streaks = update_streaks(self._streaks, slow_ranks(compute_ms, self.policy), set(compute_ms))

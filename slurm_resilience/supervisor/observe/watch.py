@@ -202,7 +202,7 @@ class Watch:
                     compute[ranks[wid]] = b["compute_ms"]
         out: list[Observation] = []
         if state.recovery is None:
-            for rank in self.stragglers.observe(compute):
+            for rank in self.stragglers.observe(compute, state.table.generation):
                 out.append(Straggler(rank, compute[rank], tuple(v for r, v in compute.items() if r != rank)))
         # Ranks: the watchdog decides (a stale heartbeat alone is a suspect, not a fault).
         ranks_t = {w: (t if t is not None else self.connected_at[w]) for w, t in times.items() if w in ranks}
@@ -378,8 +378,9 @@ class Watch:
         for raw in raws:
             ev = json.loads(bytes(raw))
             kind = ev.pop("kind")
-            self.events.emit(f"rank_{kind}", **ev)
-            if kind in _MARKS and ev.get("rank") is not None and ev.get("generation") is not None:
+            known = kind in WorkerEvent._value2member_map_  # else a newer worker's: logged, not acted on
+            self.events.emit(WorkerEvent(kind).logged if known else "rank_" + str(kind), **ev)
+            if known and kind in _MARKS and ev.get("rank") is not None and ev.get("generation") is not None:
                 out.append(WorkerMark(WorkerEvent(kind), int(ev["rank"]), int(ev["generation"]), float(ev["t"])))
         return out
 
