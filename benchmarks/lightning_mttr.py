@@ -79,7 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--recovery-timeout", type=float, default=90.0,
                     help="torchrun: no step this long after the kill is reported as not recovered (s)")
     ap.add_argument("--torchrun-kill", choices=("node", "rank"), default="node",
-                    help="torchrun: SIGKILL the node's two training processes, or only its last rank's")
+                    help="torchrun: SIGKILL the node's two ranks with their DataLoader workers, or only its "
+                         "last rank's process")
     ap.add_argument("--torchrun-store", choices=("fresh", "shared"), default="fresh",
                     help="torchrun: a fresh c10d store per restart (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1), or the "
                          "agent's store shared across restarts (torch's default, keeps the dead attempt's keys)")

@@ -18,10 +18,13 @@ benchmarks/lightning_plain_ckpt.py's ``--progress``, written the same way).
                 addresses in it, and a restarted rank connects to a dead one (``connectFullMesh``
                 refused) or waits forever for a peer that connected elsewhere
                 (``Pair::waitUntilConnected``); no step within 90 s in 4/4 runs that way);
-                the node's two training processes SIGKILLed (or, with
-                ``--torchrun-kill rank``, only rank 3's; its
-                agent lives: a node loss would take the agent too, and a fixed-size c10d
-                rendezvous cannot complete without the node, so this is torchrun's best case)
+                the node's training processes SIGKILLed: its two ranks and their DataLoader
+                workers, which inherit the ranks' gloo sockets and, left alive, hold them open
+                until their parent-death check (``MP_STATUS_CHECK_INTERVAL``, 5 s) while the
+                survivors wait in the allreduce; or, with ``--torchrun-kill rank``, only rank 3's
+                process (a lone crash: its DataLoader workers live on). The node's agent lives: a
+                node loss would take the agent too, and a fixed-size c10d rendezvous cannot
+                complete without the node, so this is torchrun's best case
     requeue     the plain twin under srun in a plain sbatch job (Lightning's SLURMEnvironment,
                 ``--signal=USR1@90`` as Lightning's docs advise, ``--requeue``), ModelCheckpoint
                 every step, ``fit(ckpt_path="last")``; the node of ranks 2-3 killed
@@ -175,9 +178,10 @@ def run_torchrun(root: Path, args) -> dict:
               lambda: commands.job_state(job) is not None)
         ranks = (2, 3) if args.torchrun_kill == "node" else (3,)  # one node's ranks, or its last rank
         pids = [int((root / "pids" / f"rank-{r}").read_text()) for r in ranks]
+        if args.torchrun_kill == "node":  # the node's training processes die together, as in a node loss
+            pids = [p for pid in pids for p in _tree(pid)]
         t_fault = time.time()  # ---- the timed window starts here
-        for pid in pids:
-            os.kill(pid, signal.SIGKILL)  # a process of the job this benchmark started
+        killed = sum(_kill(pid) for pid in pids)  # processes of the job this benchmark started
         try:
             _wait(lambda: first_after(_read(progress), t_fault, 1), "the first step after the restart",
                   args.recovery_timeout, lambda: commands.job_state(job) is not None)
@@ -190,7 +194,31 @@ def run_torchrun(root: Path, args) -> dict:
         commands.run(["scancel", job])
         raise
     return _result(_read(progress), t_fault, 1, job=job, recovered=True, restarts=_restarts(root),
-                   max_restarts=args.max_restarts, killed_ranks=list(ranks), level="torchrun --max-restarts, last.ckpt")
+                   max_restarts=args.max_restarts, killed_ranks=list(ranks), killed_processes=killed,
+                   level="torchrun --max-restarts, last.ckpt")
+
+
+def _tree(pid: int) -> list[int]:
+    """``pid`` and its descendants (Linux ``/proc/PID/task/TID/children``), parents first."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop(0)
+        out.append(p)
+        for task in Path(f"/proc/{p}/task").glob("*"):
+            try:
+                todo += [int(c) for c in (task / "children").read_text().split()]
+            except FileNotFoundError:  # the thread or the process ended meanwhile
+                continue
+    return out
+
+
+def _kill(pid: int) -> bool:
+    """SIGKILL ``pid``; False if it had already ended (a DataLoader worker can end on its own)."""
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def _restarts(root: Path) -> int | None:
