@@ -88,8 +88,7 @@ class CheckpointEngine:
         self.ownership = Ownership(RunIdentity(job_id, run_id), adopt_legacy=adopt_legacy, emit=emit)
         self._cleaner: threading.Thread | bool | None = False  # clean.py, at the first bind
         self._pinned, self._sets = torch.cuda.is_available(), [_BufferSet({}), _BufferSet({})]
-        self._l0: _BufferSet | None = None
-        self._lock = threading.Condition()
+        self._l0, self._lock = None, threading.Condition()  # _l0: _BufferSet | None
         self._queue: "queue.Queue[Job | _Rebuild | None]" = queue.Queue()
         self._last: dict[str, tuple[int, float]] = {}
         self._counts: dict[str, int] = {}
@@ -107,13 +106,15 @@ class CheckpointEngine:
 
     # -- membership ------------------------------------------------------------
     def bind(self, *, rank: int, world_size: int, nodes: Sequence[str],
-             transfer: Callable[[], Any] | None) -> None:
+             transfer: Callable[[], Any] | None, park: Callable[[object], None] | None = None) -> None:
         """A new generation: rank, world, and a factory for the writer's transfer group.
 
         The group is built lazily by the writer thread at the generation's first
         checkpoint (every rank reaches it at the same step), so rebuilding it is
-        off the recovery's critical path.
-        """
+        off the recovery's critical path. The old one is parked (``park``): dropping it
+        would hold the writer until a cut-off exchange's gloo timeout."""
+        if park is not None and self._transfer is not None:
+            park(self._transfer)
         self.rank, self.world_size, self.nodes = rank, world_size, tuple(nodes)
         self._owners = self._root_owners()
         self._transfer = Lazy(transfer) if transfer is not None else None

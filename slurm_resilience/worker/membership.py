@@ -200,7 +200,7 @@ class Membership:
         default_group.install(self.group, client, self._cfg.pg_timeout_s, self._parking)
         os.environ.update(torchrun_environ(plan.table, slot.rank))
         self._checkpoints.bind(rank=slot.rank, world_size=plan.table.world_size, nodes=plan.table.nodes,
-                               transfer=self._transfer_factory(plan, slot.rank))
+                               transfer=self._transfer_factory(plan, slot.rank), park=self._parking.park)
         self._hb.update(generation=plan.generation, rank=slot.rank)
         self._emit(WorkerEvent.RECONNECTED, start=t0, joining=slot.rank in plan.joining)
 

@@ -63,16 +63,31 @@ def _same_as(run, reference):
     assert lab.rank_digests(run.job_dir) == digests
 
 
-def test_g2_node_killed_finishes_on_the_spare_bit_identical(cluster, jobs_root, reference_g2, tmp_path):
-    run = lab.submit(jobs_root / "g2-node-loss", tasks_per_node=G, steps=STEPS, config=_cfg(tmp_path, "g2"), step_time=FAULT_STEP_TIME)
+def test_g2_node_cut_from_the_supervisor_finishes_on_the_spare_bit_identical(cluster, jobs_root, reference_g2,
+                                                                             tmp_path):
+    """The node of ranks 2 and 3 can no longer reach the supervisor's store and liveness
+    ports, nor they it (``partition-supervisor``); its peers and slurmctld still reach
+    it. The supervisor cannot steer ranks it cannot reach: the node is lost to the job,
+    replaced by the spare, its steps ended through Slurm; the survivors keep their
+    processes; bit-identical. (A killed node at G = 2: the scale-in test below.)"""
+    run = lab.submit(jobs_root / "g2-node-cut", tasks_per_node=G, steps=STEPS, config=_cfg(tmp_path, "g2"),
+                     step_time=FAULT_STEP_TIME)
     st = run.wait_for_step(KILL_AT)
     victim = st["ranks"][2]["node"]  # ranks 2 and 3
     spare = st["spares"][0]["node"]
     survivors = {r["rank"]: r["pid"] for r in st["ranks"] if r["node"] != victim}
-    lab.kill_node(victim)
-    assert run.wait() == 0, run.output()
+    ep = st["endpoints"]
+    ports = ",".join(str(p) for p in (ep.get("store_port"), ep.get("liveness_port")) if p)
+    try:
+        lab.net_fault("partition-supervisor", victim, "--supervisor-addr", ep["host"], "--ports", ports)
+        assert run.wait() == 0, run.output()
+    finally:
+        lab.net_fault("heal")
+        lab.cluster("revive-node", victim, timeout=60)
     _same_as(run, reference_g2)
     assert _levels(run) == ["node-replacement"]
+    lost = [e["fault"] for e in _events(run.job_dir, "fault_detected")]
+    assert lost and {f["node"] for f in lost} == {victim}, lost
     assert _events(run.job_dir, "plan")[-1]["nodes"][2:4] == [spare, spare]
     final = run.status
     assert {r["rank"]: r["pid"] for r in final["ranks"] if r["rank"] in survivors} == survivors
@@ -160,8 +175,10 @@ def test_g2_no_spare_scales_in_by_a_node_and_reshards_8_to_6(cluster, jobs_root,
 
 
 def test_g2_xor_only_redundancy_with_a_node_lost(cluster, jobs_root, tmp_path):
-    """No partner copy, no shared tier: the lost node's two momentum slices are rebuilt
-    from XOR parity (groups never hold two ranks of one node); bit-identical."""
+    """No partner copy, no shared tier: the node of ranks 2 and 3 is cut from everyone
+    (``partition-node``; its processes keep running), and its two momentum slices are
+    rebuilt from XOR parity on the survivors and the spare (groups never hold two ranks
+    of one node); bit-identical."""
     cfg = _cfg(tmp_path, "xor", lab.LOCAL_CONFIG.read_text().replace("shared_every_kth: 2", "shared_every_kth: 0")
                .replace("local_every: 10", "local_every: 5")
                + "  local_redundancy: xor\n  local_xor_group_size: 4\n")
@@ -169,9 +186,25 @@ def test_g2_xor_only_redundancy_with_a_node_lost(cluster, jobs_root, tmp_path):
     assert ref.wait() == 0, ref.output()
     run = lab.submit(jobs_root / "g2-xor", tasks_per_node=G, steps=STEPS, config=cfg, script=lab.ZERO_EXAMPLE, step_time=FAULT_STEP_TIME)
     st = run.wait_for_step(KILL_AT)
-    lab.kill_node(st["ranks"][2]["node"])
-    assert run.wait() == 0, run.output()
+    victim = st["ranks"][2]["node"]
+    try:  # cut from everyone (no FIN, no RST): the XOR rebuild must not wait on it
+        lab.net_fault("partition-node", victim)
+        deadline = time.time() + 120
+        while not _events(run.job_dir, "recovery_done"):  # recovered while the node is still cut off
+            assert run.process.poll() is None and time.time() < deadline, run.output()
+            time.sleep(0.1)
+        # healed now, not at the job's end: a survivor's abandoned all-reduce with the cut node
+        # would otherwise hold its process's exit until the group's time-out (30 s)
+        lab.net_fault("heal")
+        assert run.wait() == 0, run.output()
+    finally:
+        lab.net_fault("heal")
+        lab.cluster("revive-node", victim, timeout=60)
     assert _levels(run) == ["node-replacement"]
+    # nothing waited on the cut node: an exchange it cut off runs on in gloo until the group's
+    # timeout (reconnect.pg_timeout_s, 30 s), and the recovery must not wait for that
+    (start,), (done,) = _events(run.job_dir, "recovery_start"), _events(run.job_dir, "recovery_done")
+    assert done["t"] - start["t"] < 15, f"recovery took {done['t'] - start['t']:.1f} s"
     rebuilt = sorted(r for e in _events(run.job_dir, "rank_checkpoint_rebuilt") for r in e["ranks"])
     assert rebuilt == [2, 3], _events(run.job_dir, "rank_checkpoint_rebuilt")
     assert lab.compare_runs(ref.job_dir / "final.pt", run.job_dir / "final.pt") == []

@@ -9,9 +9,11 @@ rank that never joins the rebuild, and PARTNER copies over the same groups.
 
 from __future__ import annotations
 
+import gc
 import os
 import shutil
 import threading
+import time
 from datetime import timedelta
 
 import pytest
@@ -37,9 +39,11 @@ def _state(rank, step):
 class Cluster:
     """N rank threads sharing one TCPStore; ``run`` calls fn(rank, engine) on all of them."""
 
-    def __init__(self, root, nodes, *, gen, group_size=3, timeout_s=20.0, redundancy=Redundancy.XOR):
-        self.root, self.nodes, self.gen = root, list(nodes), gen
+    def __init__(self, root, nodes, *, gen, group_size=3, timeout_s=20.0, redundancy=Redundancy.XOR,
+                 interrupted=lambda: False):
+        self.root, self.nodes, self.gen, self.interrupted = root, list(nodes), gen, interrupted
         self.store = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=30), wait_for_workers=False)
+        self.spec_kw = dict(redundancy=redundancy, group_size=group_size)
         self.table = RankTable(generation=gen, slots=tuple(
             RankSlot(rank=i, node=n, worker_id=f"w{i}", local_rank=self.nodes[:i].count(n))
             for i, n in enumerate(self.nodes)))
@@ -57,7 +61,7 @@ class Cluster:
         def build():  # a store client per rank: one client is not safe to share between threads
             store = dist.TCPStore("127.0.0.1", self.store.port, None, False, timedelta(seconds=30))
             return Generation(store, self.table, rank, backend="gloo", timeout_s=timeout_s,
-                              poll_ms=20, interrupted=lambda: False, channel="ckpt/")
+                              poll_ms=20, interrupted=self.interrupted, channel="ckpt/")
         return build
 
     def run(self, fn, ranks=None):
@@ -196,6 +200,54 @@ def test_partner_copies_over_the_same_groups(tmp_path):
         own = mf.shard_path(str(tmp_path / nodes[src] / "l1"), 2, src)
         assert open(copy, "rb").read() == open(own, "rb").read()
         assert mf.validate_step(proot, 2, deep=True) == []
+
+
+def test_a_copy_exchange_cut_off_by_a_lost_node_does_not_hold_the_next_generation(tmp_path):
+    """Node c is cut off mid-exchange (its process lives, it just never answers): a and b
+    abandon step 2's partner exchange when the next plan is out, then checkpoint step 3
+    in a generation of their own. Gloo runs the abandoned exchange on until the old
+    group's timeout; the old group is parked (``bind(park=)``), so its destructor, which
+    waits for that, never runs in the writer or in whichever thread the garbage collector
+    happens to free it from; step 3 is committed long before the timeout."""
+    nodes, timeout_s, cut = ["a", "b", "c"], 8.0, threading.Event()
+    old = Cluster(tmp_path, nodes, gen=0, timeout_s=timeout_s, redundancy=Redundancy.PARTNER,
+                  interrupted=cut.is_set)
+    parked = []
+    try:
+        assert old.run(_save([1])) == {r: [] for r in range(3)}  # the group is up on every rank
+
+        def cut_off(rank, eng):  # c never joins step 2's exchange; the plan is out 0.5 s later
+            eng.save(2, _state(rank, 2))
+            threading.Timer(0.5, cut.set).start()
+            assert eng.wait(60)
+            return [s for s, _ in eng.failures]
+        assert old.run(cut_off, ranks=[0, 1]) == {0: [2], 1: [2]}
+        new_table = RankTable(generation=1, slots=tuple(
+            RankSlot(rank=i, node=n, worker_id=f"w{i}", local_rank=0) for i, n in enumerate(nodes[:2])))
+
+        def next_generation(rank, eng):
+            def build():
+                store = dist.TCPStore("127.0.0.1", old.store.port, None, False, timedelta(seconds=30))
+                return Generation(store, new_table, rank, backend="gloo", timeout_s=timeout_s, poll_ms=20,
+                                  interrupted=lambda: False, channel="ckpt/")
+            t0 = time.monotonic()
+            eng.bind(rank=rank, world_size=2, nodes=nodes[:2], transfer=build, park=parked.append)
+            eng.save(3, _state(rank, 3))
+            assert eng.wait(60)
+            gc.collect()  # the collector runs in whatever thread allocates: here, on the critical path
+            return time.monotonic() - t0, [s for s, _ in eng.failures]
+        took = old.run(next_generation, ranks=[0, 1])
+    finally:
+        cut.set()
+        old.close()
+    for rank in (0, 1):
+        elapsed, failed = took[rank]
+        assert failed == [2], failed  # step 3 committed in the new generation
+        assert elapsed < timeout_s / 2, f"rank {rank}: step 3 took {elapsed:.1f} s (held by the old group)"
+    # each rank's old transfer group (built, its exchange abandoned) is parked: the parking
+    # lot drops it after the group timeout, so no thread on a recovery's path destroys it
+    assert len(parked) == 2 and all(p.get().generation == 0 for p in parked), parked
+    assert mf.complete_steps(str(tmp_path / "a" / "l1" / "partner")) == [1, 3]
 
 
 # -- several ranks per node (G = 2): one node-local directory per node --------------
