@@ -1,8 +1,9 @@
 """A degraded link on the local Slurm: from step 8 to the end of the job rank 1's node
-drops each of its packets with probability P (``local-cluster lossy-node``), or has
+drops each of its packets with probability P (``local-cluster lossy-node``), has
 every connection shaped to a narrow RATE (``local-cluster slow-node``: a link that
-negotiated down, a congested port); does the job finish, bit-identical to the
-fault-free run, and what does the toolkit report?
+negotiated down, a congested port), or has each of its packets held D ms
+(``local-cluster delay-node``: a long or congested path); does the job finish,
+bit-identical to the fault-free run, and what does the toolkit report?
 
 One fault-free reference run, then one run per probability and per rate (the fault on
 for the rest of that job, healed after it). Written per run: the exit code, how long
@@ -10,7 +11,7 @@ the degraded part took, the same steps' time in the reference, whether every ran
 final state equals the reference's, the faults detected and the alarms logged
 (``straggler``, ``suspect``, ``progress_slow``, recoveries).
 
-    python3 benchmarks/lossy.py --loss 0.1 0.3 --slow 4mbit 400kbit --json docs/results/degraded.json
+    python3 benchmarks/lossy.py --loss 0.1 0.3 --slow 4mbit 400kbit --delay 5 50 --json docs/results/degraded.json
 """
 
 from __future__ import annotations
@@ -42,8 +43,8 @@ def one(root: Path, fault: str, arg: str, reference: Path) -> dict:
         lab.net_fault("heal")
         lab.cluster("revive-node", victim, timeout=60)
     events = read_events(str(run.job_dir / "events.jsonl"))
-    key = {"lossy-node": "loss", "slow-node": "rate"}[fault]
-    return {"fault": fault, key: float(arg) if key == "loss" else arg, "victim": victim, "exit_code": rc,
+    key = {"lossy-node": "loss", "slow-node": "rate", "delay-node": "delay_ms"}[fault]
+    return {"fault": fault, key: arg if key == "rate" else float(arg), "victim": victim, "exit_code": rc,
             "degraded_part_s": round(lossy_s, 1),
             "bit_identical": rc == 0 and lab.compare_runs(reference, run.job_dir / "final.pt") == [],
             "faults": [e["fault"] for e in events if e["kind"] == "fault_detected"],
@@ -54,11 +55,14 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--loss", type=float, nargs="*", default=[0.1, 0.3], help="drop probabilities, each in (0, 1)")
     ap.add_argument("--slow", nargs="*", default=[], help="link rates for slow-node (tc units: 4mbit, 400kbit)")
+    ap.add_argument("--delay", type=float, nargs="*", default=[], help="delay-node: ms each packet is held")
     ap.add_argument("--root", default="/tmp/sr-lossy")
     ap.add_argument("--json", default="lossy.json")
     args = ap.parse_args()
     if any(not 0 < p < 1 for p in args.loss):
         ap.error("each --loss must be in (0, 1)")
+    if any(not 0 < d <= 10000 for d in args.delay):
+        ap.error("each --delay must be in (0, 10000] ms")
     root = Path(args.root) / time.strftime("%Y%m%d-%H%M%S")
     root.mkdir(parents=True, exist_ok=True)
     lab.cluster("reset")
@@ -71,7 +75,8 @@ def main() -> int:
     done = max(e["t"] for e in ev if e["kind"] == "rank_done")
     ref_part = round((done - first) / STEPS * (STEPS - LOSSY_AT), 1)  # its mean step time x the degraded steps
     runs = []
-    for fault, values in (("lossy-node", [f"{p:g}" for p in args.loss]), ("slow-node", args.slow)):
+    for fault, values in (("lossy-node", [f"{p:g}" for p in args.loss]), ("slow-node", args.slow),
+                          ("delay-node", [f"{d:g}" for d in args.delay])):
         for arg in values:
             runs.append(one(root, fault, arg, root / "reference" / "final.pt"))
             print(json.dumps(runs[-1]), flush=True)

@@ -29,6 +29,12 @@ fixed added delay) with a class of RATE per slow node, and rules in the mangle t
 of the node's connections into its class (``CLASSIFY``); everything else passes
 unshaped. Healing the last slow node removes the qdisc.
 
+A delayed node (``delay-node NODE MS``: a long or congested path) has its packets
+handed by two ``SR_LAB`` rules to an NFQUEUE queue of its own (:func:`delay_queue`),
+where ``scripts/lab_delay.py`` holds each MS before accepting it (no ``netem`` on
+every kernel: this is the fixed delay it would add); ``--queue-bypass`` lets packets
+through undelayed if that process is gone.
+
 Nodes n1..n32 have a bit each (the conntrack mark has 32); larger labs get
 addresses for every node but network faults only on the first 32.
 
@@ -50,7 +56,8 @@ FIRST_HOST = 10  # n1 -> 127.0.0.11
 MAX_FAULT_NODES = 32
 SLOW_CHAIN = "SR_LAB_SLOW"  # mangle table: which packets go to a slow node's class
 SLOW_QDISC = "1:"  # htb on lo while a node is slow; unclassified packets pass unshaped (default 0)
-FAULTS = ("partition-node", "partition-peers", "partition-supervisor", "lossy-node", "slow-node")
+FAULTS = ("partition-node", "partition-peers", "partition-supervisor", "lossy-node", "slow-node", "delay-node")
+DELAY_QUEUE_BASE = 4700  # NFQUEUE queue of a delayed node: base + its index (scripts/lab_delay.py)
 
 
 class NetError(Exception):
@@ -140,6 +147,21 @@ def slow_rules(node: str, rate: str, *, shaped: bool) -> list[list[str]]:
 def unshape_rule() -> list[str]:
     """Remove the htb qdisc from ``lo`` (its classes go with it)."""
     return ["tc", "qdisc", "del", "dev", "lo", "root", "handle", SLOW_QDISC]
+
+
+def delay_queue(node: str) -> int:
+    """The NFQUEUE queue number of ``node``'s delay (its ``lab_delay.py`` binds it)."""
+    return DELAY_QUEUE_BASE + node_index(node)
+
+
+def delay_rules(node: str) -> list[list[str]]:
+    """Hand every packet of ``node`` (its connections, and new ones to its address) to its
+    NFQUEUE queue, where ``lab_delay.py`` holds it; ``--queue-bypass``: with no process
+    bound to the queue the packets pass undelayed, never dropped."""
+    queue = ["-j", "NFQUEUE", "--queue-num", str(delay_queue(node)), "--queue-bypass"]
+    base = ["iptables", "-A", FAULT_CHAIN, *_tag(node, "delay-node")]
+    return [[*base, "-m", "connmark", "--mark", _mark(node_bit(node)), *queue],
+            [*base, "-d", node_addr(node), *queue]]
 
 
 def _cut(node: str, fault: str, extra: list[str]) -> list[list[str]]:

@@ -286,7 +286,8 @@ def cmd_inject(args) -> int:
     from .inject import inject
 
     print(json.dumps(inject(args.fault, args.job, rank=args.rank, seconds=args.seconds,
-                            path=args.path, probability=args.probability, rate=args.rate)))
+                            path=args.path, probability=args.probability, rate=args.rate,
+                            delay_ms=args.delay_ms)))
     return 0
 
 
@@ -352,6 +353,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seconds", type=float, default=5.0, help="slow-rank: how long; flap-node: how long cut off")
     p.add_argument("--probability", type=float, default=0.05, help="lossy-node: of dropping each packet")
     p.add_argument("--rate", default="1mbit", help="slow-node: its links' rate (800kbit, 2mbit, ...)")
+    p.add_argument("--delay-ms", type=float, default=20.0, help="delay-node: how long each of its packets is held")
     p.add_argument("--path", help="corrupt-checkpoint: tier root; fill-disk: directory to fill")
     p.set_defaults(func=cmd_inject)
     return ap

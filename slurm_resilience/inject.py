@@ -27,6 +27,7 @@ reset``):
     flap-node     a partition-node for ``--seconds``, then healed (returns when healed)
     lossy-node    each packet of the rank's node dropped with ``--probability``
     slow-node     every connection of the rank's node shaped to ``--rate`` (a narrow link)
+    delay-node    every packet to or from the rank's node held ``--delay-ms`` (a long link)
     heal          remove every network fault: a partitioned node comes back
 
 Each injection is appended to ``JOBDIR/injected.jsonl`` (0600, one JSON line: what
@@ -57,7 +58,7 @@ __all__ = [
 
 INJECTED = "injected.jsonl"
 NETWORK_FAULTS = ("partition-node", "partition-peers", "partition-supervisor", "flap-node", "lossy-node",
-                  "slow-node", "heal")
+                  "slow-node", "delay-node", "heal")
 FAULTS = ("kill-rank", "kill-node", "freeze-node", "hang-rank", "slow-rank", "kill-spare", "kill-supervisor",
           "corrupt-checkpoint", "fill-disk", "preempt", *NETWORK_FAULTS)
 
@@ -81,13 +82,13 @@ def _rank(st: dict[str, Any], rank: int) -> dict[str, Any]:
 
 def inject(fault: str, job_dir: str, *, rank: int = 1, seconds: float = 5.0,
            duty: float = 0.5, path: str | None = None, keep_mb: int = 1,
-           probability: float = 0.05, rate: str = "1mbit") -> dict[str, Any]:
+           probability: float = 0.05, rate: str = "1mbit", delay_ms: float = 20.0) -> dict[str, Any]:
     """Inject ``fault``; returns what was done (with ``at``, the wall time), also
     appended to ``JOBDIR/injected.jsonl`` (``record_error`` instead when that fails:
     the fault is in, the record is not)."""
     if fault in NETWORK_FAULTS:
         done = network_fault(fault, _status(job_dir), rank=rank, seconds=seconds, probability=probability,
-                             rate=rate)
+                             rate=rate, delay_ms=delay_ms)
     else:
         done = _inject(fault, job_dir, rank=rank, seconds=seconds, duty=duty, path=path, keep_mb=keep_mb)
     try:
@@ -174,7 +175,7 @@ def _inject(fault: str, job_dir: str, *, rank: int, seconds: float, duty: float,
 
 
 def network_args(fault: str, st: dict[str, Any], *, rank: int, seconds: float,
-                 probability: float, rate: str = "1mbit") -> tuple[str, list[str]]:
+                 probability: float, rate: str = "1mbit", delay_ms: float = 20.0) -> tuple[str, list[str]]:
     """(the victim node or "", the ``local-cluster`` arguments) for a network fault on
     the node of ``rank`` of the job whose status is ``st``. Pure."""
     if fault == "heal":
@@ -201,17 +202,22 @@ def network_args(fault: str, st: dict[str, Any], *, rank: int, seconds: float,
         if not re.fullmatch(r"\d+(\.\d+)?(bit|kbit|mbit|gbit)", rate) or not float(re.match(r"[\d.]+", rate).group()):
             raise ResilienceError(f"slow-node: --rate must be a link rate such as 800kbit or 2mbit, not {rate!r}")
         return node, [fault, node, rate]
+    if fault == "delay-node":
+        if not 0 < delay_ms <= 10000:
+            raise ResilienceError(f"delay-node: --delay-ms must be in (0, 10000], not {delay_ms:g}")
+        return node, [fault, node, f"{delay_ms:g}"]
     if not 0 < probability < 1:
         raise ResilienceError(f"lossy-node: --probability must be in (0, 1), not {probability}")
     return node, [fault, node, f"{probability:g}"]
 
 
 def network_fault(fault: str, st: dict[str, Any], *, rank: int, seconds: float,
-                  probability: float, rate: str = "1mbit") -> dict[str, Any]:
+                  probability: float, rate: str = "1mbit", delay_ms: float = 20.0) -> dict[str, Any]:
     """Make a network fault on the local cluster (``local-cluster`` runs the rules)."""
     from . import lab
 
-    node, args = network_args(fault, st, rank=rank, seconds=seconds, probability=probability, rate=rate)
+    node, args = network_args(fault, st, rank=rank, seconds=seconds, probability=probability, rate=rate,
+                              delay_ms=delay_ms)
     at = lab.net_fault(*args, timeout=60 + (seconds if fault == "flap-node" else 0))
     done: dict[str, Any] = {"fault": fault, "at": at}
     if node:
@@ -222,6 +228,8 @@ def network_fault(fault: str, st: dict[str, Any], *, rank: int, seconds: float,
         done["probability"] = probability
     if fault == "slow-node":
         done["rate"] = rate
+    if fault == "delay-node":
+        done["delay_ms"] = delay_ms
     return done
 
 

@@ -128,15 +128,15 @@ FLAP_S = 0.5  # the longest cut the 0.9 s silence deadline always lets through (
 # node's pulse replaces its stuck link once one connects (worker/pulse_link.py) and the slurmd probe
 # sends a fresh SYN every 50 ms (slurm/reach.py), so neither waits out TCP's retransmission back-off
 AFTER_FLAP = 4  # steps every rank does after the flap before the next fault (no recovery meanwhile)
-DEGRADED_STEPS = 3  # steps every rank does on a lossy link, then on a narrow one (no recovery meanwhile)
-LOSS, RATE = "0.1", "1mbit"  # benchmarks/lossy.py: training goes on, slower, bit-identical
+DEGRADED_STEPS = 3  # steps every rank does on a lossy, a narrow, then a long link (no recovery meanwhile)
+LOSS, RATE, DELAY_MS = "0.1", "1mbit", "20"  # benchmarks/lossy.py: training goes on, slower, bit-identical
 PEERS_STEP_TIME = 0.3  # emulated compute (the bits do not depend on it): the job outlasts the cut's set-up
 
 
 def test_a_short_flap_costs_no_recovery_and_a_node_cut_from_its_peers_is_replaced(cluster, jobs_root, reference):
-    """One job, four faults on one node. A flap under the detection deadline: a stall, no
-    recovery, no spare spent. A lossy link (10 %), then a narrow one (1 Mbit/s), each for
-    a few steps: slower, no recovery. Then the same node is cut from the other ranks' nodes only (slurmctld,
+    """One job, five faults on one node. A flap under the detection deadline: a stall, no
+    recovery, no spare spent. A lossy link (10 %), a narrow one (1 Mbit/s), then a long one
+    (every packet held 20 ms), each for a few steps: slower, no recovery. Then the same node is cut from the other ranks' nodes only (slurmctld,
     the supervisor and the spare still reach it): its heartbeats and pulse lines go on,
     every rank waits in a collective that never returns; the pulses' peer probes blame
     it (NODE_PARTITIONED), it is replaced by the spare, and the job ends bit-identical."""
@@ -149,7 +149,7 @@ def test_a_short_flap_costs_no_recovery_and_a_node_cut_from_its_peers_is_replace
         flap_at = lab.net_fault("flap-node", victim, f"{FLAP_S}")
         at = min(r["step"] for r in run.wait_for_step(FAULT_AT + AFTER_FLAP, timeout=120)["ranks"])
         # a degraded link: training goes on (a straggler report is allowed), no recovery
-        for fault, arg in (("lossy-node", LOSS), ("slow-node", RATE)):
+        for fault, arg in (("lossy-node", LOSS), ("slow-node", RATE), ("delay-node", DELAY_MS)):
             lab.net_fault(fault, victim, arg)
             at = min(r["step"] for r in run.wait_for_step(at + DEGRADED_STEPS, timeout=120)["ranks"])
             lab.net_fault("heal")

@@ -118,6 +118,16 @@ LISTING = """-N SR_LAB
 """
 
 
+def test_delay_queues_the_nodes_packets_to_its_own_queue_and_never_drops_them():
+    rules = lab_net.delay_rules("n3")
+    q = str(lab_net.delay_queue("n3"))
+    assert q != str(lab_net.delay_queue("n4"))
+    assert all(r[:4] == ["iptables", "-A", "SR_LAB", "-m"] and r[-5:] == ["-j", "NFQUEUE", "--queue-num", q,
+                                                                       "--queue-bypass"] for r in rules)
+    assert [r[r.index("--comment") + 1] for r in rules] == ["sr-lab n3 delay-node"] * 2  # heal finds them
+    assert "--mark" in rules[0] and rules[1][rules[1].index("-d") + 1] == "127.0.0.13"
+
+
 def test_heal_deletes_the_listed_rules_of_the_node_or_of_all():
     one = lab_net.heal_rules(LISTING, "n2")
     assert len(one) == 2 and all(r[:3] == ["iptables", "-D", "SR_LAB"] for r in one)
@@ -152,6 +162,7 @@ def test_inject_network_faults_name_the_ranks_node():
     assert _args("flap-node") == ("n2", ["flap-node", "n2", "1.5"])
     assert _args("lossy-node", rank=2) == ("n3", ["lossy-node", "n3", "0.1"])
     assert _args("slow-node", rate="800kbit") == ("n2", ["slow-node", "n2", "800kbit"])
+    assert _args("delay-node", delay_ms=25) == ("n2", ["delay-node", "n2", "25"])
     assert _args("heal") == ("", ["heal"])
 
 
@@ -165,6 +176,9 @@ def test_inject_network_faults_refuse_bad_input():
     for bad in ("fast", "0mbit", "2 mbit", "-1kbit"):
         with pytest.raises(ResilienceError, match="--rate"):
             _args("slow-node", rate=bad)
+    for bad in (0, -5, 20000):
+        with pytest.raises(ResilienceError, match="--delay-ms"):
+            _args("delay-node", delay_ms=bad)
     with pytest.raises(ResilienceError, match="endpoints"):
         network_args("partition-supervisor", {**STATUS, "endpoints": {}}, rank=1, seconds=1, probability=0.1)
     one_node = {"ranks": [{"rank": 0, "node": "n1", "pid": 1}, {"rank": 1, "node": "n1", "pid": 2}]}
