@@ -50,3 +50,14 @@ def reference(slurm_cluster, jobs_root) -> Path:
     code = run.wait()
     assert code == 0, run.output()
     return run.job_dir / "final.pt"
+
+
+@pytest.fixture(scope="session")
+def reference3(slurm_cluster, jobs_root) -> Path:
+    """Final state of a fault-free run of 3 ranks (no spare: spares do not change the
+    bits), STEPS steps; shared by the hetjob/executor and the healthy-spares tests."""
+    lab.cluster("reset")
+    run = lab.submit(jobs_root / "reference-3", nodes=3, spares=0, steps=STEPS)
+    assert run.wait() == 0, run.output()
+    assert "recovery_start" not in (run.job_dir / "events.jsonl").read_text()
+    return run.job_dir / "final.pt"

@@ -21,9 +21,7 @@ def _events(job_dir, kind):
     return [e for e in read_events(str(job_dir / "events.jsonl")) if e["kind"] == kind]
 
 
-def test_a_spare_failing_its_health_check_is_drained_and_the_other_adopted(cluster, jobs_root, tmp_path):
-    ref = lab.submit(jobs_root / "hc-reference", nodes=3, spares=0, steps=STEPS)
-    assert ref.wait() == 0, ref.output()
+def test_a_spare_failing_its_health_check_is_drained_and_the_other_adopted(cluster, jobs_root, reference3, tmp_path):
     lab.cluster("reset")
     # the first spare of the allocation (n1 supervises, n2-n4 work, n5 and n6 are spares)
     probe = [sys.executable, "-c", "import os, sys; n = os.environ.get('SLURMD_NODENAME'); "
@@ -41,4 +39,4 @@ def test_a_spare_failing_its_health_check_is_drained_and_the_other_adopted(clust
     assert run.wait() == 0, run.output()
     assert [e["level"] for e in _events(run.job_dir, "recovery_done")] == ["node-replacement"]
     assert _events(run.job_dir, "plan")[-1]["nodes"][1] == "n6"
-    assert lab.compare_runs(ref.job_dir / "final.pt", run.job_dir / "final.pt") == []
+    assert lab.compare_runs(reference3, run.job_dir / "final.pt") == []

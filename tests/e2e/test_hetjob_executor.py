@@ -24,16 +24,6 @@ def _events(job_dir, kind):
     return [e for e in read_events(str(job_dir / "events.jsonl")) if e["kind"] == kind]
 
 
-@pytest.fixture(scope="module")
-def reference3(slurm_cluster, jobs_root):
-    """Final state of a fault-free plain run: 3 ranks, 1 spare, STEPS steps."""
-    lab.cluster("reset")
-    run = lab.submit(jobs_root / "reference-3", nodes=NODES, spares=SPARES, steps=STEPS)
-    assert run.wait() == 0, run.output()
-    assert not _events(run.job_dir, "recovery_start")
-    return run.job_dir / "final.pt"
-
-
 def _het_components(job_id):
     """``{offset: [nodes]}`` of a running heterogeneous job, from squeue (``J+0 n1``)."""
     out = commands.run(["squeue", "-h", "-j", job_id, "-o", "%i %N"]).stdout
