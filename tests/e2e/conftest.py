@@ -61,3 +61,15 @@ def reference3(slurm_cluster, jobs_root) -> Path:
     assert run.wait() == 0, run.output()
     assert "recovery_start" not in (run.job_dir / "events.jsonl").read_text()
     return run.job_dir / "final.pt"
+
+
+@pytest.fixture(scope="session")
+def torch_reference(slurm_cluster, jobs_root) -> Path:
+    """The unmodified torchrun script's fault-free result under ``run`` (40 steps), shared
+    by the relaunch tests (test_restart_slurm.py, test_rank0_node_slurm.py)."""
+    from . import test_restart_slurm as restart
+
+    lab.cluster("reset")
+    proc, out = restart._run(jobs_root / "torchrun-ref", restart.TORCH_EXAMPLE, 40, mpi=False)
+    assert restart._finish(proc, jobs_root / "torchrun-ref") == 0, proc.output
+    return out

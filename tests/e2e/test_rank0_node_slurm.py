@@ -45,14 +45,12 @@ def test_online_rank0_node_loss_finishes_on_spare_bit_identical(cluster, jobs_ro
     assert plans[-1]["nodes"][0] == spare and all(victim not in p["nodes"] for p in plans[1:])
 
 
-def test_relaunch_rank0_node_loss_moves_master_to_a_live_node_identical(cluster, jobs_root):
+def test_relaunch_rank0_node_loss_moves_master_to_a_live_node_identical(cluster, jobs_root, torch_reference):
     """``run`` mode: the node of task 0 (MASTER_ADDR) is lost; the relaunched step's
     master is a node of the new step, never the lost one, and the result is identical."""
     import torch
 
-    ref_root = jobs_root / "torchrun-rank0-ref"
-    proc, ref_out = restart._run(ref_root, restart.TORCH_EXAMPLE, 40, mpi=False)
-    assert restart._finish(proc, ref_root) == 0, proc.output
+    ref_out = torch_reference
     lab.cluster("reset")
     root = jobs_root / "torchrun-rank0-loss"
     proc, out = restart._run(root, restart.TORCH_EXAMPLE, 40, mpi=False)

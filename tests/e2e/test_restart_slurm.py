@@ -106,14 +106,6 @@ def _check_recovery_told(root: Path, victim: str, events: list[dict]) -> None:
 
 
 @pytest.fixture(scope="module")
-def torch_reference(slurm_cluster, jobs_root) -> Path:
-    lab.cluster("reset")
-    proc, out = _run(jobs_root / "torchrun-ref", TORCH_EXAMPLE, 40, mpi=False)
-    assert _finish(proc, jobs_root / "torchrun-ref") == 0, proc.output
-    return out
-
-
-@pytest.fixture(scope="module")
 def mpi_reference(slurm_cluster, jobs_root) -> Path:
     lab.cluster("reset")
     proc, out = _run(jobs_root / "mpi-ref", MPI_EXAMPLE, 60, mpi=True)
