@@ -64,7 +64,11 @@ def test_every_packet_is_held_for_the_delay_and_passes_once_the_process_ends():
     proc = subprocess.Popen([sys.executable, str(SCRIPT), "--queue", str(QUEUE), "--delay-ms", str(DELAY_MS)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
-        assert proc.stdout.readline().strip() == b"ready", proc.stderr.read()
+        if proc.stdout.readline().strip() != b"ready":
+            why = proc.stderr.read().decode()
+            if "cannot bind NFQUEUE" in why:  # a kernel without nfnetlink_queue: no delay-node there
+                pytest.skip(why.strip())
+            pytest.fail(why)
         for rule in _rules("-I"):
             subprocess.run(rule, check=True)
         held = _round_trips(port)
