@@ -88,7 +88,8 @@ class CheckpointEngine:
         self.ownership = Ownership(RunIdentity(job_id, run_id), adopt_legacy=adopt_legacy, emit=emit)
         self._cleaner: threading.Thread | bool | None = False  # clean.py, at the first bind
         self._pinned, self._sets = torch.cuda.is_available(), [_BufferSet({}), _BufferSet({})]
-        self._l0, self._lock = None, threading.Condition()  # _l0: _BufferSet | None
+        self._l0: _BufferSet | None = None
+        self._lock = threading.Condition()
         self._queue: "queue.Queue[Job | _Rebuild | None]" = queue.Queue()
         self._last: dict[str, tuple[int, float]] = {}
         self._counts: dict[str, int] = {}
@@ -276,8 +277,7 @@ class CheckpointEngine:
         """Writer thread, rank 0: stripe a new step directory of a shared tier on Lustre.
 
         Detection runs once per tier root; a failure is a warning and a
-        ``checkpoint_stripe_failed`` event (the files get the default layout).
-        """
+        ``checkpoint_stripe_failed`` event (the files get the default layout)."""
         root = os.path.dirname(directory)
         if root not in self._on_lustre:
             self._on_lustre[root] = self._striping.is_lustre(root)
