@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import errno
 import select
 import signal
 import socket
@@ -75,6 +76,10 @@ class Queue:
                 data = self.sock.recv(65535, socket.MSG_DONTWAIT)
             except BlockingIOError:
                 return ids
+            except OSError as e:  # ENOBUFS: the kernel dropped what did not fit; go on
+                if e.errno != errno.ENOBUFS:
+                    raise
+                continue
             off = 0
             while off + 16 <= len(data):
                 size, kind = struct.unpack("IH", data[off:off + 6])
