@@ -43,7 +43,6 @@ class Cluster:
                  interrupted=lambda: False):
         self.root, self.nodes, self.gen, self.interrupted = root, list(nodes), gen, interrupted
         self.store = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=30), wait_for_workers=False)
-        self.spec_kw = dict(redundancy=redundancy, group_size=group_size)
         self.table = RankTable(generation=gen, slots=tuple(
             RankSlot(rank=i, node=n, worker_id=f"w{i}", local_rank=self.nodes[:i].count(n))
             for i, n in enumerate(self.nodes)))

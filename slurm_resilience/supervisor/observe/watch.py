@@ -52,6 +52,7 @@ SILENCE_LOOK_S = 0.05  # how often the node-silence look runs (O(nodes); silence
 EVENT_HOLE_S = 1.0  # an event counted but unwritten this long is skipped (its writer died)
 POLL_WORKERS = 2048  # the O(N) look runs once a heartbeat period up to this many workers, pro rata less often above
 _MARKS = frozenset({WorkerEvent.RECONNECTED, WorkerEvent.RESTORED, WorkerEvent.FIRST_STEP, WorkerEvent.DONE})
+_KNOWN = frozenset(e.value for e in WorkerEvent)
 
 
 class Watch:
@@ -378,7 +379,7 @@ class Watch:
         for raw in raws:
             ev = json.loads(bytes(raw))
             kind = ev.pop("kind")
-            known = kind in WorkerEvent._value2member_map_  # else a newer worker's: logged, not acted on
+            known = kind in _KNOWN  # else a newer worker's: logged, not acted on
             self.events.emit(WorkerEvent(kind).logged if known else "rank_" + str(kind), **ev)
             if known and kind in _MARKS and ev.get("rank") is not None and ev.get("generation") is not None:
                 out.append(WorkerMark(WorkerEvent(kind), int(ev["rank"]), int(ev["generation"]), float(ev["t"])))
