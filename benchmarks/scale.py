@@ -172,6 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip-state-save", action="store_true",
                     help="diagnostic, not the product: the supervisor never writes supervisor.json (shows the "
                          "next bottleneck past the O(N) state save per change)")
+    ap.add_argument("--keep", action="store_true", help="keep each run's job directory (its events.jsonl) and say where")
     ap.add_argument("--label", default="", help="a name for this run in the JSON (e.g. the commit)")
     ap.add_argument("--json")
     ap.add_argument("--plot")
@@ -198,7 +199,9 @@ def main(argv: list[str] | None = None) -> int:
                            pulse={"auto": None, "on": True, "off": False}[args.pulse], cases=tuple(args.cases),
                            max_wait_s=args.max_wait_s, skip_save=args.skip_state_save,
                            profile=args.profile if args.profile and n == max(args.sizes) else None)
-            with Run(spec, root=args.job_root) as run:
+            with Run(spec, root=args.job_root, keep=args.keep) as run:
+                if args.keep:
+                    print(f"N={n}: job directory {run.job_dir} (kept)", file=sys.stderr, flush=True)
                 try:
                     result = run.measure()
                 except Exception as exc:  # recorded, not fatal: larger N are still tried

@@ -10,7 +10,7 @@ import json
 import os
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterable, Mapping
 
 from .protocol import EventKind
 
@@ -45,18 +45,29 @@ class EventLog:
         ``kind`` is an :class:`~slurm_resilience.protocol.EventKind` or a worker's
         ``WorkerEvent.X.logged``; the line holds its plain string value.
         """
-        event = {"t": self._clock(), "kind": str(kind), **fields}
-        line = json.dumps(event, default=_jsonable)  # insertion order: t, kind, fields
+        return self.emit_many([(kind, fields)])[0]
+
+    def emit_many(self, items: Iterable[tuple[str, Mapping[str, Any]]]) -> list[dict[str, Any]]:
+        """Append several events (``(kind, fields)`` each) with one write and one flush.
+
+        A recovery logs three events per rank: at 16,384 ranks a write and flush per
+        line cost seconds of the supervisor's loop. Raises as :meth:`emit`."""
+        t = self._clock()
+        events = [{"t": t, "kind": str(kind), **fields} for kind, fields in items]
+        if not events:
+            return events
+        text = "".join(_ENCODE(e) + "\n" for e in events)  # insertion order: t, kind, fields
         with self._lock:
-            self._file.write(line + "\n")
+            self._file.write(text)
             self._file.flush()
             now = time.monotonic()
             if now - self._synced >= self._sync_every_s:
                 os.fsync(self._file.fileno())
                 self._synced = now
             if self._on_event is not None:
-                self._on_event(event)
-        return event
+                for event in events:
+                    self._on_event(event)
+        return events
 
     def close(self) -> None:
         with self._lock:
@@ -78,6 +89,9 @@ def _jsonable(obj: Any) -> Any:
     if hasattr(obj, "value"):  # enums
         return obj.value
     raise TypeError(f"event field of type {type(obj).__name__} is not JSON serializable")
+
+
+_ENCODE = json.JSONEncoder(default=_jsonable).encode  # built once (the C encoder), not per line
 
 
 def read_events(path: str) -> list[dict[str, Any]]:

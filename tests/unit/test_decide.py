@@ -502,3 +502,29 @@ def test_a_stale_spare_is_rechecked_on_tick_and_in_parallel_at_adoption():
     state, _ = decide(state, m.Published(1, 30.0), 30.0, p)
     state, acts = decide(state, m.SpareChecked("n5", "disk full", 30.2), 30.2, p)
     assert of(acts, m.Publish)[0].plan.table.nodes == ("n2", "n4") and of(acts, m.Isolate)[0].state == "DRAIN"
+
+
+def test_a_batch_of_marks_decides_as_the_same_marks_one_by_one():
+    """One poll's marks come as one ``WorkerMarks`` (O(N) per recovery, not O(N²)): the
+    state and actions equal those of the marks decided one at a time, a generation's
+    stray marks included, and marks after the recovery closed still count (the refill)."""
+    p = policy(local_standbys=True)
+    state, _ = started(p)
+    state, _ = decide(state, killed(state, 1), 1.1, p)
+    state, _ = decide(state, m.Published(1, 1.2), 1.2, p)
+    g = state.table.generation
+    marks = [m.WorkerMark(WorkerEvent.RECONNECTED, 0, g - 1, 2.0)]  # an old generation's: ignored
+    marks += [m.WorkerMark(kind, rank, g, 2.5 + rank / 10) for kind in (WorkerEvent.RECONNECTED,
+              WorkerEvent.RESTORED, WorkerEvent.FIRST_STEP) for rank in range(state.table.world_size)]
+    marks += [m.WorkerMark(WorkerEvent.FIRST_STEP, 0, g, 2.9)]  # after the close: the job trains
+    one, acts_one = state, []
+    for mark in marks:
+        one, acts = decide(one, mark, 3.0, p)
+        acts_one += acts
+    batch, acts_batch = decide(state, m.WorkerMarks(tuple(marks)), 3.0, p)
+    assert batch == one and acts_batch == acts_one
+    assert batch.recovery is None and EventKind.RECOVERY_DONE in kinds(acts_batch)
+    half = len(marks) // 2  # split over two polls: the same again
+    two, acts_two = decide(state, m.WorkerMarks(tuple(marks[:half])), 3.0, p)
+    two, more = decide(two, m.WorkerMarks(tuple(marks[half:])), 3.0, p)
+    assert two == one and acts_two + more == acts_one

@@ -117,3 +117,21 @@ def test_happy_path():
     for p in (JobPhase.RUNNING, JobPhase.RECOVERING, JobPhase.RUNNING, JobPhase.FINISHING, JobPhase.SUCCEEDED):
         state, _ = move(state, p, "")
     assert state.phase is JobPhase.SUCCEEDED and not TRANSITIONS[state.phase]
+
+
+def test_emit_many_writes_a_polls_events_as_lines_in_order(tmp_path):
+    """A poll's worker events go out in one write: the same lines, in order, as one emit each."""
+    path, seen = str(tmp_path / "events.jsonl"), []
+    with EventLog(path, clock=Clock(5.0), on_event=seen.append) as log:
+        assert log.emit_many([]) == []
+        got = log.emit_many([(WorkerEvent.RECONNECTED.logged, {"rank": 0}), ("rank_newer_kind", {"rank": 1}),
+                             (EventKind.FAULT_DETECTED, {"fault": Fault(kind=FaultKind.NODE_LOST, rank=1,
+                                                                        node="n3", time=1.0)})])
+        log.emit("after", n=1)
+    events = read_events(path)
+    assert [e["kind"] for e in events] == ["rank_reconnected", "rank_newer_kind", "fault_detected", "after"]
+    assert events[:2] == got[:2] == seen[:2] and got[2] is seen[2] and events[0]["t"] == 5.0
+    assert events[2]["fault"]["node"] == "n3" and got[2]["fault"].node == "n3"  # returned as given
+    with EventLog(path) as log, pytest.raises(TypeError):
+        log.emit_many([("bad", {"x": object()})])  # not JSON-able: nothing of the batch written
+    assert len(read_events(path)) == 4

@@ -1,3 +1,4 @@
+import dataclasses
 import json
 import os
 import stat
@@ -184,3 +185,24 @@ def test_a_node_must_move_whole():
 
     with pytest.raises(RankTableError):
         shrink(t, [2])  # half a node
+
+
+def test_publish_sets_and_tells_the_plan_before_the_table_files_are_written(tmp_path):
+    """The files are for people: the plan goes to the store and the pulses first."""
+    from slurm_resilience.protocol import Plan, PlanAction, StoreKey
+    from slurm_resilience.supervisor.adapters.publish import LATEST_NAME, publish_plan
+
+    d, order = tmp_path / "tables", []
+    plan = Plan(generation=3, action=PlanAction.RUN, table=dataclasses.replace(_t(2), generation=3), joining=(),
+                reason="test")
+
+    class Store:
+        def set(self, key, value):
+            order.append(("set", key, (d / LATEST_NAME).exists()))
+
+    def tell(notice, nodes):
+        order.append(("tell", notice["plan"], (d / LATEST_NAME).exists()))
+
+    path = publish_plan(Store(), plan, str(d), tell=tell)
+    assert order == [("set", StoreKey.PLAN.of(3), False), ("tell", 3, False)]
+    assert json.loads((d / LATEST_NAME).read_text())["generation"] == 3 and path.endswith("gen0003.json")

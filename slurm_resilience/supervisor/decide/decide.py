@@ -5,7 +5,7 @@
                       ├─ Start            launch generation 0 (+ standbys)
                       ├─ Suspects/...     classify → ladder → plan (recover.py)
                       ├─ Published        a recovery's plan is out: its deadline starts
-                      ├─ WorkerMark       recovery phases; the last rank's first step ends it
+                      ├─ WorkerMark(s)    recovery phases; the last rank's first step ends it
                       ├─ StepTrained      relaunch mode: the relaunched step's first step ends it
                       ├─ Tick             a recovery past its deadline falls back (ladder, failed set)
                       ├─ AllDone          finish
@@ -32,13 +32,13 @@ from . import recover, relaunch_recovery, spares, standbys
 from .messages import (
     Action, AllDone, Connected, DrainEvents, Exit, Isolate, Kill, NodeBack, Observation, Preempted, Published, Reap,
     LivenessChange, Relaunch, Say, ShutDownStandbys, SpareChecked, Start, StepFaults, StepTrained, Straggler, Suspects,
-    Tick, Verdict, WorkerMark, emit,
+    Tick, Verdict, WorkerMark, WorkerMarks, emit,
 )
 from .actions import EXIT_FAILED, EXIT_OK, EXIT_REQUEUED, Decision, launch, launch_standbys, move, publish, requeue
 from .ranktable import initial_table
 from .ladder import Level
 from .report import Mark, recovery_phases
-from .state import Mode, Policy, SupervisorState
+from .state import Mode, Policy, Recovery, SupervisorState
 
 __all__ = ["decide", "EXIT_OK", "EXIT_FAILED", "EXIT_REQUEUED"]
 
@@ -59,8 +59,10 @@ def decide(state: SupervisorState, obs: Observation, now: float, policy: Policy)
         return _published(state, obs, policy)
     if isinstance(obs, StepTrained):
         return relaunch_recovery.on_step_trained(state, obs)
+    if isinstance(obs, WorkerMarks):
+        return _marks(state, obs.marks, policy)
     if isinstance(obs, WorkerMark):
-        return _mark(state, obs, policy)
+        return _marks(state, (obs,), policy)
     if isinstance(obs, Tick):
         state, acts = spares.recheck_due(state, now, policy)
         state, more = recover.on_tick(state, now, policy)
@@ -151,19 +153,38 @@ _MARKS = {WorkerEvent.RECONNECTED: Mark.RECONNECTED, WorkerEvent.RESTORED: Mark.
           WorkerEvent.FIRST_STEP: Mark.FIRST_STEP, WorkerEvent.DONE: Mark.FIRST_STEP}
 
 
-def _mark(state: SupervisorState, obs: WorkerMark, policy: Policy) -> Decision:
-    rec = state.recovery
-    if rec is None and obs.kind is WorkerEvent.FIRST_STEP and obs.generation == state.table.generation:
-        return standbys.refill(state, policy, obs.generation)  # the job trains: now the nodes' standbys
-    if rec is None or obs.generation != rec.generation or obs.kind not in _MARKS:
-        return state, []
-    key = _MARKS[obs.kind]
-    got = dict(rec.worker_marks.get(key, {}))
-    got.setdefault(obs.rank, obs.t)
-    rec = dataclasses.replace(rec, worker_marks={**rec.worker_marks, key: got})
-    state = dataclasses.replace(state, recovery=rec)
-    if len(rec.worker_marks.get(Mark.FIRST_STEP, {})) < state.table.world_size or Mark.PUBLISHED not in rec.marks:
-        return state, []
+def _marks(state: SupervisorState, marks: tuple[WorkerMark, ...], policy: Policy) -> Decision:
+    """Fold a poll's marks in order: each rank's first mark of a kind counts, and the last
+    rank's first step ends the recovery; with none in flight, the job's training in the
+    current generation starts the nodes' own standbys. One copy of the marks per batch."""
+    acts: list[Action] = []
+    i = 0
+    while i < len(marks):
+        rec = state.recovery
+        if rec is None:
+            if any(m.kind is WorkerEvent.FIRST_STEP and m.generation == state.table.generation for m in marks[i:]):
+                state, more = standbys.refill(state, policy, state.table.generation)  # the job trains
+                acts += more
+            return state, acts
+        got = {key: dict(ranks) for key, ranks in rec.worker_marks.items()}
+        done = False
+        while i < len(marks) and not done:
+            m = marks[i]
+            i += 1
+            if m.generation == rec.generation and m.kind in _MARKS:
+                got.setdefault(_MARKS[m.kind], {}).setdefault(m.rank, m.t)
+                done = (Mark.PUBLISHED in rec.marks
+                        and len(got.get(Mark.FIRST_STEP, {})) >= state.table.world_size)
+        rec = dataclasses.replace(rec, worker_marks=got)
+        state = dataclasses.replace(state, recovery=rec)
+        if done:
+            state, more = _recovered(state, rec, policy)
+            acts += more
+    return state, acts
+
+
+def _recovered(state: SupervisorState, rec: Recovery, policy: Policy) -> Decision:
+    """The last rank trained a step: log the phases, end the recovery, refill the standbys."""
     acts: list[Action] = [emit(EventKind.PHASE, recovery=rec.number, phase=phase, start=start, end=end,
                                duration_ms=round((end - start) * 1000, 3))
                           for phase, start, end in recovery_phases(rec.marks, rec.worker_marks)]

@@ -19,7 +19,7 @@ from ...program_error import ProgramError
 
 
 __all__ = [
-    "Start", "Connected", "Suspect", "Suspects", "StepFaults", "WorkerMark", "Published", "Tick", "AllDone",
+    "Start", "Connected", "Suspect", "Suspects", "StepFaults", "WorkerMark", "WorkerMarks", "Published", "Tick", "AllDone",
     "Preempted", "NodeBack", "SpareChecked", "Straggler", "Verdict", "LivenessChange", "StepTrained", "Observation", "Launch",
     "Relaunch", "CheckSpare", "Kill", "Publish", "Isolate", "Emit", "Say", "Phase", "ShutDownStandbys", "Reap",
     "DrainEvents", "Requeue", "Exit", "Action", "emit"
@@ -98,6 +98,14 @@ class WorkerMark:
     rank: int
     generation: int
     t: float
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerMarks:
+    """The marks of one poll of the workers' events, in order: decided as one batch, so a
+    recovery's N marks cost O(N) in all, not a copy of the marks so far per mark (O(N²))."""
+
+    marks: tuple[WorkerMark, ...]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,7 +204,7 @@ class StepTrained:
     step: int | None = None
 
 
-Observation = (Start | Connected | Suspects | StepFaults | WorkerMark | Published | Tick | AllDone
+Observation = (Start | Connected | Suspects | StepFaults | WorkerMark | WorkerMarks | Published | Tick | AllDone
                | Preempted | NodeBack | Straggler | SpareChecked | LivenessChange | StepTrained)
 
 
@@ -236,7 +244,7 @@ class Kill:
 
 @dataclasses.dataclass(frozen=True)
 class Publish:
-    """Write the rank table durably, then publish the plan (the stop signal and fence).
+    """Publish the plan (the stop signal and fence), then write the rank table files.
     ``recovery``: answer with :class:`Published` (its ranktable phase ends then)."""
 
     plan: Plan

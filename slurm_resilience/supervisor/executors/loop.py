@@ -17,7 +17,7 @@ import time
 from typing import Callable, Iterable
 
 from ..decide.decide import decide
-from ..decide.messages import Exit, Observation
+from ..decide.messages import Exit, Observation, Publish
 from ..decide.state import Policy, SupervisorState
 from .contract import Executor, carry_out
 
@@ -35,10 +35,17 @@ def run(executor: Executor, state: SupervisorState, policy: Policy, first: Itera
             if not pending:
                 continue
         new, actions = decide(state, pending.popleft(), clock(), policy)
-        if new is not state:
+        # Persisted before its actions, except a decision that publishes a plan: that save
+        # (O(N)) would delay the recovery, and a re-attach adopts a plan newer than it.
+        after = new is not state and any(isinstance(a, Publish) for a in actions)
+        if new is not state and not after:
             executor.changed(new)
         state = new
         for action in actions:
             pending.extend(carry_out(executor, state, action))
             if isinstance(action, Exit):
+                if after:
+                    executor.changed(state)
                 return action.code, state
+        if after:
+            executor.changed(state)

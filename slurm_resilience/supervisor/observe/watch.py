@@ -36,7 +36,8 @@ from .probe import NodeProbed, NodeProber, silent_nodes
 from .silence import silence
 from . import partition
 from ..decide.messages import (
-    AllDone, Connected, LivenessChange, NodeBack, Observation, Preempted, Straggler, Suspect, Suspects, Tick, WorkerMark,
+    AllDone, Connected, LivenessChange, NodeBack, Observation, Preempted, Straggler, Suspect, Suspects, Tick,
+    WorkerMark, WorkerMarks,
 )
 from .watchdog import ACTED_ON, ProgressWatch, progress_in
 from ..decide import standbys
@@ -47,7 +48,6 @@ from .straggler import StragglerPolicy, StragglerWatch
 __all__ = ["Watch", "SILENCE_LOOK_S", "EVENT_HOLE_S", "POLL_WORKERS"]
 
 log = logging.getLogger(__name__)
-
 SILENCE_LOOK_S = 0.05  # how often the node-silence look runs (O(nodes); silence.py)
 EVENT_HOLE_S = 1.0  # an event counted but unwritten this long is skipped (its writer died)
 POLL_WORKERS = 2048  # the O(N) look runs once a heartbeat period up to this many workers, pro rata less often above
@@ -125,7 +125,7 @@ class Watch:
         out += marks
         # All done: one ``check`` of every rank's done key, at the heartbeat cadence or when
         # a rank has just said it is done (never a round trip per rank, nor one per loop turn).
-        ended = any(isinstance(m, WorkerMark) and m.kind is WorkerEvent.DONE for m in marks)
+        ended = any(m.kind is WorkerEvent.DONE for batch in marks for m in batch.marks)
         if state.table.slots and (polled or ended) and self.store.check(self._all_done_keys(state)):
             out.append(AllDone())
         if now - self._last_return >= self.cfg.detect.node_poll_s:
@@ -369,7 +369,7 @@ class Watch:
         """Log the events under ``keys`` (one ``multi_get``) and remove them from the store."""
         if not keys:
             return []
-        out: list[Observation] = []
+        marks, lines = [], []
         raws = self.store.multi_get(keys)
         if self.sweep is not None:
             self.sweep(keys)
@@ -380,10 +380,11 @@ class Watch:
             ev = json.loads(bytes(raw))
             kind = ev.pop("kind")
             known = kind in _KNOWN  # else a newer worker's: logged, not acted on
-            self.events.emit(WorkerEvent(kind).logged if known else "rank_" + str(kind), **ev)
+            lines.append((WorkerEvent(kind).logged if known else "rank_" + str(kind), ev))
             if known and kind in _MARKS and ev.get("rank") is not None and ev.get("generation") is not None:
-                out.append(WorkerMark(WorkerEvent(kind), int(ev["rank"]), int(ev["generation"]), float(ev["t"])))
-        return out
+                marks.append(WorkerMark(WorkerEvent(kind), int(ev["rank"]), int(ev["generation"]), float(ev["t"])))
+        self.events.emit_many(lines)  # one write for the poll (3 events per rank in a recovery)
+        return [WorkerMarks(tuple(marks))] if marks else []
 
     def _returned(self, state: SupervisorState) -> list[Observation]:
         candidates = returning_candidates(state)
