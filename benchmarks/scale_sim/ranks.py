@@ -123,9 +123,11 @@ class NodePulse:
         False once it is closed."""
         got, self.inbox = notices.messages(self.sock, self.inbox)
         for msg in got or ():
-            if self.told.take(msg) and isinstance(msg.get("body"), str):
+            if self.told.take(msg):
+                body = self.told.body(self.told.generation) if hasattr(self.told, "body") else msg.get("body")
                 self.bodies = {g: b for g, b in self.bodies.items() if g > self.told.generation - notices.KEEP_PLANS}
-                self.bodies[self.told.generation] = msg["body"]
+                if isinstance(body, str):  # an older tree's Told keeps no text: the message's
+                    self.bodies[self.told.generation] = body
         return got is not None
 
     def close(self) -> None:

@@ -182,19 +182,83 @@ def test_the_supervisors_plan_and_shutdown_notices_reach_every_ranks_page_throug
         assert int(a.stdout.readline()) > 0
         _until(lambda: srv.pulses().get("w1"))
         assert told(a) == (-1, False)  # nothing told yet
-        srv.tell({"plan": 3, "body": '{"generation": 3}'})
+        three = _plan_text(3, ["n1", "n2"])
+        srv.tell({"plan": 3, "body": three})
         _until(lambda: told(a) == (3, False))
-        assert (directory / "plan.3").read_text() == '{"generation": 3}'  # on file before the page said 3
+        assert (directory / "plan.3").read_text() == three  # on file before the page said 3
         srv.tell({"plan": 2})  # a late, older notice changes nothing
         b = _rank(srv, directory, "w2")  # a rank that arrives after the notice gets it too
         assert int(b.stdout.readline()) == 0
         _until(lambda: told(b) == (3, False))
         assert told(a) == (3, False)
+        four = _plan_text(4, ["n1", "n7"])  # plan 3 was taken whole: plan 4 goes as a delta
+        srv.tell({"plan": 4, "body": four}, nodes=["n1", "n1"])
+        _until(lambda: told(a) == (4, False))
+        assert (directory / "plan.4").read_text() == four  # rebuilt by the pulse, byte for byte
         srv.tell({"shutdown": 1}, nodes=["n1", "n9"])  # a node without a pulse is no failure
-        _until(lambda: told(a) == (3, True) and told(b) == (3, True))
+        _until(lambda: told(a) == (4, True) and told(b) == (4, True))
         assert srv.tell_failed == 0
     finally:
         _end(a, b)
+
+
+def _plan_text(g, nodes, tasks_per_node=2):
+    from slurm_resilience.model import RankTable
+    from slurm_resilience.protocol import Plan, PlanAction
+    from slurm_resilience.supervisor.decide.ranktable import initial_table
+
+    ids = [f"{n}.{i * tasks_per_node + k}" for i, n in enumerate(nodes) for k in range(tasks_per_node)]
+    table = initial_table(nodes, ids, {n: "127.0.0.1" for n in nodes}, tasks_per_node=tasks_per_node)
+    return Plan(generation=g, action=PlanAction.RUN, table=RankTable(g, table.slots), joining=(2, 3),
+                reason="test").to_json()
+
+
+def test_a_plan_goes_whole_to_a_new_connection_and_as_a_delta_to_one_that_took_the_last(server):
+    """Each node's pulse gets one line per plan: the whole plan, or only what changed since
+    the plan it took whole (a replaced node: a few hundred bytes at any size). A delta that
+    does not fit what the pulse holds is not kept: its ranks ask the store."""
+    from slurm_resilience.worker import notices
+
+    srv, _ = server
+    hello = json.dumps({"token": TOKEN, "worker_id": "pulse@n1", "node": "n1", "pid": 1, "agent": True}).encode()
+    nodes = [f"n{i}" for i in range(1, 65)]
+    one, two = _plan_text(1, nodes), _plan_text(2, nodes[:5] + ["n99"] + nodes[6:])
+
+    def lines(sock, n):
+        buf = b""
+        while buf.count(b"\n") < n:
+            buf += sock.recv(1 << 20)
+        return [json.loads(x) for x in buf.split(b"\n")[:n]]
+    with socket.create_connection(("127.0.0.1", srv.port)) as old:
+        old.sendall(hello + b'\n{"t":1,"ranks":{},"gone":{}}\n')
+        _until(lambda: "n1" in srv.endpoints() or srv.heard().get("n1"))
+        srv.tell({"plan": 1, "body": one}, nodes=["n1"])
+        told = notices.Told()
+        (first,) = lines(old, 1)
+        assert first == {"plan": 1, "body": one} and told.take(first) and told.body(1) == one
+        srv.tell({"plan": 2, "body": two}, nodes=["n1"])
+        (second,) = lines(old, 1)
+        assert "body" not in second and second["base"] == 1 and len(json.dumps(second)) < len(two) // 10
+        assert told.take(second) and told.body(2) == two
+        stale = notices.Told()  # holds no plan 1: the delta cannot be rebuilt
+        assert stale.take(second) and stale.generation == 2 and stale.body(2) is None
+        bad = notices.Told()
+        bad.take(first)
+        assert bad.take(dict(second, crc=second["crc"] ^ 1)) and bad.body(2) is None  # a wrong CRC: not kept
+        with socket.create_connection(("127.0.0.1", srv.port)) as new:  # the pulse reconnected
+            new.sendall(hello + b'\n{"t":2,"ranks":{},"gone":{}}\n')
+            _until(lambda: srv.heard().get("n1", 0) and _conn_is(srv, "n1", new))
+            three = _plan_text(3, nodes[:5] + ["n99"] + nodes[6:-1])  # scale-in: a node fewer
+            srv.tell({"plan": 3, "body": three}, nodes=["n1"])
+            (whole,) = lines(new, 1)
+            assert whole == {"plan": 3, "body": three}  # it took no plan on this connection
+    assert srv.tell_failed == 0
+
+
+def _conn_is(srv, node, sock):
+    with srv._lock:
+        conn = srv._conns.get(node)
+    return conn is not None and conn.getpeername() == sock.getsockname()
 
 
 def test_a_pulse_with_a_bad_token_is_rejected(server):

@@ -188,12 +188,14 @@ def test_a_node_must_move_whole():
 
 
 def test_publish_sets_and_tells_the_plan_before_the_table_files_are_written(tmp_path):
-    """The files are for people: the plan goes to the store and the pulses first."""
+    """The files are for people: the plan goes to the store and the pulses first, and each
+    node's pulse is told once (not once per rank: G copies of the plan each)."""
     from slurm_resilience.protocol import Plan, PlanAction, StoreKey
     from slurm_resilience.supervisor.adapters.publish import LATEST_NAME, publish_plan
 
     d, order = tmp_path / "tables", []
-    plan = Plan(generation=3, action=PlanAction.RUN, table=dataclasses.replace(_t(2), generation=3), joining=(),
+    table = initial_table(["n0", "n1"], ["n0.1", "n0.2", "n1.3", "n1.4"], ADDR, tasks_per_node=2)
+    plan = Plan(generation=3, action=PlanAction.RUN, table=dataclasses.replace(table, generation=3), joining=(),
                 reason="test")
 
     class Store:
@@ -201,8 +203,8 @@ def test_publish_sets_and_tells_the_plan_before_the_table_files_are_written(tmp_
             order.append(("set", key, (d / LATEST_NAME).exists()))
 
     def tell(notice, nodes):
-        order.append(("tell", notice["plan"], (d / LATEST_NAME).exists()))
+        order.append(("tell", notice["plan"], (d / LATEST_NAME).exists(), list(nodes)))
 
     path = publish_plan(Store(), plan, str(d), tell=tell)
-    assert order == [("set", StoreKey.PLAN.of(3), False), ("tell", 3, False)]
+    assert order == [("set", StoreKey.PLAN.of(3), False), ("tell", 3, False, ["n0", "n1"])]
     assert json.loads((d / LATEST_NAME).read_text())["generation"] == 3 and path.endswith("gen0003.json")

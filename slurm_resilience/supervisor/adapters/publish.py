@@ -35,7 +35,7 @@ def publish_plan(store, plan: Plan, table_dir: str, tell: Callable[..., Any] | N
     text = plan.to_json()
     store.set(StoreKey.PLAN.of(plan.generation), text)
     if tell is not None:  # the plan itself too, to the nodes of its table: their ranks read it there
-        tell({"plan": plan.generation, "body": text}, nodes=plan.table.nodes)
+        tell({"plan": plan.generation, "body": text}, nodes=plan.table.node_list)  # each node once
     return write_table(plan.table, table_dir)
 
 

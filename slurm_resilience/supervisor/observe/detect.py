@@ -28,6 +28,8 @@ import threading
 import time
 from typing import Any, Callable, Iterable, Mapping, NamedTuple, Sequence
 
+from ...worker.notices import KEEP_PLANS, crc, plan_delta
+
 __all__ = ["SightingKind", "Sighting", "Pulse", "LivenessServer", "NodeWatcher"]
 
 log = logging.getLogger(__name__)
@@ -111,7 +113,8 @@ class LivenessServer:
         self.rejected = 0
         # Notices to the pulses go out from this thread, which owns their sockets: sent from
         # the supervisor's loop, each of N/G sends gave the GIL to this busy thread (docs/scale.md).
-        self._outbox: collections.deque[tuple[bytes, list[str] | None]] = collections.deque()
+        self._outbox: collections.deque[tuple[dict, list[str] | None]] = collections.deque()
+        self._plans: dict[int, list] = {}  # generation -> [text, parsed or None]: a delta's base
         self._wake_r, self._wake_w = socket.socketpair()
         for s in (self._wake_r, self._wake_w):
             s.setblocking(False)
@@ -273,9 +276,12 @@ class LivenessServer:
         look, worker/plan_watch.py). Returns at once; this server's thread sends it. A
         connection that cannot take it whole is closed (a line cut short would garble the
         next one; ``tell_failed`` counts them): its pulse reconnects, and its ranks ask the
-        store meanwhile."""
-        line = (json.dumps(dict(notice), separators=(",", ":")) + "\n").encode()
-        self._outbox.append((line, None if nodes is None else list(nodes)))
+        store meanwhile.
+
+        A plan goes whole to a connection that has not taken the previous plan whole, and
+        as a delta from it to the others (``worker/notices.py``): a node replaced in a plan
+        of 16,384 ranks is a few hundred bytes per node instead of ~100 KB."""
+        self._outbox.append((dict(notice), None if nodes is None else list(dict.fromkeys(nodes))))
         try:
             self._wake_w.send(b"\0")
         except OSError:  # already woken (a full pipe) or closed
@@ -288,19 +294,44 @@ class LivenessServer:
         except OSError:
             pass
         while self._outbox:
-            line, nodes = self._outbox.popleft()
+            notice, nodes = self._outbox.popleft()
+            line, g, base, delta = _encode(notice), None, None, None
+            if isinstance(notice.get("body"), str) and "plan" in notice:
+                g, base, delta = self._plan_lines(int(notice["plan"]), notice["body"])
             with self._lock:
                 conns = list(self._conns.values()) if nodes is None else [self._conns.get(n) for n in nodes]
             for conn in conns:
                 if conn is None:
                     continue
                 try:
-                    if conn.send(line) == len(line):  # non-blocking: the send buffer takes it whole, or not
+                    state = self._sel.get_key(conn).data
+                except (KeyError, ValueError):  # closed meanwhile
+                    continue
+                out = delta if delta is not None and state.get("plan") == base else line
+                try:
+                    if conn.send(out) == len(out):  # non-blocking: the send buffer takes it whole, or not
+                        if g is not None:
+                            state["plan"] = g
                         continue
                     conn.shutdown(socket.SHUT_RDWR)
                 except OSError:  # a full (frozen node) or closed connection
                     pass
                 self.tell_failed += 1
+
+    def _plan_lines(self, g: int, text: str) -> tuple[int, int | None, bytes | None]:
+        """(g, the base generation, the delta line from it; None, None: no base kept)."""
+        self._plans[g] = [text, None]
+        for old in [k for k in self._plans if k <= g - KEEP_PLANS]:
+            del self._plans[old]
+        base = max((k for k in self._plans if k < g), default=None)
+        if base is None:
+            return g, None, None
+        docs = []
+        for k in (base, g):
+            if self._plans[k][1] is None:
+                self._plans[k][1] = json.loads(self._plans[k][0])
+            docs.append(self._plans[k][1])
+        return g, base, _encode({"plan": g, "base": base, "delta": plan_delta(*docs), "crc": crc(text)})
 
     def pulses(self) -> dict[str, "Pulse"]:
         """The newest pulse of each worker (a snapshot)."""
@@ -312,6 +343,10 @@ class LivenessServer:
         log.warning("liveness: rejected a connection (%s)", why)
         self._sel.unregister(conn)
         conn.close()
+
+
+def _encode(notice: Mapping[str, Any]) -> bytes:
+    return (json.dumps(dict(notice), separators=(",", ":")) + "\n").encode()
 
 
 class NodeWatcher:
