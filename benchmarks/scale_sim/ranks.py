@@ -17,7 +17,10 @@ and runs their timers from a heap. A rank:
   from that notice, else the store's, as ``PlanWatch.text``), admits itself as
   ``membership.admit`` does
   (join / wait / fenced / stop), and on joining emits ``reconnected``, ``restored`` and
-  ``first_step`` through ``EventSink``;
+  ``first_step`` through ``EventSink`` — sent by the driver's event thread with a store
+  client of its own (``EventWriter``): a real rank's event writes hold up no other rank,
+  and a driver that made them in line would read the plan for its next rank only after
+  the round trips of the ranks before it (two per event);
 * trains: one "step" every ``step_s``, at whose safe point it checks ``plan/{g+1}``
   (``Membership.newer_plan``); blocked (a peer is gone: the orchestrator says so) it
   polls ``plan/{g+1}`` every ``poll_interval_ms`` as a bounded-wait collective does.
@@ -41,7 +44,6 @@ import time
 from typing import Any, Callable
 
 from slurm_resilience.protocol import Plan, PlanAction, Role, StoreKey, WorkerEnv, WorkerEvent
-from slurm_resilience.worker.event_sink import EventSink
 from slurm_resilience.worker.heartbeat import connect_liveness
 from slurm_resilience.worker import pulse as pulse_wire
 try:
@@ -54,6 +56,7 @@ try:
 except ImportError:  # an older tree under test
     _pulse_connect = pulse_wire._connect
 
+from .event_writer import EventWriter
 from .common import CountingStore
 
 
@@ -150,7 +153,6 @@ class SimRank:
         self.liveness: socket.socket | None = None
         self.pulse: socket.socket | None = None  # its own pulse (an older tree under test)
         self.pulsed = False
-        self.sink: EventSink | None = None
         self.beat_t = 0.0  # its newest beat (folded into the node's pulse line)
         self.stored = 0.0  # its newest store heartbeat
         self.asked = float("-inf")  # when it last asked the store for a plan (monotonic)
@@ -195,6 +197,12 @@ class Driver(threading.Thread):
         self._sel = selectors.DefaultSelector()  # the node pulses' connections (notices)
         self.closed_at: dict[str, float] = {}  # node → when its ranks' sockets were closed
         self.stopping = False
+        self.events = EventWriter(idx, open_store)
+        self.events.start()
+
+    def _emit(self, r: SimRank, kind: WorkerEvent, **fields: Any) -> None:
+        """``r``'s event, with its generation and rank as of now, to the event thread."""
+        self.events.queue.put((r.env.token, r.env.worker_id, r.env.node, (r.gen, r.rank), kind, fields))
 
     # -- timers ---------------------------------------------------------------------------
     def _at(self, t: float, kind: int, r: SimRank) -> None:
@@ -311,17 +319,16 @@ class Driver(threading.Thread):
             for r in self.ranks.values():
                 if r.phase in (Phase.RUNNING, Phase.BLOCKED):
                     self._prefixed(r.env).set(StoreKey.DONE.of(r.rank), str(r.step))
-                    r.sink.emit(WorkerEvent.DONE, step=r.step)
+                    self._emit(r, WorkerEvent.DONE, step=r.step)
                     r.close()
                     self.exited(r.env.worker_id, 0)
         elif what == "stop":
             self.stopping = True
+            self.events.queue.put(None)
 
     # -- one rank -------------------------------------------------------------------------
     def _adopt(self, r: SimRank) -> None:
         """A rank whose connections are open (``connect``) starts beating and polling here."""
-        r.sink = EventSink(self._prefixed(r.env), worker_id=r.env.worker_id, node=r.env.node,
-                           where=lambda r=r: (r.gen, r.rank))
         self.ranks[r.env.worker_id] = r
         if r.pulsed and NODE_PULSE:
             if r.env.node not in self.node_pulses:
@@ -343,7 +350,7 @@ class Driver(threading.Thread):
 
     def calls(self) -> int:
         """Store calls so far."""
-        return 0 if self._prefix is None else self._prefix.calls()
+        return (0 if self._prefix is None else self._prefix.calls()) + self.events.calls()
 
     def _beat(self, r: SimRank, due: float, now: float) -> None:
         waiting = 0 if r.phase is Phase.RUNNING else 1
@@ -409,7 +416,7 @@ class Driver(threading.Thread):
             return
         if slot is None:
             if r.env.role is Role.RANK or r.joined:
-                r.sink.emit(WorkerEvent.FENCED, generation=g)
+                self._emit(r, WorkerEvent.FENCED, generation=g)
                 r.close()
                 self.exited(r.env.worker_id, 0)
                 return
@@ -420,10 +427,10 @@ class Driver(threading.Thread):
         r.gen, r.rank, r.joined, r.phase = g, slot.rank, True, Phase.RUNNING
         r.version += 1
         r.progress += 1
-        r.sink.emit(WorkerEvent.RECONNECTED, start=time.time(), joining=slot.rank in plan.joining)
+        self._emit(r, WorkerEvent.RECONNECTED, start=time.time(), joining=slot.rank in plan.joining)
         self.record("join", g, time.time())
-        r.sink.emit(WorkerEvent.RESTORED, step=r.step)
-        r.sink.emit(WorkerEvent.FIRST_STEP, step=r.step)
+        self._emit(r, WorkerEvent.RESTORED, step=r.step)
+        self._emit(r, WorkerEvent.FIRST_STEP, step=r.step)
         now = time.monotonic()
         self._at(now + self.period, BEAT, r)
         self._at(now + self.step_s, CHECK, r)
