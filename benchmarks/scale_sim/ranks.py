@@ -121,12 +121,19 @@ class NodePulse:
         self.bodies: dict[int, str] = {}  # what the pulse keeps on file for its ranks (``Told(directory)``)
         self.inbox = b""
 
-    def read(self) -> bool:
+    def read(self, rebuilt: dict) -> bool:
         """The supervisor's notices that arrived (``pulse.run``'s read of its connection);
-        False once it is closed."""
+        False once it is closed. ``rebuilt``: the driver's plans rebuilt from a delta, by
+        (generation, CRC): each node's pulse rebuilds it in its own process, the simulator
+        once per driver (as it parses a plan once per driver for its ranks)."""
         got, self.inbox = notices.messages(self.sock, self.inbox)
         for msg in got or ():
+            key = (msg.get("plan"), msg.get("crc"))
+            if "delta" in msg and key in rebuilt and msg.get("base") == self.told.generation:
+                msg = {"plan": msg["plan"], "body": rebuilt[key]}
             if self.told.take(msg):
+                if "delta" in msg and self.told.body(self.told.generation) is not None:
+                    rebuilt[key] = self.told.body(self.told.generation)
                 body = self.told.body(self.told.generation) if hasattr(self.told, "body") else msg.get("body")
                 self.bodies = {g: b for g, b in self.bodies.items() if g > self.told.generation - notices.KEEP_PLANS}
                 if isinstance(body, str):  # an older tree's Told keeps no text: the message's
@@ -189,6 +196,7 @@ class Driver(threading.Thread):
         self._heaps: tuple[list, list] = ([], [])
         self._seq = itertools.count()
         self._plans: dict[int, tuple[Plan, dict[str, Any]]] = {}  # parsed once per driver
+        self._rebuilt: dict[tuple, str] = {}  # plans rebuilt from a delta, once per driver
         self.lag_max = 0.0  # the latest heartbeat (behind its schedule), seconds
         self.late = 0  # heartbeats sent later than one period behind schedule
         self.poll_lag_max = 0.0  # the latest plan poll or safe point, seconds
@@ -248,7 +256,7 @@ class Driver(threading.Thread):
             return
         for key, _ in self._sel.select(timeout=0):
             before = key.data.told.generation
-            if not key.data.read():  # the supervisor closed it
+            if not key.data.read(self._rebuilt):  # the supervisor closed it
                 self._sel.unregister(key.fileobj)
             if key.data.told.generation > before:  # the node's pulse has plan g (and its ranks, in their pages)
                 self.record("told", key.data.told.generation, time.time())
