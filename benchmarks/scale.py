@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip-state-save", action="store_true",
                     help="diagnostic, not the product: the supervisor never writes supervisor.json (shows the "
                          "next bottleneck past the O(N) state save per change)")
-    ap.add_argument("--keep", action="store_true", help="keep each run's job directory (its events.jsonl) and say where")
+    ap.add_argument("--keep", action="store_true", help="keep each run's job directory (events.jsonl, the logs) and say where")
     ap.add_argument("--label", default="", help="a name for this run in the JSON (e.g. the commit)")
     ap.add_argument("--json")
     ap.add_argument("--plot")

@@ -19,10 +19,10 @@ from ...program_error import ProgramError
 
 
 __all__ = [
-    "Start", "Connected", "Suspect", "Suspects", "StepFaults", "WorkerMark", "WorkerMarks", "Published", "Tick", "AllDone",
-    "Preempted", "NodeBack", "SpareChecked", "Straggler", "Verdict", "LivenessChange", "StepTrained", "Observation", "Launch",
-    "Relaunch", "CheckSpare", "Kill", "Publish", "Isolate", "Emit", "Say", "Phase", "ShutDownStandbys", "Reap",
-    "DrainEvents", "Requeue", "Exit", "Action", "emit"
+    "Start", "Connected", "Suspect", "Suspects", "StepFaults", "WorkerMark", "WorkerMarks", "Published", "Tick",
+    "AllDone", "Preempted", "NodeBack", "SpareChecked", "Straggler", "Verdict", "LivenessChange", "StepTrained",
+    "Observation", "Launch", "Relaunch", "CheckSpare", "Kill", "Publish", "Isolate", "Emit", "Say", "Phase",
+    "ShutDownStandbys", "Reap", "DrainEvents", "Requeue", "Exit", "Action", "emit"
 ]
 
 
