@@ -174,8 +174,11 @@ class RankTable:
         d = self.to_dict()
         if compact:
             return json.dumps(d, sort_keys=True, separators=(",", ":"))
-        ranks = json.dumps(d.pop("ranks"), sort_keys=True)[1:-1].replace("}, {", "},\n    {")  # no brace in a slot
-        head = json.dumps(d, sort_keys=True, indent=2)[:-2]  # "{ ... last field" without "\n}"
+        flat = json.dumps(d["ranks"], sort_keys=True)[1:-1]
+        if flat.count("}, {") != max(0, len(self.slots) - 1):  # a field that holds "}, {" itself
+            return json.dumps(d, sort_keys=True, indent=2) + "\n"
+        ranks = flat.replace("}, {", "},\n    {")
+        head = json.dumps({k: v for k, v in d.items() if k != "ranks"}, sort_keys=True, indent=2)[:-2]
         return f'{head},\n  "ranks": [\n    {ranks}\n  ]\n}}\n' if ranks else f'{head},\n  "ranks": []\n}}\n'
 
     @classmethod

@@ -208,3 +208,18 @@ def test_publish_sets_and_tells_the_plan_before_the_table_files_are_written(tmp_
     path = publish_plan(Store(), plan, str(d), tell=tell)
     assert order == [("set", StoreKey.PLAN.of(3), False), ("tell", 3, False, ["n0", "n1"])]
     assert json.loads((d / LATEST_NAME).read_text())["generation"] == 3 and path.endswith("gen0003.json")
+
+
+def test_the_table_file_has_a_rank_per_line_and_reads_back_whatever_the_ids_hold():
+    """The people's form (C encoder, a line break between ranks) parses to the same table;
+    an id that holds the separator itself falls back to the indented form."""
+    from slurm_resilience.model import RankSlot, RankTable
+
+    t = _t(3)
+    text = t.to_json()
+    lines = text.splitlines()
+    assert RankTable.from_json(text) == t and json.loads(text) == t.to_dict()
+    assert [ln for ln in lines if ln.lstrip().startswith('{"')] == lines[-5:-2]  # three ranks, one line each
+    odd = RankTable(0, (RankSlot(rank=0, node="n0", worker_id='w}, {"x'),))
+    assert RankTable.from_json(odd.to_json()) == odd
+    assert RankTable.from_json(RankTable(0, ()).to_json()) == RankTable(0, ())
