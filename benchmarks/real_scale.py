@@ -51,7 +51,8 @@ def lab_nodes() -> int:
 def one_run(root: Path, name: str, args, cfg: Path, kill: bool) -> dict:
     lab.cluster("reset")
     run = lab.submit(root / name, nodes=args.nodes, spares=1, tasks_per_node=args.tasks_per_node,
-                     steps=args.steps, step_time=args.step_time, config=cfg)
+                     steps=args.steps, step_time=args.step_time, config=cfg,
+                     extra_args=("--compute-time", str(args.compute_time)))
     out: dict = {"name": name}
     t_fault = None
     if kill:
@@ -87,7 +88,12 @@ def main() -> int:
     ap.add_argument("--tasks-per-node", type=int, default=2)
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--kill-at", type=int, default=10)
-    ap.add_argument("--step-time", type=float, default=0.15, help="emulated compute per step (s): the fault must land mid-run")
+    ap.add_argument("--compute-time", type=float, default=0.15,
+                    help="emulated forward/backward per step (s), inside the step before its all-reduce, where a "
+                         "real model's compute is: the fault must land mid-run")
+    ap.add_argument("--step-time", type=float, default=0.0,
+                    help="emulated work after each step (s), outside it (before 2026-11-28 the benchmark put its "
+                         "0.15 s here: an aborted step then still waited it out)")
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--wait-s", type=float, default=600.0, help="cap of each wait")
     ap.add_argument("--json", default="real-scale.json")
@@ -111,6 +117,7 @@ def main() -> int:
         "command": " ".join([os.path.basename(sys.executable), *sys.argv]), "machine": platform.node(),
         "cpus": os.cpu_count(), "date": started, "load_after": os.getloadavg(),
         "nodes": args.nodes, "tasks_per_node": args.tasks_per_node, "ranks": ranks,
+        "compute_time_s": args.compute_time, "step_time_s": args.step_time,
         "reference": {k: v for k, v in ref.items() if k != "digests"},
         "reference_false_alarms": ref["faults_detected"],
         "runs": [{k: v for k, v in r.items() if k != "digests"} for r in runs],

@@ -29,7 +29,10 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--batch", type=int, default=16, help="samples per rank per step")
-    ap.add_argument("--step-time", type=float, default=0.05, help="extra seconds per step (emulated compute)")
+    ap.add_argument("--step-time", type=float, default=0.05, help="extra seconds after each step (emulated work "
+                                                                   "outside it: logging, evaluation)")
+    ap.add_argument("--compute-time", type=float, default=0.0, help="seconds of emulated forward/backward inside "
+                                                                    "each step, before its all-reduce")
     ap.add_argument("--slow-node", default="", help="tests: emulate a slow device on this node")
     ap.add_argument("--slow-ms", type=float, default=0.0)
     ap.add_argument("--block-node", default="", help="tests: the first process on this node blocks forever")
@@ -61,6 +64,8 @@ def main() -> None:
                 opt.zero_grad()
                 loss = F.mse_loss(model(x[idx]), y[idx])
                 loss.backward()
+                if args.compute_time:
+                    time.sleep(args.compute_time)  # a bigger model's compute: where a real one spends it
                 if args.slow_node and os.environ.get("SR_NODE") == args.slow_node:
                     time.sleep(args.slow_ms / 1000)  # a straggler: slower compute, same math
                 if first and step.index == args.fault_at and os.environ.get("SR_NODE") in (args.block_node,

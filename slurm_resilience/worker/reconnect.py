@@ -142,10 +142,17 @@ class Generation:
 
     def all_gather_ints(self, value: int) -> list[int]:
         """Collective: every rank's integer, in rank order."""
-        buf = torch.zeros(self.world_size, dtype=torch.int64, device=self.device)
-        buf[self.rank] = value
+        return [row[0] for row in self.all_gather_rows([value])]
+
+    def all_gather_rows(self, values: list[int]) -> list[list[int]]:
+        """Collective: every rank's row of integers (the same length on every rank), in
+        rank order: several small gathers for the price of one all-reduce."""
+        k = len(values)
+        buf = torch.zeros(self.world_size * k, dtype=torch.int64, device=self.device)
+        buf[self.rank * k:(self.rank + 1) * k] = torch.tensor(values, dtype=torch.int64)
         self.all_reduce_sum(buf)
-        return [int(v) for v in buf.cpu().tolist()]
+        flat = [int(v) for v in buf.cpu().tolist()]
+        return [flat[r * k:(r + 1) * k] for r in range(self.world_size)]
 
     def barrier(self) -> None:
         """Collective: returns when every rank of the generation has arrived."""

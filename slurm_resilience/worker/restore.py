@@ -157,8 +157,8 @@ def stream_state(gen, sources: Mapping[int, int], state: dict[str, Any] | None, 
         index = [TensorSpec(n, t.dtype, tuple(t.shape), t.is_cuda) for n, t in flat.items()]
         plan = chunk_plan([s.nbytes for s in index], chunk_bytes)
         header = pickle.dumps((skeleton, index), protocol=pickle.HIGHEST_PROTOCOL)
-    lengths = gen.all_gather_ints(len(header))
-    rounds = max(gen.all_gather_ints(len(plan)))
+    rows = gen.all_gather_rows([len(header), len(plan)])  # one collective for both
+    lengths, rounds = [r[0] for r in rows], max(r[1] for r in rows)
     hbuf = torch.empty(max(len(header) * len(mine), lengths[src] if src is not None else 0),
                        dtype=torch.uint8, device=gen.device)
     if mine:

@@ -205,9 +205,10 @@ def test_publish_sets_and_tells_the_plan_before_the_table_files_are_written(tmp_
     def tell(notice, nodes):
         order.append(("tell", notice["plan"], (d / LATEST_NAME).exists(), list(nodes)))
 
-    path = publish_plan(Store(), plan, str(d), tell=tell)
+    path, out = publish_plan(Store(), plan, str(d), tell=tell)
     assert order == [("set", StoreKey.PLAN.of(3), False), ("tell", 3, False, ["n0", "n1"])]
     assert json.loads((d / LATEST_NAME).read_text())["generation"] == 3 and path.endswith("gen0003.json")
+    assert out <= os.stat(path).st_mtime + 0.01  # out before the files (the ranktable phase ends there)
 
 
 def test_the_table_file_has_a_rank_per_line_and_reads_back_whatever_the_ids_hold():

@@ -12,20 +12,29 @@ instead of N store checks every poll interval and N reads of the whole table.
 from __future__ import annotations
 
 import os
-from typing import Any, Callable
+import time
+from typing import Any, Callable, NamedTuple
 
 from ...files import makedirs_private, write_private
 from ...model import RankTable
 from ...protocol import Plan, StoreKey
 
 
-__all__ = ["LATEST_NAME", "publish_plan", "shut_down_standbys", "write_table"]
+__all__ = ["LATEST_NAME", "Out", "publish_plan", "shut_down_standbys", "write_table"]
 
 
 LATEST_NAME = "ranktable.json"
 
 
-def publish_plan(store, plan: Plan, table_dir: str, tell: Callable[..., Any] | None = None) -> str:
+class Out(NamedTuple):
+    """A published plan: its versioned table file, and when the plan was out (after the
+    store ``set`` and the pulses' notice, before the files: the ranktable phase ends there)."""
+
+    path: str
+    t: float
+
+
+def publish_plan(store, plan: Plan, table_dir: str, tell: Callable[..., Any] | None = None) -> Out:
     """Publish the plan, tell the nodes' pulses, then write the rank table files (in that order).
 
     The files are for people and tools; no rank and no re-attach reads them, so their
@@ -36,7 +45,8 @@ def publish_plan(store, plan: Plan, table_dir: str, tell: Callable[..., Any] | N
     store.set(StoreKey.PLAN.of(plan.generation), text)
     if tell is not None:  # the plan itself too, to the nodes of its table: their ranks read it there
         tell({"plan": plan.generation, "body": text}, nodes=plan.table.node_list)  # each node once
-    return write_table(plan.table, table_dir)
+    out = time.time()
+    return Out(write_table(plan.table, table_dir), out)
 
 
 def shut_down_standbys(store, tell: Callable[[dict], Any] | None = None) -> None:

@@ -259,9 +259,9 @@ class Supervisor:
             if action.worker_id in self.handles:
                 self._kill(action.worker_id)
         elif isinstance(action, Publish):
-            publish_plan(self.store, action.plan, self.job_dir, tell=self.liveness.tell)
-            if action.recovery:
-                return [Published(action.plan.generation, time.time())]
+            out = publish_plan(self.store, action.plan, self.job_dir, tell=self.liveness.tell)
+            if action.recovery:  # out when the ranks could see it, not after the table files
+                return [Published(action.plan.generation, out.t)]
         elif isinstance(action, Isolate):
             self.isolator.start(action.node, action.state, action.reason)
         elif isinstance(action, CheckSpare):
