@@ -165,6 +165,9 @@ class EventKind(_Named):
     """the in-place path started ``mpirun --with-ft ulfm`` (attempt, workers, spares)."""
     ULFM_REPAIRED = "ulfm_repaired"
     """the ranks of a ULFM job repaired their communicator in place (lost, promoted, ms)."""
+    ULFM_NODE_SILENT = "ulfm_node_silent"
+    """a node of a ULFM job went quiet and its slurmd did not answer: ``mpirun`` is ended,
+    the node counted lost (``mpi/beat.py``)."""
     ULFM_EXIT = "ulfm_exit"
     """``mpirun`` of the in-place path ended (attempt, exit code)."""
 

@@ -3,14 +3,16 @@
 
     launch mpirun (workers, then spare nodes; SR_ULFM_SPARES = spare ranks)
       -> while it runs: the ranks' repairs (their event files) become ``ulfm_repaired``
-         events of the job's log; nothing else to do: the job repairs itself
+         events of the job's log (the job repairs itself); a node whose processes all
+         went quiet (their beat files, ``mpi/beat.py``) for ``detect.silence_s`` has its
+         slurmd asked; silent too → ``ulfm_node_silent``, mpirun is ended, the node lost
       -> mpirun ends: probe the nodes, ``fallback.after_exit`` (pure) decides
          DONE | RELAUNCH (a node lost: PRRTE ended the job; a spare node takes its
          place and the program resumes from its own snapshot) | FAIL
 
 The ranks get ``SR_ULFM_SPARES``, ``SR_ULFM_EVENTS`` (this launch's event
-directory, ``JOBDIR/ulfm-NNN``), ``SR_PROGRESS_FILE`` (``JOBDIR/progress-NNN.log``)
-and ``SR_RESTART``. ``launcher`` is a ``slurm.steps.SrunLauncher`` (``address``,
+directory, ``JOBDIR/ulfm-NNN``), ``SR_ULFM_BEAT_S`` (``detect.heartbeat_period_s``),
+``SR_PROGRESS_FILE`` (``JOBDIR/progress-NNN.log``) and ``SR_RESTART``. ``launcher`` is a ``slurm.steps.SrunLauncher`` (``address``,
 ``node_reachable``); ``after_exit`` and ``choose_path`` hold the decisions.
 """
 
@@ -19,6 +21,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -28,6 +31,7 @@ from typing import Any, Callable, Sequence
 from ..config import ResilienceConfig
 from ..events import EventLog
 from ..protocol import EventKind
+from .beat import BEAT_ENV, quiet_nodes, read_beats
 from .fallback import ExitAction, after_exit
 from .launch import UlfmLaunch, mpirun_argv
 
@@ -42,7 +46,7 @@ class DaemonStep:
     process: None = None
 
 
-EXPORTED = ("SR_ULFM_SPARES", "SR_ULFM_EVENTS", "SR_PROGRESS_FILE", "SR_RESTART")
+EXPORTED = ("SR_ULFM_SPARES", "SR_ULFM_EVENTS", BEAT_ENV, "SR_PROGRESS_FILE", "SR_RESTART")
 
 
 def loopback_only(addresses: Sequence[str]) -> bool:
@@ -77,6 +81,9 @@ class UlfmSupervisor:
         self.out, self.clock, self._t0 = out or sys.stdout, clock, clock()
         self._seen: dict[str, int] = {}  # event file -> bytes read
         self._repairs = 0
+        self._node_of: dict[int, str] = {}  # world rank -> node, from the ranks' start events
+        self._silent: dict[str, str] = {}  # node -> why it counts as lost (its slurmd was silent)
+        self._asked: dict[str, float] = {}  # node -> when its slurmd last answered a quiet-node probe
 
     def say(self, text: str) -> None:
         print(f"[sr +{self.clock() - self._t0:8.3f}s] {text}", file=self.out, flush=True)
@@ -87,6 +94,9 @@ class UlfmSupervisor:
             proc = self._launch(attempt)
             while proc.poll() is None:
                 self._forward(attempt)
+                if self._watch(attempt):
+                    _end(proc)  # a silent node: PRRTE would wait on it for good
+                    break
                 time.sleep(self.poll_s)
             self._forward(attempt)
             code, finished = proc.returncode, self._finished
@@ -126,6 +136,8 @@ class UlfmSupervisor:
         self.events.emit(EventKind.ULFM_LAUNCH, attempt=attempt, workers=list(self.workers),
                          spares=list(self.spares), spare_ranks=launch.spare_ranks, argv=argv)
         self._repairs, self._finished = 0, False
+        self._node_of, self._silent, self._asked = {}, {}, {}
+        env[BEAT_ENV] = f"{self.cfg.detect.heartbeat_period_s:g}"
         self.say(f"launch {attempt}: {' '.join(argv[:len(argv) - len(self.command)])} PROGRAM...")
         fd = os.open(os.path.join(self.job_dir, f"step-{attempt:03d}.log"),
                      os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
@@ -139,6 +151,8 @@ class UlfmSupervisor:
         if succeeded:
             return frozenset()
         nodes = [*self.workers, *self.spares]
+        if self._silent:  # a stopped slurmd's port still takes connections: the probe's verdict holds
+            return frozenset(n for n in nodes if n in self._silent)
         timeout = self.cfg.detect.probe_timeout_s
         lost = {n for n in nodes if not self.launcher.node_reachable(n, timeout)}
         if not lost:
@@ -146,11 +160,35 @@ class UlfmSupervisor:
             lost = {n for n in nodes if not self.launcher.node_reachable(n, timeout)}
         return frozenset(lost)
 
+    def _watch(self, attempt: int) -> bool:
+        """Ask the slurmd of each node gone quiet (``beat.quiet_nodes``); True when one did
+        not answer (it is then in ``_silent``). A node that answered is asked again only
+        after another ``silence_s`` of quiet (a rank that died alone: the ranks repair it)."""
+        det = self.cfg.detect
+        silence = det.silence_s or det.heartbeat_timeout_s
+        now = self.clock()
+        beats = read_beats(os.path.join(self.job_dir, f"ulfm-{attempt:03d}"))
+        for node in quiet_nodes(beats, self._node_of, now, silence):
+            if now - self._asked.get(node, float("-inf")) <= silence:
+                continue
+            answered, why = self.launcher.probe_slurmd(node, [DaemonStep.name], det.slurmd_probe_deadline_s)
+            if answered is False:
+                quiet_s = now - max(t for w, t in beats.items() if self._node_of.get(w) == node)
+                self._silent[node] = why
+                self.events.emit(EventKind.ULFM_NODE_SILENT, attempt=attempt, node=node, quiet_s=round(quiet_s, 3),
+                                 evidence=why)
+                self.say(f"node {node} silent for {quiet_s:.2f} s and {why}: ending mpirun")
+                return True
+            self._asked[node] = self.clock()
+        return False
+
     def _forward(self, attempt: int) -> None:
         """The ranks' ``repaired`` records, once per repair, into the job's event log;
         rank 0's ``done`` marks the run finished."""
         for path in sorted(glob.glob(os.path.join(self.job_dir, f"ulfm-{attempt:03d}", "events-w*.jsonl"))):
             for rec in self._new_records(path):
+                if rec.get("kind") == "start" and rec.get("node"):
+                    self._node_of[int(rec["wid"])] = str(rec["node"])
                 if rec.get("kind") == "done" and rec.get("rank") == 0:
                     self._finished = True
                 if rec.get("kind") != "repaired":
@@ -178,3 +216,12 @@ class UlfmSupervisor:
             except ValueError:
                 continue  # a line torn by a killed writer
         return out
+
+
+def _end(proc: subprocess.Popen) -> None:
+    """End ``mpirun`` and what it started on this host (its own session: start_new_session)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()

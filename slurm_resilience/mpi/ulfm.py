@@ -30,6 +30,7 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from ..files import makedirs_private
+from .beat import BEAT_ENV, Beat, beat_path
 from .errors import StateLostError, UlfmUnavailableError
 from .lifecycle import Phase, transition
 from .plan import SPARE, Member, RepairPlan, buddy, buddy_source, plan_repair
@@ -116,11 +117,14 @@ class Session:
         self._own: dict[int, np.ndarray] = {}
         self._held: dict[int, np.ndarray] = {}
         self._events = None
+        self._beat: Beat | None = None
         self._observer = observer
         if events:
             makedirs_private(events)
             path = os.path.join(events, f"events-w{self.wid}.jsonl")
             self._events = open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "a")
+        beat_s = float(env.get(BEAT_ENV, "0") or 0)  # set by run --mpi (mpi/beat.py)
+        self._beat = Beat(beat_path(events, self.wid), beat_s) if events and beat_s > 0 else None
         self._fault_t: float | None = None
         self._plan_errors = 0
         self.event("start", rank=self.rank, size=self.size, spares=spares, pid=os.getpid(),

@@ -4,8 +4,10 @@
   spare ranks): a rank SIGKILLed -> a spare rank takes its number, no process started,
   final state bit-identical to a fault-free 4-rank run;
 * in place, a whole worker node killed (its ranks and its PRRTE daemon): PRRTE 3.0.11
-  ends the job, the supervisor relaunches mpirun with the spare node in the lost
-  node's place, the program resumes from its own snapshot, bit-identical;
+  ends the job, the supervisor relaunches mpirun with a spare node in the lost
+  node's place, the program resumes from its own snapshot; then the other worker
+  node frozen: the supervisor finds it (quiet beat files, silent slurmd), ends
+  mpirun and relaunches on the second spare node; bit-identical;
 * relaunch: an mpi4py program on Debian's Open MPI (no ULFM) takes the relaunch path
   and says why; a rank SIGKILLed on a healthy node ends the step (``srun
   --kill-on-bad-exit=1``), a rank SIGSTOPped is found by its step's silent progress
@@ -54,18 +56,19 @@ def reference(tmp_path_factory) -> Path:
     return out
 
 
-def _run(root: Path, *program: str, nodes: int = 2, g: int = 2, config: Path | None = None) -> subprocess.Popen:
+def _run(root: Path, *program: str, nodes: int = 2, g: int = 2, spares: int = 1,
+         config: Path | None = None) -> subprocess.Popen:
     argv = [sys.executable, "-m", "slurm_resilience.cli", "run", "--wait", "--mpi", "--nodes", str(nodes),
-            "--spares", "1", "--tasks-per-node", str(g), "--job-dir", str(root / "job"),
+            "--spares", str(spares), "--tasks-per-node", str(g), "--job-dir", str(root / "job"),
             *(["--config", str(config)] if config else []), "--", *program]
     return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, **ENV})
 
 
-def _ulfm(root: Path, root_dir: Path, steps_before: int = 10) -> tuple[subprocess.Popen, Path]:
+def _ulfm(root: Path, root_dir: Path, steps_before: int = 10, spares: int = 1) -> tuple[subprocess.Popen, Path]:
     out = root / "final.npz"
     proc = _run(root, PYTHON, str(EXAMPLE), "--steps", str(STEPS), "--step-time", "0.15", "--out", str(out),
-                "--snapshot", str(root / "snap"), "--snapshot-every", "5")
+                "--snapshot", str(root / "snap"), "--snapshot-every", "5", spares=spares)
     return proc, out
 
 
@@ -142,24 +145,41 @@ def test_g2_rank_killed_is_repaired_in_place(cluster, tmp_path, reference):
     _same(reference, out)
 
 
-def test_g2_node_killed_relaunches_on_the_spare_node(cluster, tmp_path, reference):
-    proc, out = _ulfm(tmp_path, tmp_path)
+def test_g2_node_killed_then_another_frozen_each_relaunches_on_a_spare_node(cluster, tmp_path, reference):
+    """Two spare nodes. A worker node killed: PRRTE ends the job, the first spare takes its
+    place. Then the other worker node frozen (nothing closed; PRRTE would wait on it for
+    good): its processes' beat files go quiet, its slurmd does not answer, the supervisor
+    ends mpirun and the second spare takes its place. Bit-identical to a fault-free run."""
+    proc, out = _ulfm(tmp_path, tmp_path, spares=2)
     job = tmp_path / "job"
     _wait(lambda: (tmp_path / "snap" / "snapshot.npz").exists() and _last_step(job / "progress-000.log") >= 12,
           90, "a snapshot and step 12", proc)
     starts = {r["wid"]: r for r in _rank_events(job / "ulfm-000") if r["kind"] == "start"}
-    victim = starts[2]["node"]  # the second worker node: ranks 2 and 3 and its prted
-    lab.kill_node(victim)
-    output = _finish(proc, job)
-    lab.cluster("revive-node", victim)
+    killed, frozen = starts[2]["node"], starts[0]["node"]  # the second worker node, then the first
+    lab.kill_node(killed)
+    try:
+        _wait(lambda: _last_step(job / "progress-001.log") >= 20, 90, "step 20 after the relaunch", proc)
+        frozen_at = lab.freeze_node(frozen)
+        try:
+            output = _finish(proc, job)
+        finally:
+            lab.thaw_and_revive(frozen)
+    finally:
+        lab.cluster("revive-node", killed)
     assert proc.returncode == 0, output
     events = read_events(str(job / "events.jsonl"))
     relaunch = [e for e in events if e["kind"] == "relaunch"]
-    assert len(relaunch) == 1 and relaunch[0]["lost"] == [victim] and relaunch[0]["spares"] == []
-    assert "PRRTE ends a job that loses a daemon" in relaunch[0]["reason"]
-    assert victim not in relaunch[0]["workers"] and len(relaunch[0]["workers"]) == 2
-    restarted = _rank_events(job / "ulfm-001")
-    assert {r["node"] for r in restarted if r["kind"] == "start"} == set(relaunch[0]["workers"])
+    assert len(relaunch) == 2, output
+    assert relaunch[0]["lost"] == [killed] and "PRRTE ends a job that loses a daemon" in relaunch[0]["reason"]
+    assert killed not in relaunch[0]["workers"] and len(relaunch[0]["workers"]) == 2
+    assert len(relaunch[0]["spares"]) == 1
+    silent = [e for e in events if e["kind"] == "ulfm_node_silent"]
+    assert [e["node"] for e in silent] == [frozen] and silent[0]["t"] > frozen_at, output
+    assert relaunch[1]["lost"] == [frozen] and relaunch[1]["spares"] == []
+    assert frozen not in relaunch[1]["workers"] and killed not in relaunch[1]["workers"]
+    for attempt, r in ((1, relaunch[0]), (2, relaunch[1])):
+        restarted = _rank_events(job / f"ulfm-{attempt:03d}")
+        assert {r2["node"] for r2 in restarted if r2["kind"] == "start"} == set(r["workers"])
     _same(reference, out)
 
 
