@@ -8,6 +8,10 @@ node, the same steps, the fault once rank 0 has done --kill-at steps.
     ulfm-node           the same program, rank 1's node killed (its ranks and its prted):
                         PRRTE ends the job, the supervisor relaunches mpirun with the spare
                         node in its place; MTTR = kill -> the relaunched program's first step
+    ulfm-frozen         the same program, rank 1's node frozen (slurmd stopped, its processes
+                        frozen, nothing closed): the supervisor finds its beat files quiet and
+                        its slurmd silent, ends mpirun and relaunches with the spare node;
+                        MTTR = freeze -> the relaunched program's first step
     mpi-relaunch-node   examples/mpi_train.py (plain mpi4py) on Debian's Open MPI 4.1, the
                         relaunch path (`srun --mpi=pmix`), rank 1's node killed; MTTR = kill
                         -> the relaunched program's first step (its SR_PROGRESS_FILE line)
@@ -122,7 +126,8 @@ def run_mpi_case(name: str, root: Path, args) -> dict:
     except RuntimeError as exc:  # a node held by a job that is not ours: this case revives its own victim
         print(f"warning: {exc}", file=sys.stderr)
     job = root / "job"
-    ulfm, node = name.startswith("ulfm-"), name.endswith("-node")
+    ulfm, frozen = name.startswith("ulfm-"), name == "ulfm-frozen"
+    node = name.endswith("-node") or frozen
     give_up = 60.0 if name in ("mpi-relaunch-rank", "mpi-relaunch-hang") else 300.0
     sig = signal.SIGSTOP if name.endswith("-hang") else signal.SIGKILL
     if ulfm:
@@ -142,7 +147,7 @@ def run_mpi_case(name: str, root: Path, args) -> dict:
         if node:
             victim = _ulfm_rank1_node(job / "ulfm-000") if ulfm else \
                 json.loads((job / "status.json").read_text())["nodes"][1]
-            t_kill = lab.kill_node(victim)
+            t_kill = lab.freeze_node(victim) if frozen else lab.kill_node(victim)
         else:
             pid = _ulfm_rank1_pid(job / "ulfm-000") if ulfm else _rank1_pid_plain(str(root / "ckpt"))
             if pid is None:
@@ -158,7 +163,10 @@ def run_mpi_case(name: str, root: Path, args) -> dict:
             proc.kill()  # the `run --wait` client this benchmark started
             _cancel_own_job(job)
         if node and victim:
-            lab.cluster("revive-node", victim)
+            if frozen:
+                lab.thaw_and_revive(victim)
+            else:
+                lab.cluster("revive-node", victim)
     output = proc.stdout.read()
     path = [ln.replace(sys.executable, os.path.basename(sys.executable))  # no path of this machine in the JSON
             for ln in output.splitlines() if ln.startswith("MPI recovery path:")]
@@ -174,7 +182,8 @@ def run_mpi_case(name: str, root: Path, args) -> dict:
         lines = [ln.split() for ln in (job / "progress-001.log").read_text().splitlines()] \
             if (job / "progress-001.log").exists() else []
         t_back = float(lines[0][1]) if lines else None
-        level = ("node lost: mpirun relaunched with the spare node (PRRTE ended the job)" if ulfm else
+        level = ("node frozen: found silent, mpirun ended and relaunched with the spare node" if frozen else
+                 "node lost: mpirun relaunched with the spare node (PRRTE ended the job)" if ulfm else
                  "relaunch of the whole step (srun --mpi=pmix) on the spare node" if node else
                  "step ended by srun --kill-on-bad-exit=1, relaunched in place" if sig is signal.SIGKILL else
                  "progress lines stopped past the hard step timeout, step cancelled and relaunched in place"
@@ -183,7 +192,8 @@ def run_mpi_case(name: str, root: Path, args) -> dict:
             "path_line": path[0] if path else None}
 
 
-MPI_FAULTS = {"ulfm-rank": "rank-kill", "ulfm-node": "node-kill", "mpi-relaunch-node": "node-kill",
+MPI_FAULTS = {"ulfm-rank": "rank-kill", "ulfm-node": "node-kill", "ulfm-frozen": "node-freeze",
+              "mpi-relaunch-node": "node-kill",
               "mpi-relaunch-rank": "rank-kill", "mpi-relaunch-hang": "rank-hang"}
 """Each MPI case's fault (``mttr.fault_of``)."""
 MPI_CASES = tuple(MPI_FAULTS)

@@ -1,7 +1,8 @@
 """The JSONL event log: one writer (the supervisor), any number of readers.
 
-Each line is ``{"t": unix_time, "kind": ..., **fields}``. Volume is low, so
-every line is flushed and fsynced: the log survives the writer's crash.
+Each line is ``{"t": unix_time, "kind": ..., **fields}``. Every line is written
+through to the page cache at once (a crashed writer loses nothing, readers see it), and
+fsynced at most every ``sync_every_s`` and at ``close()`` (:class:`EventLog`).
 """
 
 from __future__ import annotations
