@@ -38,7 +38,8 @@ def move(state: SupervisorState, to: JobPhase, reason: str) -> Decision:
 
 
 def publish(state: SupervisorState, plan: Plan, *, recovery: bool = False) -> Decision:
-    """Publish ``plan`` (table first, then the store key) and log it."""
+    """Publish ``plan`` (the store key and the pulses first, then the table files) and log it
+    (the event follows the files: the recovery's ranktable phase ends when the plan was out)."""
     return dataclasses.replace(state, table=plan.table), [
         Publish(plan, recovery=recovery),
         emit(EventKind.PLAN, generation=plan.generation, action=plan.action.value,
