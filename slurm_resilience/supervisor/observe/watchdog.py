@@ -227,41 +227,45 @@ class ProgressWatch:
         signs: dict[str, Signs] = {}
         carried = hb_progress or {}
         latest: float | None = 0.0 if hb_t else None
+        moved, stepped, warm = self._moved, self._stepped, self._warm
         for wid, t in hb_t.items():
             p = pulses.get(wid)
             h = carried.get(wid)
-            # (when, progress, phase, step): the pulse's line and the heartbeat's copy of one
-            # counter; the higher progress is the newer report (written out: O(N) per poll).
-            pr = None if p is None else (p.t, p.progress, 1 if p.waiting else 2 if p.busy else 0, p.step)
-            hr = None if h is None else (t, h[0], h[1], h[2])
-            if pr is None and hr is None:
-                signs[wid] = Signs(hb_age=now - t)
+            if h is None and p is not None:  # the common case at scale: the beat came in the pulse line
+                when = first = p.t
+                value, step, phase = p.progress, p.step, 1 if p.waiting else 2 if p.busy else 0
+            elif p is None and h is None:
+                signs[wid] = Signs(now - t)
                 latest = None
                 continue
-            if pr is None or hr is None:
-                newest = pr or hr
-                step, value, first = newest[3], newest[1], newest[0]
             else:
-                step = pr[3] if pr[3] >= hr[3] else hr[3]
-                if pr[1] != hr[1]:
-                    newest = pr if pr[1] > hr[1] else hr
-                    first = newest[0]
+                # (when, progress, phase, step): the pulse's line and the heartbeat's copy of one
+                # counter; the higher progress is the newer report (written out: O(N) per poll).
+                pr = None if p is None else (p.t, p.progress, 1 if p.waiting else 2 if p.busy else 0, p.step)
+                hr = (t, h[0], h[1], h[2])
+                if pr is None:
+                    when, value, phase, step = hr
+                    first = when
                 else:
-                    newest = pr if pr[0] >= hr[0] else hr
-                    first = pr[0] if pr[0] <= hr[0] else hr[0]
-                value = newest[1]
-            prev = self._stepped.get(wid)
+                    step = pr[3] if pr[3] >= hr[3] else hr[3]
+                    if pr[1] != hr[1]:
+                        newest = pr if pr[1] > hr[1] else hr
+                        first = newest[0]
+                    else:
+                        newest = pr if pr[0] >= hr[0] else hr
+                        first = pr[0] if pr[0] <= hr[0] else hr[0]
+                    when, value, phase = newest[0], newest[1], newest[2]
+            prev = stepped.get(wid)
             if paused or prev is None or step != prev[0]:  # the common case (same step) costs no call
                 self._note_step(wid, step, now, paused)
-            last = self._moved.get(wid)
+            last = moved.get(wid)
             if paused or last is None or last[0] != value:
-                self._moved[wid] = last = (value, newest[0] if paused else first)
+                moved[wid] = last = (value, when if paused else first)
             if latest is not None and last[1] > latest:
                 latest = last[1]
-            signs[wid] = Signs(hb_age=now - t, pulse_age=None if p is None else now - p.t,
-                               state=None if p is None else p.state, waiting=newest[2] == 1, busy=newest[2] == 2,
-                               stalled_s=max(0.0, newest[0] - last[1]), hb_progress=h is not None,
-                               stepped=wid in self._warm)
+            # positional, in Signs' field order (keywords cost a dict per rank)
+            signs[wid] = Signs(now - t, None if p is None else now - p.t, None if p is None else p.state,
+                               phase == 1, phase == 2, max(0.0, when - last[1]), h is not None, wid in warm)
         self._latest = latest
         new = assess(signs, self.timeouts())
         changes = []
@@ -270,10 +274,11 @@ class ProgressWatch:
             if verdict is not old:
                 changes.append((wid, old, verdict, why))
         self.verdicts = new
-        for wid in [w for w in self._moved if w not in hb_t]:  # workers no longer watched
-            self._moved.pop(wid, None)
-            self._stepped.pop(wid, None)
-            self._warm.discard(wid)
+        if len(moved) > len(hb_t):  # every watched worker has an entry: more means some left
+            for wid in [w for w in moved if w not in hb_t]:  # workers no longer watched
+                moved.pop(wid, None)
+                stepped.pop(wid, None)
+                warm.discard(wid)
         return changes
 
     def stalled_s(self, now: float) -> float:
