@@ -138,15 +138,28 @@ def test_g2_scale_in_by_a_whole_node_reshards_6_to_4_exactly(tmp_path):
     assert rank_digests(a) == rank_digests(b), "every rank's slice, not only rank 0's"
 
 
+PARTNER = {"local_every": 5, "local_redundancy": "partner", "shared_every_kth": 0}
+
+
+@pytest.fixture(scope="module")
+def zero_reference_g2(tmp_path_factory):
+    """Fault-free ZeRO-style run, 3 nodes x 2 ranks, partner copies (the partner test reads
+    its layout). Checkpoint redundancy changes no step: the XOR test compares with it too."""
+    from .localjob import ZERO
+
+    root = tmp_path_factory.mktemp("zero-ref-g2")
+    return _run(LocalJob(root, nodes=3, spares=0, script=ZERO, checkpoint=PARTNER, job_name="ref",
+                         local_dir=root / "local-ref", tasks_per_node=G).start())
+
+
 @pytest.mark.timeout(400)
-def test_g2_xor_only_redundancy_survives_a_node_of_two_ranks(tmp_path):
+def test_g2_xor_only_redundancy_survives_a_node_of_two_ranks(tmp_path, zero_reference_g2):
     """XOR groups never hold two ranks of one node: losing a node loses one member of
     two groups, and both slices are rebuilt from parity."""
     from .localjob import ZERO, assert_bit_identical
 
     ckpt = {"local_every": 5, "local_redundancy": "xor", "local_xor_group_size": 3, "shared_every_kth": 0}
-    ref = _run(LocalJob(tmp_path, nodes=3, spares=0, script=ZERO, checkpoint=ckpt, job_name="ref",
-                        local_dir=tmp_path / "local-ref", tasks_per_node=G).start())
+    ref = zero_reference_g2
     job = LocalJob(tmp_path, nodes=3, spares=1, script=ZERO, checkpoint=ckpt, job_name="job", tasks_per_node=G).start()
     st = job.wait_for_step(INJECT_AFTER + 6)
     job.launcher.fail_node(st["ranks"][2]["node"])
@@ -161,7 +174,7 @@ def test_g2_xor_only_redundancy_survives_a_node_of_two_ranks(tmp_path):
 
 
 @pytest.mark.timeout(400)
-def test_g2_partner_only_redundancy_survives_a_node_of_two_ranks(tmp_path):
+def test_g2_partner_only_redundancy_survives_a_node_of_two_ranks(tmp_path, zero_reference_g2):
     """PARTNER copies go to the same local rank on the next node, never to the rank's own
     node: losing a node of two ranks leaves both slices as copies on the next node."""
     from slurm_resilience.checkpoint import layout
@@ -169,11 +182,9 @@ def test_g2_partner_only_redundancy_survives_a_node_of_two_ranks(tmp_path):
 
     from .localjob import ZERO, assert_bit_identical
 
-    ckpt = {"local_every": 5, "local_redundancy": "partner", "shared_every_kth": 0}
-    ref = _run(LocalJob(tmp_path, nodes=3, spares=0, script=ZERO, checkpoint=ckpt, job_name="ref",
-                        local_dir=tmp_path / "local-ref", tasks_per_node=G).start())
+    ckpt, ref = PARTNER, zero_reference_g2
     for k in range(3):  # node local{k+1} holds ranks 2k, 2k+1; their copies are on the next node
-        root = str(tmp_path / "local-ref" / f"local{k + 1}" / "ckpt")
+        root = str(ref.job_dir.parent / "local-ref" / f"local{k + 1}" / "ckpt")
         steps = mf.complete_steps(root)
         assert steps and all(sorted(mf.read_manifest(root, s).shards) == [G * k, G * k + 1] for s in steps)
         proot = layout.partner_root(root)
