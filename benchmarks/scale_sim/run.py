@@ -277,6 +277,11 @@ class Run:
             logged = [e["t"] for e in self.events.events
                       if e["kind"] == "phase" and e.get("recovery") == done.get("recovery")]
             res["plan_to_recovery_logged_s"] = max(logged) - plan["t"] if logged else None
+            out = [e["start"] + e["duration_ms"] / 1000 for e in self.events.events if e["kind"] == "phase"
+                   and e.get("recovery") == done.get("recovery") and e.get("phase") == "ranktable"]
+            # when the plan was in the store and sent to the pulses (the "plan" event follows the
+            # rank table files): the recovery's ranktable phase ends there
+            res["fault_to_plan_out_s"] = out[0] - t_fault if out else None
         r[case] = res
         time.sleep(self.spec.settle_s)
         return done is not None
