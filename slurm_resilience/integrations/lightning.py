@@ -214,9 +214,9 @@ class Resilience(Callback):
         if step == self._stepped:
             return  # inside an accumulation window: no optimizer step yet, nothing to snapshot or report
         self._stepped = step
-        state = None
+        state, taken = None, False  # ``_state`` is a collective: every rank takes it, or none
         if self.snapshots is not None and step % self.every == 0:
-            state = self._state(trainer)
+            state, taken = self._state(trainer), True
             if trainer.local_rank == 0:
                 self.snapshots.write(step, state)
         if trainer.global_rank == 0 and self.env.progress_file:
@@ -224,7 +224,8 @@ class Resilience(Callback):
                 f.write(f"{step} {time.time():.6f}\n")
         if preempt_requested(self.env.run_job_dir, rank=trainer.global_rank, world_size=trainer.world_size,
                              device=trainer.strategy.root_device):
-            state = state if state is not None else self._state(trainer)
+            if not taken:  # not ``state is None``: that is every rank but the local rank 0s
+                state = self._state(trainer)
             if trainer.global_rank == 0:
                 self.durable.write(step, state)
                 print(f"slurm_resilience: preempted: step {step} persisted to {self.durable.directory}", flush=True)

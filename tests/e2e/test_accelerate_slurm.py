@@ -82,6 +82,7 @@ def test_sigusr1_preemption_persists_the_last_step_requeues_and_ends_bit_identic
     persisted = [int(s) for s in re.findall(r"preempted: step (\d+) persisted", output)]
     restored = re.findall(r"restored step (\d+) from (the job directory|rank \d+'s node)", output)
     assert persisted == [before[-1]], output[-6000:]  # no completed step lost
+    assert "the step exited by itself" in output, output[-6000:]  # not cancelled after the persist wait
     assert restored == [(str(before[-1]), "the job directory")], output[-6000:]
     assert before[-1] < STEPS and tj.steps(progress) == list(range(before[-1] + 1, STEPS + 1))
     differ = tj.differ(reference, tmp_path)

@@ -183,7 +183,7 @@ def test_no_spare_scales_in_and_finishes(cluster, jobs_root):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("requeue_by", ["requeue", "resubmit"])
+@pytest.mark.parametrize("requeue_by", ["resubmit"])  # "requeue": as an ordinary user, test_unprivileged_slurm.py
 def test_no_spare_no_scale_in_requeues_and_resumes_bit_identical(cluster, jobs_root, reference, tmp_path, requeue_by):
     cfg = _config(tmp_path, f"requeue-{requeue_by}",
                   f"recovery:\n  scale_in: false\n  max_requeues: 1\n  requeue_by: {requeue_by}\n")
@@ -223,19 +223,8 @@ def test_online_then_process_restart_time_out_and_the_job_requeues(cluster, jobs
     assert lab.compare_runs(reference, run.job_dir / "final.pt") == []
 
 
-@pytest.mark.slow
-def test_preemption_signal_checkpoints_requeues_and_resumes_exactly(cluster, jobs_root, reference):
-    run = lab.submit(jobs_root / "preempt", steps=STEPS, step_time=FAULT_STEP_TIME)
-    status = run.wait_for_step(KILL_AT)
-    commands.run(["scancel", "--signal=USR2", "--batch", status["job_id"]])
-    assert run.wait() == 0, run.output()
-    persisted = _events(run.job_dir, "rank_persisted")
-    assert len(persisted) == 4 and len({e["step"] for e in persisted}) == 1  # every rank, one step
-    assert all(e["committed"] for e in persisted), persisted
-    step = persisted[0]["step"]
-    restored = [e for e in _events(run.job_dir, "rank_restored") if e.get("tier")]
-    assert restored[-1]["step"] == step  # exact resume: nothing lost
-    assert lab.compare_runs(reference, run.job_dir / "final.pt") == []
+# Preemption (SIGUSR2 → persist → requeue → exact resume) runs as an ordinary user in
+# test_unprivileged_slurm.py, which asserts what a root run did here: one run fewer in CI.
 
 
 @pytest.mark.slow

@@ -9,6 +9,7 @@ lab (scripts/local-cluster does that for a lab it writes), an interpreter it may
 interpreter lives under /root, mode 0700), and job directories it owns.
 """
 
+import json
 import os
 import pwd
 import shutil
@@ -152,8 +153,10 @@ def test_requeue_as_ordinary_user_resumes_bit_identical_and_excludes_or_reports_
     excluded = job["ExcNodeList"] not in ("", "(null)") and victim in commands.hostnames(job["ExcNodeList"])
     assert excluded or f"excluding {victim} failed" in run.output(), run.output()
     restored = [e for e in _events(job_dir, "rank_restored") if e.get("tier")]
-    assert restored and restored[-1]["step"] >= 10
+    assert restored and restored[-1]["step"] >= 10  # resumed from a committed checkpoint
     assert lab.compare_runs(reference, job_dir / "final.pt") == []
+    final = json.loads((job_dir / "status.json").read_text())
+    assert final["requeue_count"] == 1, final  # counted against max_requeues
 
 
 def test_preemption_as_ordinary_user_checkpoints_requeues_and_resumes_exactly(
@@ -166,7 +169,8 @@ def test_preemption_as_ordinary_user_checkpoints_requeues_and_resumes_exactly(
     assert ok, out
     assert run.wait() == 0, run.output()
     persisted = _events(job_dir, "rank_persisted")
-    assert len(persisted) == 4 and len({e["step"] for e in persisted}) == 1
+    assert len(persisted) == 4 and len({e["step"] for e in persisted}) == 1  # every rank, one step
+    assert all(e["committed"] for e in persisted), persisted
     restored = [e for e in _events(job_dir, "rank_restored") if e.get("tier")]
-    assert restored[-1]["step"] == persisted[0]["step"]
+    assert restored[-1]["step"] == persisted[0]["step"]  # exact resume: nothing lost
     assert lab.compare_runs(reference, job_dir / "final.pt") == []

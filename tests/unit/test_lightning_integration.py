@@ -92,3 +92,30 @@ def test_rng_capture_apply_round_trip_and_own_entry():
     assert rng.own(["a", "b", "c"], rank=2, world_size=3) == "c"
     assert rng.own(["a", "b"], rank=1, world_size=3) is None  # taken at another world size: left alone
     assert rng.own(None, rank=0, world_size=1) is None
+
+
+@pytest.mark.parametrize("local_rank", [0, 1])
+def test_a_preemption_on_a_snapshot_step_gathers_the_state_once_on_every_rank(tmp_path, monkeypatch, local_rank):
+    """``_state`` is a collective. On a step that took a snapshot, every rank must skip the
+    second gather, not only those holding the state (local rank 0): else ranks 0 and 1 sit in
+    different collectives and the preempted step never exits (it was cancelled after the
+    supervisor's persist wait, 45 s)."""
+    from types import SimpleNamespace
+
+    from slurm_resilience.integrations import lightning as lit
+    from slurm_resilience.integrations.snapshots import Persisted
+
+    monkeypatch.setenv("SR_LIGHTNING_DIR", str(tmp_path / "snaps"))
+    monkeypatch.setenv("SLURMD_NODENAME", "n1")
+    monkeypatch.setenv("SR_RUN_JOB_DIR", str(tmp_path / "job"))
+    cb = Resilience()
+    cb.durable = SimpleNamespace(write=lambda step, state: None, directory=str(tmp_path))
+    gathers = []
+    monkeypatch.setattr(cb, "_state", lambda trainer: gathers.append(trainer.global_step) or
+                        ({"w": 1} if trainer.local_rank == 0 else None))
+    monkeypatch.setattr(lit, "preempt_requested", lambda *a, **k: True)
+    trainer = SimpleNamespace(global_step=4, local_rank=local_rank, global_rank=local_rank, world_size=2,
+                              strategy=SimpleNamespace(root_device="cpu", barrier=lambda name: None))
+    with pytest.raises(Persisted):
+        cb.on_train_batch_end(trainer, None, None, None, 0)
+    assert gathers == [4]  # one gather, the snapshot's, on local rank 0 and the others alike

@@ -272,9 +272,13 @@ class RelaunchExecutor:
             relaunch_preempt.write_request(self.job_dir, signal_name=self.cfg.job.preempt_signal_name)
         elif isinstance(action, Reap):
             if self.step is not None and self._preempt_seen:  # the program persists and exits by itself
-                end = time.monotonic() + relaunch_preempt.persist_wait_s(action.grace_s, self.cfg.job.preempt_signal)
-                while self.step.process.poll() is None and time.monotonic() < end:  # a warm step has poll() only
+                wait = relaunch_preempt.persist_wait_s(action.grace_s, self.cfg.job.preempt_signal)
+                t0 = time.monotonic()
+                while self.step.process.poll() is None and time.monotonic() < t0 + wait:  # warm: poll() only
                     time.sleep(self.poll_s)
+                self._say(f"the step exited by itself {time.monotonic() - t0:.1f} s after the persist request"
+                          if self.step.process.poll() is not None else
+                          f"the step did not exit within {wait:g} s of the persist request: cancelled")
             if self.step is not None and self.step.process.poll() is None:
                 self._cancel(self.step)
         elif isinstance(action, Requeue):
