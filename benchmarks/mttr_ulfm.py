@@ -168,8 +168,8 @@ def run_mpi_case(name: str, root: Path, args) -> dict:
             else:
                 lab.cluster("revive-node", victim)
     output = proc.stdout.read()
-    path = [ln.replace(sys.executable, os.path.basename(sys.executable))  # no path of this machine in the JSON
-            for ln in output.splitlines() if ln.startswith("MPI recovery path:")]
+    path = [ln.replace(sys.executable, os.path.basename(sys.executable)).replace(str(lab.REPO), ".")
+            for ln in output.splitlines() if ln.startswith("MPI recovery path:")]  # no path of this machine
     if code is None:
         return {"exit_code": None, "mttr_s": None, "level": f"no recovery within {give_up:.0f} s of the kill",
                 "path_line": path[0] if path else None}
