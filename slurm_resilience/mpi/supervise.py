@@ -12,8 +12,9 @@
 
 The ranks get ``SR_ULFM_SPARES``, ``SR_ULFM_EVENTS`` (this launch's event
 directory, ``JOBDIR/ulfm-NNN``), ``SR_ULFM_BEAT_S`` (``detect.heartbeat_period_s``),
-``SR_PROGRESS_FILE`` (``JOBDIR/progress-NNN.log``) and ``SR_RESTART``. ``launcher`` is a ``slurm.steps.SrunLauncher`` (``address``,
-``node_reachable``); ``after_exit`` and ``choose_path`` hold the decisions.
+``SR_PROGRESS_FILE`` (``JOBDIR/progress-NNN.log``) and ``SR_RESTART``. ``launcher`` is a
+``slurm.steps.SrunLauncher`` (``address``, ``node_reachable``, ``probe_slurmd``);
+``after_exit``, ``quiet_nodes`` and ``choose_path`` hold the decisions.
 """
 
 from __future__ import annotations
