@@ -12,8 +12,7 @@
             deduplicated (``dedup``): each replicated tensor written by one rank only,
             every rank's sharded/per-rank tensors by itself; vote, rank 0 commits
 
-A failing checkpoint (disk full, I/O error, a peer lost mid-transfer) is reported
-as an event, never raised into training, and never touches an older checkpoint.
+A failing checkpoint (disk full, I/O error, a lost peer) is an event, never raised; older steps stay.
 
 Restore: :meth:`CheckpointEngine.rebuild_missing` (collective) first rebuilds XOR
 shards lost with a node into the rank that now holds the slot; then every rank
@@ -39,11 +38,12 @@ import torch
 from ..errors import CheckpointError
 from . import clean, layout
 from . import manifest as mf
-from .hdf5_format import flatten_state, unflatten_state, verify_shard
+from .hdf5_format import verify_shard
 from .intervals import IntervalEstimator
 from ..run_identity import RunIdentity
 from .lustre import LustreStriping, Striping
 from .ownership import Ownership
+from .state_tree import copies, flatten_state, unflatten_state
 from .shared_read import read_rank_state, verify_rank_problems
 from .persist import Job, Lazy, first_line, persist_local, persist_shared, prune_local
 from .tiers import Redundancy, TierSpec, base_tier, tier_for_step
@@ -387,14 +387,14 @@ class CheckpointEngine:
             self.report_foreign()
 
     def load(self, candidate: tuple[int, str, str], into: Mapping[str, torch.Tensor] | None = None) -> Any:
-        """The state of ``candidate`` (from ``best``). From disk, tensors are read straight into
-        ``into``'s (``flatten_state`` names -> tensors, e.g. the rank's own state) where they
-        fit, saving an allocation per tensor; ``into``'s bytes are undefined after an error.
+        """The state of ``candidate`` (from ``best``), its tensors in ``into``'s (``flatten_state``
+        names -> tensors, e.g. the rank's own state, CPU or GPU) where they fit, saving an
+        allocation per tensor (from disk: read straight in); ``into``'s bytes are undefined after an error.
 
         Raises:
             CheckpointError: a file is missing or corrupt, or a checksum fails.
         """
         step, source, path = candidate
         if source == "L0":
-            return unflatten_state({k: v.clone() for k, v in self._l0.tensors.items()}, self._l0.skeleton)
+            return unflatten_state(copies(self._l0.tensors, into), self._l0.skeleton)
         return read_rank_state(path, into=into)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Mapping
 
 import h5py
 import numpy as np
@@ -124,6 +124,25 @@ def read_target(ds: h5py.Dataset, t: torch.Tensor | None, taken: set[int]) -> to
     stored = ds.attrs.get("torch_dtype")
     stored = stored.decode() if isinstance(stored, bytes) else stored
     return t if arr.dtype == ds.dtype and torch_dtype == stored else None
+
+
+def onto_devices(tensors: dict[str, torch.Tensor], into: Mapping[str, torch.Tensor] | None
+                 ) -> dict[str, torch.Tensor]:
+    """``tensors`` (read into host memory) with each one that ``into`` holds on an
+    accelerator (same shape and dtype) copied into that device tensor and replaced by it:
+    a GPU rank's restore lands in its own device tensors, as a CPU rank's is read into
+    them in place (``read_target``). One copy per storage (tied weights come back as two
+    tensors, as without ``into``); ``into``'s CPU tensors are ``read_target``'s."""
+    out, seen = dict(tensors), set()
+    for name, t in tensors.items():
+        dev = (into or {}).get(name)
+        if dev is None or dev.device.type == "cpu" or dev is t or dev.shape != t.shape or dev.dtype != t.dtype \
+                or dev.requires_grad or dev.untyped_storage().data_ptr() in seen:
+            continue
+        seen.add(dev.untyped_storage().data_ptr())
+        dev.copy_(t)  # from pageable host memory: done when it returns, ordered before the stream's next work
+        out[name] = dev
+    return out
 
 
 @dataclass

@@ -41,8 +41,8 @@ import torch
 from ..errors import CheckpointError
 from ..files import fsync_dir, makedirs_private
 from .layout import TEMP_SUFFIX, shard_temp_prefix
-from .hdf5_extents import (ALIGN_ABOVE, Bulk, DatasetLayout, bulk_read, bytes_of, first_line, plan_bulk, read_target,
-                           to_numpy, to_tensor)
+from .hdf5_extents import (ALIGN_ABOVE, Bulk, DatasetLayout, bulk_read, bytes_of, first_line, onto_devices,
+                           plan_bulk, read_target, to_numpy, to_tensor)
 from .shard_io import ALIGN, crc32, open_direct, write_extents
 from .state_tree import TensorRef, flatten_state, refs, unflatten_state
 
@@ -257,13 +257,15 @@ def read_shard(path: str, *, verify: bool = True, into: Mapping[str, torch.Tenso
                ) -> tuple[Any, dict[str, int | float | str]]:
     """Read a shard written by ``write_shard``: ``(state, file attributes)``.
 
-    Tensors come back on the CPU with their original dtype and shape, bit-exact.
-    With ``verify`` every dataset's CRC32 is checked. Large contiguous datasets
-    are read in parallel straight into their final buffers (``shard_io``): the
-    tensors of ``into`` (dataset name -> tensor, as ``flatten_state`` names them)
-    where one is a contiguous CPU tensor of the dataset's shape and dtype — the
-    state then holds those very tensors, and no memory is allocated for them —
-    else new ones. After an error, ``into``'s tensors hold undefined bytes.
+    Tensors come back with their original dtype and shape, bit-exact, on the CPU
+    unless ``into`` places them. With ``verify`` every dataset's CRC32 is checked.
+    Large contiguous datasets are read in parallel straight into their final
+    buffers (``shard_io``): the tensors of ``into`` (dataset name -> tensor, as
+    ``flatten_state`` names them) where one is a contiguous CPU tensor of the
+    dataset's shape and dtype — the state then holds those very tensors, and no
+    memory is allocated for them — else new ones; one of ``into``'s on a GPU gets
+    the bytes copied in once read, and the state holds it (``onto_devices``).
+    After an error, ``into``'s tensors hold undefined bytes.
 
     Raises:
         CheckpointError: the file is missing, not HDF5, truncated, lacks the format
@@ -317,8 +319,8 @@ def read_datasets(path: str, names: Collection[str] | None = None, *, verify: bo
         for b, crc in zip(bulk, bulk_read(path, bulk, keep=True)):
             if verify:
                 _check_crc(path, b.name, b.stored, crc)
-        tensors = {name: given[name] if name in given else to_tensor(found[name], path, name, arr)
-                   for name, arr in arrays.items()}
+        tensors = onto_devices({name: given[name] if name in given else to_tensor(found[name], path, name, arr)
+                                for name, arr in arrays.items()}, into)
     return tensors, skeleton, attrs
 
 

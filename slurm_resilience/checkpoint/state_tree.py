@@ -140,3 +140,16 @@ def refs(skeleton: bytes) -> list[str]:
 
     walk(pickle.loads(skeleton))
     return keys
+
+
+def copies(tensors: Mapping[str, torch.Tensor], into: Mapping[str, torch.Tensor] | None = None
+           ) -> dict[str, torch.Tensor]:
+    """Copies of ``tensors`` (a held snapshot's, which must stay as they are): into
+    ``into``'s tensor of the same name where its shape and dtype match (on the CPU or a
+    GPU: a restore lands in the rank's own tensors), else fresh clones."""
+    out = {}
+    for name, t in tensors.items():
+        dst = (into or {}).get(name)
+        fits = dst is not None and dst.shape == t.shape and dst.dtype == t.dtype and not dst.requires_grad
+        out[name] = dst.copy_(t) if fits else t.clone()
+    return out

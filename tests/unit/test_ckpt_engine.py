@@ -164,6 +164,28 @@ def test_save_restore_across_tiers_and_modes(tmp_path):
                 assert stat.S_IMODE(os.stat(p).st_mode) == 0o600, p
 
 
+
+def test_a_restore_from_host_memory_lands_in_the_given_tensors_and_leaves_the_snapshot(tmp_path):
+    """L0 with ``into``: the rank's own tensors get the bytes (as from disk); the held
+    snapshot is a copy, so changing the restored tensors does not change the next restore."""
+    events = Events()
+    eng = make_engine(specs(tmp_path, l2=False), tmp_path, events)
+    try:
+        state = train_state(5)
+        eng.save(1, state)
+        assert eng.wait(timeout=60)
+        best = eng.best()
+        assert best[:2] == (1, "L0")
+        own = {k: torch.zeros_like(v) for k, v in flatten_state(state)[0].items()}
+        got = eng.load(best, into=own)
+        assert_state_equal(got, state)
+        assert all(any(t is g for g in flatten_state(got)[0].values()) for t in own.values())
+        for t in own.values():
+            t.add_(1)
+        assert_state_equal(eng.load(best), state)
+    finally:
+        eng.close()
+
 def test_tier_root_dir_is_private(tmp_path):
     eng = make_engine(specs(tmp_path), tmp_path, Events())
     try:
