@@ -184,7 +184,7 @@ class StateSync:
         if offers[group.rank] == choice.step:
             if from_live:
                 state = st.state_dict()
-            else:  # read into this rank's own (CPU) tensors: its old state is gone from here on
+            else:  # read into this rank's own tensors (CPU or GPU): its old state is gone from here on
                 st.live = False
                 state = self._checkpoints.load(stored, into=flatten_state(st.state_dict())[0])
                 extra["tier"] = stored[1]

@@ -6,8 +6,9 @@ communicator on the same device ("Duplicate GPU detected"), so the two-process t
 needs two GPUs; on a one-GPU machine it skips with that reason. The one-GPU test below
 checks only what a single rank can show (it is no test of leaving a collective): the
 abort returns, and each generation's new group computes on the device (a world of
-one still copies the data through NCCL). Without a GPU both skip. Not yet run on a
-GPU machine by the session that wrote them.
+one still copies the data through NCCL). Without a GPU both skip. The one-GPU test
+passed on an H200 (torch 2.11, NCCL 2.28.9, 2026-11-28, ``scripts/gpu-checks``); the
+two-GPU test has not yet run on a machine with two GPUs.
 """
 
 import json
