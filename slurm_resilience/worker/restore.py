@@ -12,9 +12,11 @@ restore from different survivors in parallel.
 The transfer (:func:`stream_state`) moves only what is needed, through bounded
 memory: the source flattens its state (``checkpoint/state_tree.py``) into a small
 skeleton (everything that is not a dense tensor) and its tensors, sends the skeleton
-with an index of the tensors (name, dtype, shape), then the tensors' bytes in
-chunks of ``chunk_bytes`` (:func:`chunk_plan`) through one send and one receive
-buffer. A receiver writes each chunk straight into its destination tensors: its own
+with an index of the tensors (name, dtype, shape) and the first chunk of the tensors'
+bytes, then the rest in chunks of ``chunk_bytes`` (:func:`chunk_plan`) through one
+send and one receive buffer; what each rank must know of the sources first (header
+length, rounds, first chunk) comes with the offers' gather (:func:`outgoing`), so a
+state under ``chunk_bytes`` moves in one all-to-all. A receiver writes each chunk straight into its destination tensors: its own
 tensors of the same name, dtype and shape when it has them (a survivor or warm
 standby receives in place), else freshly allocated ones — the state itself, not a
 copy. Each chunk round is one bounded-wait all-to-all of the generation
@@ -38,7 +40,7 @@ from ..checkpoint.state_tree import flatten_state, unflatten_state
 
 __all__ = [
     "CHUNK_BYTES", "RestorePlan", "choose_source", "assign_sources", "TensorSpec", "Piece", "chunk_plan",
-    "chunk_length", "stream_state", "serialize", "deserialize", "broadcast_state"
+    "chunk_length", "Outgoing", "outgoing", "stream_state", "serialize", "deserialize", "broadcast_state"
 ]
 
 
@@ -129,9 +131,34 @@ def chunk_length(chunk: Sequence[Piece]) -> int:
     return chunk[-1].at + chunk[-1].length if chunk else 0
 
 
+@dataclasses.dataclass(frozen=True)
+class Outgoing:
+    """What a source sends: its tensors, their index, the chunk plan and the pickled
+    header (skeleton + index). ``meta`` (header length, chunk rounds, first chunk's
+    length) is what every rank must know of each source before the transfer."""
+
+    tensors: list[torch.Tensor]
+    plan: list
+    header: bytes
+
+    @property
+    def meta(self) -> list[int]:
+        return [len(self.header), len(self.plan), chunk_length(self.plan[0]) if self.plan else 0]
+
+
+def outgoing(state: dict[str, Any], chunk_bytes: int = CHUNK_BYTES) -> Outgoing:
+    """A source's side of :func:`stream_state`, prepared from ``state`` (which must not
+    change before it is sent): prepared ahead, its ``meta`` can travel with the offers."""
+    flat, skeleton = flatten_state(state)
+    index = [TensorSpec(n, t.dtype, tuple(t.shape), t.is_cuda) for n, t in flat.items()]
+    return Outgoing(list(flat.values()), chunk_plan([s.nbytes for s in index], chunk_bytes),
+                    pickle.dumps((skeleton, index), protocol=pickle.HIGHEST_PROTOCOL))
+
+
 def stream_state(gen, sources: Mapping[int, int], state: dict[str, Any] | None, *,
-                 into: Mapping[str, torch.Tensor] | None = None,
-                 chunk_bytes: int = CHUNK_BYTES) -> dict[str, Any] | None:
+                 into: Mapping[str, torch.Tensor] | None = None, chunk_bytes: int = CHUNK_BYTES,
+                 ready: Outgoing | None = None, metas: Sequence[Sequence[int]] | None = None
+                 ) -> dict[str, Any] | None:
     """Collective: every receiver in ``sources`` (receiver → source rank, from
     :func:`assign_sources`) gets its source's ``state``; sources pass their state,
     receivers ``None``, other ranks take part with whatever they hold. Returns the
@@ -142,6 +169,9 @@ def stream_state(gen, sources: Mapping[int, int], state: dict[str, Any] | None, 
     contiguous one of the same dtype and shape receives in place, so its old values
     are lost even when the transfer aborts. Tensors arrive contiguous (values, dtype
     and shape exact; a non-contiguous source tensor's strides are not kept).
+    ``ready``: this rank's :func:`outgoing` of ``state``, prepared ahead; ``metas``: every
+    rank's ``Outgoing.meta`` ([-1, -1, -1] where it has none), gathered ahead with the offers:
+    when every source's is there, the transfer starts without a collective of its own.
     Raises StepAborted when a peer leaves or a newer plan appears meanwhile (every
     rank recovers again), CheckpointError when the source's skeleton cannot be pickled.
     """
@@ -150,30 +180,35 @@ def stream_state(gen, sources: Mapping[int, int], state: dict[str, Any] | None, 
     me = gen.rank
     mine = sorted(r for r, s in sources.items() if s == me)  # my receivers, in rank order
     src = sources.get(me)
-    header, tensors, plan, index, skeleton = b"", [], [], [], b""
+    out = (ready or outgoing(state, chunk_bytes)) if mine else Outgoing([], [], b"")
+    header, tensors, plan = out.header, out.tensors, out.plan
+    senders = set(sources.values())
+    if metas is None or any(metas[s][0] < 0 for s in senders):
+        metas = gen.all_gather_rows(out.meta)  # one collective for all three
+    rounds = max(metas[s][1] for s in senders)
+    # Round 0: the header and the first chunk together (a state under chunk_bytes: one round).
+    h, n0 = len(header), out.meta[2]
+    recv0 = metas[src][0] + metas[src][2] if src is not None else 0
+    first = torch.empty(max((h + n0) * len(mine), recv0), dtype=torch.uint8, device=gen.device)
+    views = _ByteViews(tensors)
     if mine:
-        flat, skeleton = flatten_state(state)
-        tensors = list(flat.values())
-        index = [TensorSpec(n, t.dtype, tuple(t.shape), t.is_cuda) for n, t in flat.items()]
-        plan = chunk_plan([s.nbytes for s in index], chunk_bytes)
-        header = pickle.dumps((skeleton, index), protocol=pickle.HIGHEST_PROTOCOL)
-    rows = gen.all_gather_rows([len(header), len(plan)])  # one collective for both
-    lengths, rounds = [r[0] for r in rows], max(r[1] for r in rows)
-    hbuf = torch.empty(max(len(header) * len(mine), lengths[src] if src is not None else 0),
-                       dtype=torch.uint8, device=gen.device)
-    if mine:
-        blob = torch.frombuffer(bytearray(header), dtype=torch.uint8)
-        for i in range(len(mine)):
-            hbuf[i * len(header):(i + 1) * len(header)].copy_(blob)
-    got = _round(gen, mine, src, len(header), lengths[src] if src is not None else 0, hbuf)
+        first[:h].copy_(torch.frombuffer(bytearray(header), dtype=torch.uint8))
+        if n0:
+            views.pack(plan[0], first[h:h + n0], n0, 1)
+        for i in range(1, len(mine)):
+            first[i * (h + n0):(i + 1) * (h + n0)].copy_(first[:h + n0])
+    got = _round(gen, mine, src, h + n0, recv0, first)
     if src is not None:  # a receiver: the index tells what to allocate (or adopt) and the plan
-        skeleton, index = pickle.loads(got.cpu().numpy().tobytes())
+        hl = metas[src][0]
+        skeleton, index = pickle.loads(got[:hl].cpu().numpy().tobytes())
         tensors = _destinations(index, into or {}, gen.device)
         plan = chunk_plan([s.nbytes for s in index], chunk_bytes)
-    del hbuf, got
-    views = _ByteViews(tensors)
-    buf = torch.empty(chunk_bytes * max(len(mine), 1) if rounds else 0, dtype=torch.uint8, device=gen.device)
-    for k in range(rounds):
+        views = _ByteViews(tensors)
+        if plan:
+            views.unpack(plan[0], got[hl:])
+    del first, got
+    buf = torch.empty(chunk_bytes * max(len(mine), 1) if rounds > 1 else 0, dtype=torch.uint8, device=gen.device)
+    for k in range(1, rounds):
         chunk = plan[k] if k < len(plan) else []
         n = chunk_length(chunk)
         if mine:

@@ -31,7 +31,7 @@ from ..errors import CheckpointError, ConfigError, ResilienceError, StepAborted
 from ..protocol import Plan, WorkerEvent
 from . import replay, reshard
 from .reconnect import Generation
-from .restore import assign_sources, broadcast_state, choose_source, stream_state
+from .restore import assign_sources, broadcast_state, choose_source, outgoing, stream_state
 
 
 __all__ = ["TrainingState", "StateSync"]
@@ -143,14 +143,16 @@ class StateSync:
         ResilienceError when sharded state cannot be restored at all.
         """
         t0 = time.time()
+        high = None  # the job's high-water step: any one rank, the state or the mark file
         if self._state.sharded:
             source, offers, tier = self._sync_sharded(group, plan)
         else:
-            source, offers, tier = self._sync_replicated(group)
+            source, offers, tier, high = self._sync_replicated(group)
         self._state.live = True
-        st = self._state  # the job's high-water step: any one rank, the state or the mark file
-        st.high_water = max(group.all_gather_ints(
-            replay.high_water(st.high_water, st.step, replay.read_mark(self._job_dir))))
+        st = self._state
+        if high is None:
+            high = max(group.all_gather_ints(replay.high_water(st.high_water, st.step, replay.read_mark(self._job_dir))))
+        st.high_water = high
         self._synced = plan.generation
         self._prev_world = group.world_size
         self._hb.update(step=self._state.step)
@@ -161,23 +163,33 @@ class StateSync:
             disk = [s.name for s in self._checkpoints.specs if s.storage != "memory"]
             self._checkpoints.save(self._state.step, self._state.state_dict(), disk)  # so must step 0 (or imported)
 
-    def _sync_replicated(self, group: Generation) -> tuple[int, list[int], dict[str, Any]]:
+    def _sync_replicated(self, group: Generation) -> tuple[int, list[int], dict[str, Any], int | None]:
         """Collective: ranks at the newest step keep (or load) it; the others receive it,
-        streamed from a source among them (``restore.py``)."""
+        streamed from a source among them (``restore.py``). One gather carries each rank's
+        offer, what it knows of the high-water step and, from a live state, its side of the
+        transfer (``restore.outgoing``), so a survivor-sourced restore is that gather and one
+        all-to-all per 16 MiB; the high-water step comes back with it then (else None)."""
         st = self._state
         live = st.step if st.live else -1
         # Checkpoints matter when this process holds nothing newer than its start:
         # a fresh process, or a (re)started job at step 0. Survivors offer live state.
         stored = self._checkpoints.best() if live <= 0 else None
         offer = max(live, stored[0] if stored else -1)
-        offers = group.all_gather_ints(offer)
+        ready = outgoing(st.state_dict()) if st.live and offer == live else None
+        known = replay.high_water(st.high_water, replay.read_mark(self._job_dir))
+        rows = group.all_gather_rows([offer, known, *(ready.meta if ready else (-1, -1, -1))])
+        offers, metas = [r[0] for r in rows], [r[2:] for r in rows]
         choice = choose_source(offers)
+        # Every rank at the newest step offers it live: the restored state's high water is
+        # one of theirs (each rank's, the mark's, or the step): no gather after the restore.
+        high = max(choice.step, *(r[1] for r in rows)) \
+            if all(m[0] >= 0 for o, m in zip(offers, metas) if o == choice.step) else None
         if self._importing(group, choice.step == 0 and stored is None, choice.step == 0):
             state = None  # the lowest rank reads the DCP checkpoint; every rank adopts it
             if group.rank == choice.source_rank:
                 state = initial_state(self._init_from, st.state_dict(), (), group.world_size, 0)
             st.load_state_dict(broadcast_state(group, state, choice.source_rank))
-            return choice.source_rank, offers, {"tier": "init_from"}
+            return choice.source_rank, offers, {"tier": "init_from"}, None
         sources = assign_sources(offers)
         from_live = st.live and st.step == choice.step
         state, into, extra = None, None, {}
@@ -192,11 +204,11 @@ class StateSync:
             st.live = False
             into = flatten_state(st.state_dict())[0]
             extra["peer"] = sources[group.rank]
-        state = stream_state(group, sources, state, into=into)
+        state = stream_state(group, sources, state, into=into, ready=ready if from_live else None, metas=metas)
         if not from_live:
             st.load_state_dict(state)
         st.step = choice.step
-        return choice.source_rank, offers, extra
+        return choice.source_rank, offers, extra, high
 
     def _importing(self, group: Generation, mine: bool, candidate: bool) -> bool:
         """Collective when ``candidate`` (the same on every rank): start from ``init_from``

@@ -24,7 +24,7 @@ import torch.multiprocessing as mp
 from slurm_resilience.errors import StepAborted
 from slurm_resilience.model import RankSlot, RankTable
 from slurm_resilience.worker.reconnect import Generation
-from slurm_resilience.worker.restore import assign_sources, stream_state
+from slurm_resilience.worker.restore import assign_sources, outgoing, stream_state
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -69,6 +69,20 @@ def _same(a, b) -> bool:
     return a == b
 
 
+class _Counting(Generation):
+    """Counts the collectives (the gathers and the all-to-alls) this rank takes part in."""
+
+    calls = collections.Counter()
+
+    def all_gather_rows(self, *a, **kw):
+        self.calls["gather"] += 1
+        return super().all_gather_rows(*a, **kw)
+
+    def all_to_all(self, *a, **kw):
+        self.calls["all_to_all"] += 1
+        return super().all_to_all(*a, **kw)
+
+
 class _Stalling(Generation):
     """A source that stops taking part after two chunk rounds (a hung node) while a newer
     plan is published: every all-to-all after that never starts on this rank."""
@@ -94,19 +108,25 @@ def _rank(rank: int, world: int, port: int, offers: list[int], mode: str, out: s
         sources = assign_sources(offers)
         at_best = offers[rank] == max(offers)
         gen = (_Stalling(store, table, rank, newer=newer, **kw) if mode == "stall" and at_best
-               else Generation(store, table, rank, **kw))
+               else _Counting(store, table, rank, **kw))
         mine = receiver_state()
         into = {f"objects/objects/model/{k}": v for k, v in mine["objects"]["model"].items()}
         ptr = mine["objects"]["model"]["w"].data_ptr()
+        state = source_state(100 + rank) if at_best else None
+        ahead = {}
+        if mode == "ahead":  # the sources' side prepared and its meta gathered with the offers
+            ready = outgoing(state, CHUNK) if at_best else None
+            metas = gen.all_gather_rows(ready.meta if ready else [-1, -1, -1])
+            ahead = {"ready": ready, "metas": metas}
         try:
-            got = stream_state(gen, sources, source_state(100 + rank) if at_best else None,
-                               into=None if at_best else into, chunk_bytes=CHUNK)
+            got = stream_state(gen, sources, state, into=None if at_best else into, chunk_bytes=CHUNK, **ahead)
         except StepAborted as exc:
             result = {"aborted": str(exc)}
         else:
             want = source_state(100 + sources.get(rank, rank))
             result = {"same": _same(got, want), "diff": [k for k in want if not _same(got.get(k), want[k])],
-                      "in_place": got["objects"]["model"]["w"].data_ptr() == ptr}
+                      "in_place": got["objects"]["model"]["w"].data_ptr() == ptr,
+                      "calls": dict(_Counting.calls)}
         with open(out, "wb") as f:
             pickle.dump(result, f)
         if not at_best:
@@ -149,6 +169,23 @@ def test_two_sources_stream_to_their_receivers_exactly(tmp_path):
     for r in (0, 3):
         assert res[r]["same"] and res[r]["in_place"], res[r]
     assert res[1]["same"] and res[2]["same"]  # sources keep their own state
+
+
+def test_with_the_sources_meta_gathered_ahead_the_transfer_is_its_chunk_rounds_alone(tmp_path):
+    """As the state sync does: each source's header length, rounds and first chunk's
+    length travel with the offers (here: one gather before the transfer); the transfer
+    is then one all-to-all per chunk, the header riding with the first, and no gather of
+    its own. Without them: the same rounds after one gather of its own. Same bytes."""
+    offers = [4, 9, 9, -1]
+    rounds = outgoing(source_state(1), CHUNK).meta[1]
+    assert rounds > 1
+    for mode in ("ahead", "ok"):
+        res = _run(tmp_path, offers, mode=mode)
+        for r in (0, 3):
+            assert res[r]["same"] and res[r]["in_place"], res[r]
+        assert res[1]["same"] and res[2]["same"]
+        for r in range(4):
+            assert res[r]["calls"] == {"gather": 1, "all_to_all": rounds}, (mode, r, res[r])
 
 
 def test_stalled_source_and_newer_plan_abort_the_transfer(tmp_path):
