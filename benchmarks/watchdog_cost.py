@@ -23,7 +23,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, os.environ.get("PYTHONPATH", "").split(os.pathsep)[0] or str(Path(__file__).resolve().parents[1]))
+if not os.environ.get("PYTHONPATH"):  # a tree to compare, given by PYTHONPATH, is on sys.path already
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from slurm_resilience.supervisor.observe.detect import Pulse  # noqa: E402
 from slurm_resilience.supervisor.observe.watchdog import ProgressWatch  # noqa: E402
 
