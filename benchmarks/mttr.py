@@ -53,6 +53,12 @@ before the default --kill-at; each run reports its ``fault_step``). Every case r
 max are printed with the ratio of each same-fault baseline's median to the case's
 median, and everything goes to --json (default mttr.json).
 
+Every step takes the same emulated time in every contender: --compute-time (default
+0.05 s) inside the toolkit's step, before its all-reduce, where a model's forward and
+backward are (an aborted step skips it), and --step-time (default 0) after it; the
+baselines sleep both per step. Before 2026-11-28 the 0.05 s was --step-time, after the
+step: each survivor of a fault slept it out before it recovered.
+
     run-cold/run-warm `slurm-resilience run` of the unmodified examples/train_torchrun.py
                       (3 nodes + 1 spare), a worker node killed after its first
                       snapshot, relaunched cold (`run.warm: false`: a new srun step
@@ -144,7 +150,12 @@ def main() -> int:
     ap.add_argument("--kill-at", type=int, default=120,
                     help="the fault once every rank has done this many steps, for every contender "
                          "(late enough for the standbys to connect)")
-    ap.add_argument("--step-time", type=float, default=0.05, help="emulated compute per step (s), all cases alike")
+    ap.add_argument("--compute-time", type=float, default=0.05,
+                    help="emulated compute per step (s) inside the step, before its all-reduce, as a model's "
+                         "forward/backward (the toolkit's cases: examples/train_mlp.py --compute-time)")
+    ap.add_argument("--step-time", type=float, default=0.0,
+                    help="emulated work per step (s) after the step (logging, evaluation: an aborted step's rank "
+                         "does it before it recovers); the baselines sleep --compute-time + --step-time per step")
     ap.add_argument("--cases", default=",".join([*CASES, *BASELINES]),
                     help=f"comma-separated, of: {', '.join([*CASES, *RUN_CASES, *MPI_CASES, *BASELINES])} "
                          "(default: all but the run-* and MPI cases)")

@@ -74,7 +74,8 @@ def _submit(root: Path, args, tag: str) -> str:
     (root / f"pids-{tag}").mkdir(exist_ok=True)  # each rank's pid (bash execs the script: the same pid)
     script.write_text(BATCH.format(port=_free_port(), pids=root / f"pids-{tag}", python=sys.executable,
                                    script=SCRIPT, steps=args.steps,
-                                   step_time=args.step_time, ckpt=root / "ckpt", out=root / "final.pt",
+                                   step_time=args.step_time + getattr(args, "compute_time", 0.0),  # per step, all told
+                                   ckpt=root / "ckpt", out=root / "final.pt",
                                    progress=root / f"progress-{tag}.txt"))
     return commands.sbatch(str(script), ["--nodes", str(NODES), "--ntasks-per-node", str(args.tasks_per_node),
                                          "--no-requeue", "--output", str(root / f"{tag}-%j.out")])

@@ -218,6 +218,12 @@ def first_step_after(events: list[dict], t: float) -> float | None:
                and abs(e["t"] - first["t"]) < 60)
 
 
+def compute_args(args) -> tuple[str, ...]:
+    """The example's ``--compute-time`` (emulated forward/backward inside the step) when set."""
+    t = getattr(args, "compute_time", 0.0)
+    return ("--compute-time", str(t)) if t else ()
+
+
 def run_case(case: Case, root: Path, args) -> dict:
     """One run: reset the lab (outside the window), submit, wait for --kill-at, inject,
     wait for the job, read its event log."""
@@ -226,7 +232,8 @@ def run_case(case: Case, root: Path, args) -> dict:
     lab.cluster("reset")
     run = lab.submit(root / case.name, spares=case.spares, tasks_per_node=args.tasks_per_node, steps=args.steps,
                      step_time=args.step_time, config=cfg,
-                     extra_args=case.args(root / case.name) if case.args else ())
+                     extra_args=(*(case.args(root / case.name) if case.args else ()),
+                                 *compute_args(args)))
     status = run.wait_for_step(args.kill_at, timeout=QUEUE_WAIT_S)  # a shared lab may queue the job a while
     if case.standbys and "local_standbys: false" not in cfg.read_text():
         status = _standbys_connected(run, status)
