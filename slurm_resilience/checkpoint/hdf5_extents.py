@@ -136,7 +136,7 @@ def onto_devices(tensors: dict[str, torch.Tensor], into: Mapping[str, torch.Tens
     out, seen = dict(tensors), set()
     for name, t in tensors.items():
         dev = (into or {}).get(name)
-        if dev is None or dev.device.type == "cpu" or dev is t or dev.shape != t.shape or dev.dtype != t.dtype \
+        if dev is None or dev.device.type == "cpu" or dev.shape != t.shape or dev.dtype != t.dtype \
                 or dev.requires_grad or dev.untyped_storage().data_ptr() in seen:
             continue
         seen.add(dev.untyped_storage().data_ptr())

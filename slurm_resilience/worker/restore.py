@@ -16,7 +16,8 @@ with an index of the tensors (name, dtype, shape) and the first chunk of the ten
 bytes, then the rest in chunks of ``chunk_bytes`` (:func:`chunk_plan`) through one
 send and one receive buffer; what each rank must know of the sources first (header
 length, rounds, first chunk) comes with the offers' gather (:func:`outgoing`), so a
-state under ``chunk_bytes`` moves in one all-to-all. A receiver writes each chunk straight into its destination tensors: its own
+state under ``chunk_bytes`` moves in one all-to-all. A receiver writes each chunk
+straight into its destination tensors: its own
 tensors of the same name, dtype and shape when it has them (a survivor or warm
 standby receives in place), else freshly allocated ones — the state itself, not a
 copy. Each chunk round is one bounded-wait all-to-all of the generation

@@ -151,7 +151,8 @@ class StateSync:
         self._state.live = True
         st = self._state
         if high is None:
-            high = max(group.all_gather_ints(replay.high_water(st.high_water, st.step, replay.read_mark(self._job_dir))))
+            high = max(group.all_gather_ints(
+                replay.high_water(st.high_water, st.step, replay.read_mark(self._job_dir))))
         st.high_water = high
         self._synced = plan.generation
         self._prev_world = group.world_size
