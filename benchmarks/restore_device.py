@@ -21,7 +21,6 @@ Medians, min and max; --json gets every run.
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import sys
 import tempfile
@@ -32,19 +31,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from checkpoint import drop_caches  # noqa: E402  (benchmarks/checkpoint.py: the same cold reads)
 from figures import run_and_write, stats  # noqa: E402
 
 WAYS = ("engine", "host_only", "pinned_first", "pinned_held")
-
-
-def drop_caches() -> bool:
-    os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("1\n")
-        return True
-    except OSError:
-        return False
 
 
 def run(args) -> dict:
