@@ -176,7 +176,10 @@ class StateSync:
         # a fresh process, or a (re)started job at step 0. Survivors offer live state.
         stored = self._checkpoints.best() if live <= 0 else None
         offer = max(live, stored[0] if stored else -1)
-        ready = outgoing(st.state_dict()) if st.live and offer == live else None
+        try:
+            ready = outgoing(st.state_dict()) if st.live and offer == live else None
+        except Exception:  # noqa: BLE001 the program's own state_dict(): it raises again below, after
+            ready = None  # the gather, on every rank alike (so every rank reports it, not the first alone)
         known = replay.high_water(st.high_water, replay.read_mark(self._job_dir))
         rows = group.all_gather_rows([offer, known, *(ready.meta if ready else (-1, -1, -1))])
         offers, metas = [r[0] for r in rows], [r[2:] for r in rows]
