@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--job-root", default="/dev/shm" if os.path.isdir("/dev/shm") else None,
                     help="where the job directory lives (default /dev/shm: no fsync cost; a disk path adds it)")
     ap.add_argument("--stop-after-failure", action="store_true", help="skip larger N once a size failed")
-    ap.add_argument("--profile", help="cProfile the supervisor's loop at the largest size into this file")
+    ap.add_argument("--profile", help="cProfile the supervisor's loop at the largest size into this file (its liveness thread into FILE.liveness)")
     ap.add_argument("--skip-state-save", action="store_true",
                     help="diagnostic, not the product: the supervisor never writes supervisor.json (shows the "
                          "next bottleneck past the O(N) state save per change)")

@@ -14,9 +14,9 @@ FALSE_ALARM_KINDS = frozenset({"fault_detected", "recovery_start", "suspect", "p
                                "isolated", "fallback"})
 
 
-def cpu_s(pid: int) -> float:
-    """utime + stime of ``pid`` (all its threads), seconds."""
-    with open(f"/proc/{pid}/stat", "rb") as f:
+def cpu_s(pid: int, tid: int | None = None) -> float:
+    """utime + stime of ``pid`` (all its threads; ``tid``: that thread only), seconds."""
+    with open(f"/proc/{pid}/stat" if tid is None else f"/proc/{pid}/task/{tid}/stat", "rb") as f:
         rest = f.read().rsplit(b")", 1)[1].split()
     return (int(rest[11]) + int(rest[12])) / TICK
 

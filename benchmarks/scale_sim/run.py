@@ -67,6 +67,7 @@ class Run:
 
     def __init__(self, spec: RunSpec, root: str | None = None, keep: bool = False) -> None:
         self.spec, self.keep = spec, keep
+        self._threads: list[dict[str, float]] = []  # the supervisor's CPU seconds per thread, at each stats read
         self.root = tempfile.mkdtemp(prefix=f"sr-scale-{spec.ranks}-", dir=root)
         self.job_dir = os.path.join(self.root, "job")
         self.procs: dict[str, subprocess.Popen] = {}
@@ -218,8 +219,11 @@ class Run:
         wall = t1 - t0
         share = {n: round(100 * (cpu1[n] - cpu0[n]) / wall, 1) for n in cpu1}
         alarms = false_alarms(self.events.events, t0, t1)
+        before, after = self._threads[-2:]
         r.update(steady_window_s=round(wall, 1),
                  supervisor_cpu_pct=share["supervisor"], store_cpu_pct=share["store"],
+                 supervisor_threads_cpu_pct={n: round(100 * (c - before.get(n, 0.0)) / wall, 1)
+                                             for n, c in sorted(after.items())},
                  ranks_cpu_pct=round(sum(v for n, v in share.items() if n.startswith("ranks")), 1),
                  supervisor_rss_mb=round(rss_mb(self.procs["supervisor"].pid), 1),
                  store_rss_mb=round(rss_mb(self.procs["store"].pid), 1),
@@ -233,9 +237,11 @@ class Run:
 
     def _calls(self) -> tuple[dict[str, int], list[dict]]:
         """Store calls so far (the supervisor's, everyone's) and the rank hosts' stats."""
-        sup = self.ctl.ask(("stats",))["store_calls"]
+        sup = self.ctl.ask(("stats",))
+        self._threads.append(sup.get("threads", {}))
         stats = self.host_stats()
-        return {"supervisor": sup, "total": sup + sum(st["store_calls"] for st in stats)}, stats
+        calls = sup["store_calls"]
+        return {"supervisor": calls, "total": calls + sum(st["store_calls"] for st in stats)}, stats
 
     def fault(self, case: str, node: str, gen: int, timeout_s: float) -> bool:
         """Kill or silence ``node`` in generation ``gen``; measure until generation gen+1 trains."""

@@ -19,6 +19,7 @@ import threading
 
 from .common import HOST, Channel, CountingStore, listen, raise_fd_limit
 from .launcher import SimLauncher, node_name
+from .measure import cpu_s
 
 
 def build(spec: dict, out):
@@ -66,7 +67,38 @@ def serve(listener, sup, launcher) -> None:
         elif msg[0] == "stats":
             counted = getattr(sup, "counted", None)
             ch.send({"store_calls": counted.calls() if counted is not None else 0, "launched": launcher.launched,
-                     "isolated": dict(launcher.isolated)})
+                     "isolated": dict(launcher.isolated), "threads": threads_cpu()})
+
+
+def threads_cpu() -> dict[str, float]:
+    """CPU seconds of each Python thread of this process, by name (the loop runs in
+    ``MainThread``, the pulse lines are read in ``sr-liveness``)."""
+    out: dict[str, float] = {}
+    for t in threading.enumerate():
+        try:
+            out[t.name] = out.get(t.name, 0.0) + cpu_s(os.getpid(), t.native_id)
+        except (OSError, TypeError):
+            continue  # ended meanwhile
+    return out
+
+
+def profile_liveness(path: str) -> None:
+    """cProfile the liveness thread too (its own profile: a profiler sees one thread): the
+    pulse lines of every node are read and parsed there, off the loop."""
+    import cProfile
+
+    from slurm_resilience.supervisor.observe import detect
+
+    run = detect.LivenessServer._run
+
+    def profiled(self) -> None:
+        prof = cProfile.Profile()
+        try:
+            prof.runcall(run, self)
+        finally:
+            prof.dump_stats(path)
+
+    detect.LivenessServer._run = profiled
 
 
 def main() -> int:
@@ -76,6 +108,8 @@ def main() -> int:
     out = open(os.path.join(spec["job_dir"], "supervisor.out"), "w", buffering=1)
     logging.basicConfig(stream=out, level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
     listener = listen()
+    if spec.get("profile"):
+        profile_liveness(spec["profile"] + ".liveness")
     sup, launcher = build(spec, out)
     threading.Thread(target=serve, args=(listener, sup, launcher), name="sim-control", daemon=True).start()
     print(listener.address[1], flush=True)

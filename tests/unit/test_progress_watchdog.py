@@ -296,3 +296,51 @@ def test_a_heartbeat_carries_progress_or_says_nothing():
     assert progress_in({"t": 1.0, "step": 3}) is None  # an older rank
     assert progress_in(None) is None
     assert progress_in({"t": 1.0, "step": "x", "progress": 41, "phase": 1}) is None
+
+
+def test_leaving_the_plainly_ok_ranks_out_of_the_assessment_changes_no_verdict():
+    """The watch leaves ranks with fresh signs and a stall within every timeout's floor out
+    of assess() and counts them (Quiet): every verdict is what assessing all of them gives."""
+    import random
+
+    for seed in range(300):
+        _same_verdicts_with_the_quiet_left_out(random.Random(seed))
+
+
+def _same_verdicts_with_the_quiet_left_out(rnd):
+    from slurm_resilience.supervisor.observe.watchdog import Quiet
+
+    t = Timeouts(stale_s=2.0, soft_s=rnd.choice([3.0, 10.0]), hard_s=20.0, pulse_s=rnd.choice([None, 1.0]),
+                 block_s=rnd.choice([None, 2.5, 5.0]))
+    calm = min(t.soft_s, t.hard_s, t.blocking_s)  # the floors: these timeouts derived from no step time
+    signs = {}
+    for i in range(rnd.randint(1, 7)):
+        pulse = rnd.random() < 0.8
+        signs[f"r{i}"] = Signs(hb_age=rnd.choice([0.2, 1.5, 3.0]),
+                               pulse_age=rnd.choice([0.1, 1.5, 3.0]) if pulse else None,
+                               state=rnd.choice("SRT") if pulse else None, waiting=rnd.random() < 0.5,
+                               busy=rnd.random() < 0.1, stalled_s=rnd.choice([0.3, 2.0, 4.0, 6.0, 12.0, 25.0]),
+                               hb_progress=rnd.random() < 0.5, stepped=rnd.random() < 0.8)
+    everything = assess(signs, t)
+    rest, seen, free, waiting = {}, 0, 0, 0
+    for w, s in signs.items():  # the test of ProgressWatch.observe
+        if (s.hb_age <= t.stale_s and not s.busy and s.stalled_s <= calm
+                and (s.pulse_age is None or s.pulse_age <= t.stale_s)):
+            if s.hb_progress or (s.pulse_age is not None and s.pulse_age <= t.vouch_s):
+                seen, waiting, free = seen + 1, waiting + s.waiting, free + (not s.waiting)
+            else:
+                free += 1
+            assert everything[w][0] is Verdict.OK
+        else:
+            rest[w] = s
+    assert assess(rest, t, Quiet(seen, free, waiting)) == {w: everything[w] for w in rest}
+
+
+def test_the_watch_reports_a_flagged_rank_that_turned_plainly_ok_and_flags_only_the_others():
+    w = ProgressWatch(stale_s=2, soft_s=10, hard_s=20, factor=10)
+    w.observe({"r0": 0.0, "r1": 0.0}, {"r0": _pulse(0.0, 1), "r1": _pulse(0.0, 1)}, 0.0)
+    changes = w.observe({"r0": 0.0, "r1": 3.0}, {"r0": _pulse(3.0, 1), "r1": _pulse(3.0, 2, step=1)}, 3.0)
+    assert [(c[0], c[2]) for c in changes] == [("r0", Verdict.SUSPECT)] and set(w.flagged()) == {"r0"}
+    changes = w.observe({"r0": 3.3, "r1": 3.3}, {"r0": _pulse(3.3, 2, step=1), "r1": _pulse(3.3, 3, step=2)}, 3.4)
+    assert [(c[0], c[1], c[2]) for c in changes] == [("r0", Verdict.SUSPECT, Verdict.OK)]
+    assert w.flagged() == {} and w.verdicts == {"r0": (Verdict.OK, ""), "r1": (Verdict.OK, "")}

@@ -287,6 +287,55 @@ def test_torn_and_foreign_lines_are_skipped(server):
     assert not [o for o in _drain(out) if o.kind in ("connected", "closed")]
 
 
+def test_an_entry_is_read_alike_on_the_fast_path_and_converted_and_a_wrong_one_skips_its_line():
+    from slurm_resilience.supervisor.observe.pulse_line import Pulse, pulse_entry as _pulse
+
+    entry = [41, 7, 2, 3, "S", 9, 1700000000.25, 4, 5, 12.5]  # the types the pulse packs: taken as they are
+    fast = _pulse(2.0, entry)
+    assert type(fast) is Pulse and fast == Pulse(2.0, 7, False, 3, "S", 9, True, 1700000000.25, 4, 5, 12.5)
+    assert _pulse(2.0, [41, 7.0, "2", 3.0, "Sleeping", 9, 1700000000.25, 4, 5, "12.5"]) == fast  # converted
+    assert _pulse(2.0, [41, 7, 1, 3, "R", 9]) == Pulse(2.0, 7, True, 3, "R", 9, False, 0.0, -1, -1, -1.0)  # older
+    for bad in ([41, 7, 1, "x", "R", 9], [41, 7, 1, 3, "R", 9, "t", 4, 5, 1.0], [41, 7]):
+        with pytest.raises((ValueError, TypeError)):
+            _pulse(2.0, bad)
+
+
+def test_with_many_node_pulses_the_reader_batches_its_wakes_and_still_takes_every_line_and_death(monkeypatch):
+    from slurm_resilience.supervisor.observe import detect
+
+    monkeypatch.setattr(detect, "COALESCE_FROM", 3)  # as with >= 128 pulses, on 4 connections
+    out = queue.Queue()
+    srv = LivenessServer("127.0.0.1", TOKEN, out).start()
+    socks = []
+    try:
+        for n in range(4):
+            s = socket.create_connection(("127.0.0.1", srv.port))
+            s.sendall(json.dumps({"token": TOKEN, "worker_id": f"pulse@n{n}", "node": f"n{n}", "pid": 1,
+                                  "agent": True}).encode() + b"\n")
+            socks.append(s)
+        for n, s in enumerate(socks):
+            s.sendall(json.dumps({"t": 0, "ranks": {f"n{n}.0": [7, 3, 0, 2, "S", 5, 1.5, 0, n, 1.0]},
+                                  "gone": {}}).encode() + b"\n")
+        _until(lambda: len(srv.pulses()) == 4)
+        socks[2].sendall(json.dumps({"t": 0, "ranks": {}, "gone": {"n2.0": 7}}).encode() + b"\n")
+        closed = _until(lambda: [o for o in _drain(out) if o.kind == "closed"])
+        assert [(o.worker_id, o.node, o.pid) for o in closed] == [("n2.0", "n2", 7)]
+        assert srv.pauses > 0 and detect.COALESCE_S <= 0.005
+    finally:
+        for s in socks:
+            s.close()
+        srv.close()
+
+
+def test_a_small_job_s_reader_never_pauses(server):
+    srv, _ = server
+    with socket.create_connection(("127.0.0.1", srv.port)) as s:
+        s.sendall(json.dumps({"token": TOKEN, "worker_id": "pulse@n", "node": "n", "pid": 1, "agent": True}).encode()
+                  + b'\n{"t":0,"ranks":{"w2":[1,3,1,2,"S",5]},"gone":{}}\n')
+        _until(lambda: srv.pulses().get("w2"))
+    assert srv.pauses == 0
+
+
 def test_lines_resent_late_on_a_replaced_link_are_superseded(server):
     """The pulse moved to a fresh connection (pulse_link.py); TCP still delivers what sat
     on the old one. Those old lines say nothing new: only the current link's count."""

@@ -26,9 +26,10 @@ import selectors
 import socket
 import threading
 import time
-from typing import Any, Callable, Iterable, Mapping, NamedTuple, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from ...worker.notices import KEEP_PLANS, crc, plan_delta
+from .pulse_line import Pulse, pulse_entry
 
 __all__ = ["SightingKind", "Sighting", "Pulse", "LivenessServer", "NodeWatcher"]
 
@@ -58,35 +59,11 @@ class Sighting:
     detail: str = ""
 
 
-class Pulse(NamedTuple):
-    """What the node's pulse (``worker/pulse.py``) last said of one rank, received at ``t``.
-
-    A named tuple, not a dataclass: the liveness thread makes N of them a period."""
-
-    t: float
-    progress: int
-    waiting: bool  # in a bounded wait on its peers or on a plan
-    step: int
-    state: str  # /proc/PID/stat state letter: R, S, D, T (stopped), ...
-    cpu: int  # utime + stime, clock ticks
-    busy: bool = False  # in the toolkit's own checkpoint I/O (a restore, a final save)
-    # The rank's heartbeat, folded into the line (0 / -1: none yet, or an older pulse).
-    beat_t: float = 0.0
-    generation: int = -1
-    rank: int = -1
-    compute_ms: float = -1.0
-
-    def beat(self) -> dict[str, Any] | None:
-        """The heartbeat this line carried, in the store heartbeat's form (None: none)."""
-        if self.beat_t <= 0:
-            return None
-        out: dict[str, Any] = {"t": self.beat_t, "step": self.step, "progress": self.progress,
-                               "phase": 2 if self.busy else int(self.waiting),
-                               "generation": None if self.generation < 0 else self.generation,
-                               "rank": None if self.rank < 0 else self.rank}
-        if self.compute_ms >= 0:
-            out["compute_ms"] = self.compute_ms
-        return out
+# With this many node pulses (N/G lines every heartbeat period), a wake that found fewer
+# than COALESCE_BATCH ready lines is followed by a COALESCE_S pause: at 1,024 pulses, one
+# wake (and GIL hand-over from the loop) per line cost more than the lines' parsing
+# (docs/scale.md). A death is then seen up to COALESCE_S later; smaller jobs never pause.
+COALESCE_FROM, COALESCE_BATCH, COALESCE_S = 128, 16, 0.005
 
 
 class LivenessServer:
@@ -120,6 +97,7 @@ class LivenessServer:
             s.setblocking(False)
         self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
         self.tell_failed = 0  # notices a pulse's connection could not take whole
+        self.pauses = 0  # COALESCE_S pauses taken
 
     def start(self) -> "LivenessServer":
         """Start the accepting and reading thread; returns self."""
@@ -136,13 +114,17 @@ class LivenessServer:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            for key, _ in self._sel.select(timeout=0.05):
+            ready = self._sel.select(timeout=0.05)
+            for key, _ in ready:
                 if key.data is None:
                     self._accept()
                 elif key.data == "wake":
                     self._send_notices()
                 else:
                     self._read(key)
+            if len(self._conns) >= COALESCE_FROM and len(ready) < COALESCE_BATCH:
+                self.pauses += 1
+                time.sleep(COALESCE_S)  # let more lines arrive: one wake (and GIL hand-over) for many
 
     def _accept(self) -> None:
         try:
@@ -223,11 +205,7 @@ class LivenessServer:
                 if self._conns.get(node) is not conn:
                     continue  # resent late on a link its pulse has replaced (pulse_link.py): superseded
                 for wid, entry in dict(msg["ranks"]).items():
-                    _pid, progress, phase, step, st, cpu = entry[:6]
-                    phase = int(phase)  # worker/pulse.py: 0 computing, 1 waiting, 2 busy
-                    beat = entry[6:10] if len(entry) >= 10 else (0.0, -1, -1, -1.0)
-                    fresh[str(wid)] = Pulse(now, int(progress), phase == 1, int(step), str(st)[:1], int(cpu),
-                                            phase == 2, float(beat[0]), int(beat[1]), int(beat[2]), float(beat[3]))
+                    fresh[str(wid)] = pulse_entry(now, entry)
             except (ValueError, KeyError, TypeError, AttributeError):
                 continue  # a torn or foreign line: the next one will do
         with self._lock:

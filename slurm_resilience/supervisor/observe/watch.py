@@ -218,7 +218,7 @@ class Watch:
             self._probe_early(state, {w: t for w, t in times.items() if w in ranks}, now)
         carried = {w: c for w, b in beats.items() if w in ranks and (c := progress_in(b)) is not None}
         changes = self.progress.observe(ranks_t, pulses, now, paused=state.recovery is not None, hb_progress=carried)
-        for wid, (verdict, why) in self.progress.verdicts.items():
+        for wid, (verdict, why) in self.progress.flagged().items():
             if verdict in ACTED_ON:
                 suspects.setdefault(wid, {"t": now}).update(heartbeat_stale=True, evidence=why)
         out += [LivenessChange(wid, old, new, why, now) for wid, old, new, why in changes if new not in ACTED_ON]

@@ -60,7 +60,7 @@ from typing import Mapping, NamedTuple, Sequence
 
 from ..decide.messages import Verdict  # the decide layer's word; importable from here too
 
-__all__ = ["Verdict", "Signs", "Timeouts", "assess", "derive_timeouts", "progress_in", "ProgressWatch"]
+__all__ = ["Verdict", "Signs", "Quiet", "Timeouts", "assess", "derive_timeouts", "progress_in", "ProgressWatch"]
 
 
 ACTED_ON = frozenset({Verdict.HUNG, Verdict.SILENT})  # the executor makes these a Suspect
@@ -113,8 +113,21 @@ def derive_timeouts(step_times: Sequence[float], *, stale_s: float, soft_s: floa
                     block_s=None if block_s is None else min(hard, max(block_s, factor / 2 * longest)))
 
 
-def assess(signs: Mapping[str, Signs], t: Timeouts) -> dict[str, tuple[Verdict, str]]:
-    """Pure: each rank's verdict and the evidence for it (the table above)."""
+class Quiet(NamedTuple):
+    """Ranks left out of :func:`assess`'s ``signs`` because they are plainly OK (heartbeat and
+    pulse fresh, not in checkpoint I/O, no stall past the timeouts' floors), counted for the
+    rules that look at every rank: ``seen``: their progress is seen; ``free``: unseen, or
+    neither waiting nor stuck (nobody's blocker can be waited on by all); ``waiting``: seen
+    and waiting on their peers."""
+
+    seen: int = 0
+    free: int = 0
+    waiting: int = 0
+
+
+def assess(signs: Mapping[str, Signs], t: Timeouts, quiet: Quiet = Quiet()) -> dict[str, tuple[Verdict, str]]:
+    """Pure: each rank's verdict and the evidence for it (the table above); ``quiet``: the
+    plainly OK ranks left out of ``signs`` (:class:`Quiet`), OK whatever the others show."""
     out: dict[str, tuple[Verdict, str]] = {}
     past_hard: list[str] = []
     fresh = {w: s.pulse_age is not None and s.pulse_age <= t.vouch_s for w, s in signs.items()}
@@ -146,7 +159,7 @@ def assess(signs: Mapping[str, Signs], t: Timeouts) -> dict[str, tuple[Verdict, 
     # "Every rank waits" needs every rank whose progress is seen past the hard timeout: the culprit
     # may have moved last (it completed the previous step after its peers entered the next
     # collective) and cross the timeout a moment after them.
-    everyone = not culprits and all(w in past_hard for w in signs if seen[w])
+    everyone = not culprits and not quiet.seen and all(w in past_hard for w in signs if seen[w])
     for wid in past_hard:
         s = signs[wid]
         if (culprits and s.waiting) or not (culprits or everyone):
@@ -157,7 +170,7 @@ def assess(signs: Mapping[str, Signs], t: Timeouts) -> dict[str, tuple[Verdict, 
         else:
             out[wid] = (Verdict.HUNG, f"no progress for {s.stalled_s:.1f} s (hard timeout {t.hard_s:.1f} s) "
                                       "on every stalled rank, all waiting: a collective that never returns")
-    for wid in _blockers(signs, seen, t):
+    for wid in _blockers(signs, seen, t, quiet):
         s = signs[wid]
         out[wid] = (Verdict.HUNG, f"no progress for {s.stalled_s:.1f} s (blocking timeout {t.blocking_s:.1f} s), "
                                   f"not waiting, while every other rank waits on its peers{_where(s, fresh[wid])}")
@@ -173,7 +186,7 @@ def progress_in(beat: Mapping | None) -> tuple[int, int, int] | None:
         return None
 
 
-def _blockers(signs: Mapping[str, Signs], seen: Mapping[str, bool], t: Timeouts) -> list[str]:
+def _blockers(signs: Mapping[str, Signs], seen: Mapping[str, bool], t: Timeouts, quiet: Quiet) -> list[str]:
     """Pure: the ranks the whole job waits on (rule ³), not yet past the hard timeout.
 
     Stuck: progress seen, neither waiting nor in checkpoint I/O, no progress past the
@@ -181,9 +194,9 @@ def _blockers(signs: Mapping[str, Signs], seen: Mapping[str, bool], t: Timeouts)
     and each one waits or is stuck, and at least one waits (a peer to block)."""
     stuck = {w for w, s in signs.items()
              if seen[w] and not s.waiting and not s.busy and s.stalled_s > t.blocking_s}
-    if not stuck or not all(seen[w] and (s.waiting or w in stuck) for w, s in signs.items()):
+    if not stuck or quiet.free or not all(seen[w] and (s.waiting or w in stuck) for w, s in signs.items()):
         return []
-    if not any(s.waiting for s in signs.values()):
+    if not quiet.waiting and not any(s.waiting for s in signs.values()):
         return []
     return [w for w in stuck if signs[w].stepped and signs[w].stalled_s <= t.hard_s]
 
@@ -210,7 +223,12 @@ class ProgressWatch:
         self._warm: set[str] = set()  # completed a step since it was first seen or the last recovery
         self._times: collections.deque[float] = collections.deque(maxlen=window)
         self.verdicts: dict[str, tuple[Verdict, str]] = {}
+        self._flagged: set[str] = set()  # the ranks whose verdict at the last look was not OK
         self._latest: float | None = None  # the newest move of any rank at the last look (None: one unseen)
+        # A rank stalled no longer than every timeout's floor is within every derived timeout:
+        # with fresh signs and no checkpoint I/O it is OK whatever the others show (Quiet).
+        floor = min(soft_s, hard_s, hard_s if block_s is None else block_s)
+        self._calm = (stale_s, stale_s if pulse_s is None else pulse_s, floor)
 
     def timeouts(self) -> Timeouts:
         """The timeouts now, from the step times measured so far (:func:`derive_timeouts`)."""
@@ -225,6 +243,9 @@ class ProgressWatch:
         a recovery is in flight, so a stall is expected: progress clocks restart.
         Returns the changes of verdict ``(worker, old, new, evidence)``."""
         signs: dict[str, Signs] = {}
+        quiet: list[str] = []  # plainly OK: not assessed one by one, counted (Quiet)
+        q_seen = q_free = q_wait = 0
+        stale_s, vouch_s, calm_s = self._calm
         carried = hb_progress or {}
         latest: float | None = 0.0 if hb_t else None
         moved, stepped, warm = self._moved, self._stepped, self._warm
@@ -263,23 +284,40 @@ class ProgressWatch:
                 moved[wid] = last = (value, when if paused else first)
             if latest is not None and last[1] > latest:
                 latest = last[1]
+            hb_age, pulse_age, stalled = now - t, None if p is None else now - p.t, when - last[1]
+            if hb_age <= stale_s and phase != 2 and stalled <= calm_s and (pulse_age is None or pulse_age <= stale_s):
+                quiet.append(wid)  # the common case at scale: one test, no Signs, no assessment
+                if h is not None or (pulse_age is not None and pulse_age <= vouch_s):  # its progress is seen
+                    q_seen += 1
+                    q_wait += phase == 1
+                    q_free += phase != 1
+                else:
+                    q_free += 1
+                continue
             # positional, in Signs' field order (keywords cost a dict per rank)
-            signs[wid] = Signs(now - t, None if p is None else now - p.t, None if p is None else p.state,
-                               phase == 1, phase == 2, max(0.0, when - last[1]), h is not None, wid in warm)
+            signs[wid] = Signs(hb_age, pulse_age, None if p is None else p.state, phase == 1, phase == 2,
+                               max(0.0, stalled), h is not None, wid in warm)
         self._latest = latest
-        new = assess(signs, self.timeouts())
+        new = assess(signs, self.timeouts(), Quiet(q_seen, q_free, q_wait))
         changes = []
         for wid, (verdict, why) in new.items():
             old = self.verdicts.get(wid, (Verdict.OK, ""))[0]
             if verdict is not old:
                 changes.append((wid, old, verdict, why))
-        self.verdicts = new
+        changes += [(w, self.verdicts[w][0], Verdict.OK, "") for w in self._flagged if w in hb_t and w not in new]
+        self._flagged = {w for w, (v, _) in new.items() if v is not Verdict.OK}
+        self.verdicts = dict.fromkeys(quiet, (Verdict.OK, ""))
+        self.verdicts.update(new)
         if len(moved) > len(hb_t):  # every watched worker has an entry: more means some left
             for wid in [w for w in moved if w not in hb_t]:  # workers no longer watched
                 moved.pop(wid, None)
                 stepped.pop(wid, None)
                 warm.discard(wid)
         return changes
+
+    def flagged(self) -> dict[str, tuple[Verdict, str]]:
+        """The verdicts of the last look that are not OK (few; the rest are OK)."""
+        return {w: self.verdicts[w] for w in self._flagged}
 
     def stalled_s(self, now: float) -> float:
         """How long every rank of the last look has shown the same progress (0: one of them
