@@ -60,9 +60,10 @@ class Sighting:
 
 
 # With this many node pulses (N/G lines every heartbeat period), a wake that found fewer
-# than COALESCE_BATCH ready lines is followed by a COALESCE_S pause: at 1,024 pulses, one
-# wake (and GIL hand-over from the loop) per line cost more than the lines' parsing
-# (docs/scale.md). A death is then seen up to COALESCE_S later; smaller jobs never pause.
+# than COALESCE_BATCH ready lines, and no connection arriving or saying hello, is followed
+# by a COALESCE_S pause: at 1,024 pulses, one wake (and GIL hand-over from the loop) per
+# line cost more than the lines' parsing (docs/scale.md). A death is then seen up to
+# COALESCE_S later; smaller jobs never pause.
 COALESCE_FROM, COALESCE_BATCH, COALESCE_S = 128, 16, 0.005
 
 
@@ -114,25 +115,29 @@ class LivenessServer:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            ready = self._sel.select(timeout=0.05)
+            ready, busy = self._sel.select(timeout=0.05), False
             for key, _ in ready:
                 if key.data is None:
                     self._accept()
+                    busy = True  # connections arriving (a start, a restart): no pause
                 elif key.data == "wake":
                     self._send_notices()
                 else:
+                    busy = busy or key.data["who"] is None  # a hello: a connection arriving
                     self._read(key)
-            if len(self._conns) >= COALESCE_FROM and len(ready) < COALESCE_BATCH:
+            if not busy and len(self._conns) >= COALESCE_FROM and len(ready) < COALESCE_BATCH:
                 self.pauses += 1
                 time.sleep(COALESCE_S)  # let more lines arrive: one wake (and GIL hand-over) for many
 
     def _accept(self) -> None:
-        try:
-            conn, _ = self._listener.accept()
-        except BlockingIOError:
-            return
-        conn.setblocking(False)
-        self._sel.register(conn, selectors.EVENT_READ, {"buf": b"", "who": None})
+        """Every connection waiting in the backlog (a job's start brings thousands at once)."""
+        while True:
+            try:
+                conn, _ = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            conn.setblocking(False)
+            self._sel.register(conn, selectors.EVENT_READ, {"buf": b"", "who": None})
 
     def _read(self, key: selectors.SelectorKey) -> None:
         conn, state = key.fileobj, key.data

@@ -46,6 +46,12 @@ heartbeats) that showed the same counter, so a late report never lengthens it.
   has completed a step since the watch began or the last recovery (its first step
   may compile, warm up, load: the hard timeout judges it); at least one waiting peer.
 
+At scale most ranks are plainly OK at every look: heartbeat and pulse fresh, not in
+checkpoint I/O, stalled no longer than every step timeout's floor. No rule can flag such
+a rank, so :meth:`ProgressWatch.observe` counts them (:class:`Quiet`: how many are seen,
+how many are free of the blocking rule, how many wait) rather than assessing them one by
+one; :func:`assess` gives every other rank the verdict it would give with all of them.
+
 The step timeouts come from measured step times (:func:`derive_timeouts`):
 soft = max(``progress_soft_s``, factor/2 × longest recent step), block =
 max(``progress_block_s``, factor/2 × longest recent step), hard =
