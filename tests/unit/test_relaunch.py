@@ -15,7 +15,7 @@ from slurm_resilience.errors import ResilienceError
 from slurm_resilience.events import read_events
 from slurm_resilience.rankenv import rank_env
 from slurm_resilience.model import FaultKind
-from slurm_resilience.supervisor.decide.classify import find_faults
+from slurm_resilience.supervisor.decide.classify import find_faults, lost_nodes
 from slurm_resilience.supervisor.executors.relaunch import RelaunchExecutor, layout, master_node, master_port, step_argv
 
 ALLOC = ["n1", "n2", "n3", "n4", "n5", "n6"]
@@ -53,6 +53,17 @@ def test_unreachable_node_is_lost_even_while_running():
 def test_down_node_is_unhealthy():
     faults = find_faults(NODES, exit_code=137, reachable=UP, states={"n4": "DOWN*"}, now=1.0)
     assert [(f.kind, f.node) for f in faults] == [(FaultKind.NODE_UNHEALTHY, "n4")]
+
+
+def test_a_frozen_node_is_lost_though_its_slurmd_takes_the_connect():
+    # frozen: the kernel still completes the probe's TCP connect; Slurm says NOT_RESPONDING.
+    # The relaunch's warm kill must not wait on its zygote (the 10 s answer timeout).
+    states = {"n3": "MIXED+NOT_RESPONDING", "n2": "MIXED"}
+    assert lost_nodes(NODES, UP, states) == ["n3"]
+    assert lost_nodes(NODES, {**UP, "n4": False}, states) == ["n3", "n4"]
+    assert lost_nodes(NODES, UP, {"n2": "MIXED"}) == []
+    faults = find_faults(NODES, exit_code=None, reachable=UP, states=states, now=1.0)
+    assert [(f.kind, f.node) for f in faults] == [(FaultKind.NODE_UNHEALTHY, "n3")]
 
 
 def test_nonzero_exit_on_healthy_nodes_is_one_process_fault():

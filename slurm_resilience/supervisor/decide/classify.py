@@ -32,7 +32,7 @@ from slurm_resilience.errors import RecoveryError
 from slurm_resilience.model import Fault, FaultKind
 from slurm_resilience.slurm.parse import compress_hostlist, node_state_flags
 
-__all__ = ["classify_fault", "find_faults", "is_node_fault", "node_unhealthy", "UNHEALTHY_FLAGS"]
+__all__ = ["classify_fault", "find_faults", "is_node_fault", "lost_nodes", "node_unhealthy", "UNHEALTHY_FLAGS"]
 
 UNHEALTHY_FLAGS = frozenset({"DOWN", "DRAIN", "DRAINING", "DRAINED", "FAIL", "FAILING", "NOT_RESPONDING"})
 
@@ -107,6 +107,13 @@ def is_node_fault(kind: FaultKind) -> bool:
     return kind in (FaultKind.NODE_LOST, FaultKind.NODE_UNHEALTHY, FaultKind.NODE_PARTITIONED)
 
 
+def lost_nodes(nodes: Sequence[str], reachable: Mapping[str, bool | None], states: Mapping[str, str]) -> list[str]:
+    """Pure: the nodes whose fault is the node's own (slurmd unreachable, or unhealthy in
+    Slurm: down, not responding — a frozen node still takes the probe's connect). Nothing
+    on a recovery's path waits on them (a warm kill skips their zygotes)."""
+    return [n for n in nodes if reachable.get(n) is False or node_unhealthy(states.get(n))]
+
+
 def find_faults(nodes: Sequence[str], *, exit_code: int | None, reachable: Mapping[str, bool | None],
                 states: Mapping[str, str], now: float) -> list[Fault]:
     """Classify what was observed about one all-ranks step on ``nodes`` (relaunch mode).
@@ -116,11 +123,10 @@ def find_faults(nodes: Sequence[str], *, exit_code: int | None, reachable: Mappi
     exit on healthy nodes, or a running step on healthy nodes, is no fault.
     """
     faults = []
-    for node in nodes:
-        if reachable.get(node) is False or node_unhealthy(states.get(node)):
-            faults.append(classify_fault(rank=None, node=node, process_exited=exit_code is not None,
-                                         slurmd_reachable=reachable.get(node), heartbeat_stale=False,
-                                         slurm_node_state=states.get(node), now=now))
+    for node in lost_nodes(nodes, reachable, states):
+        faults.append(classify_fault(rank=None, node=node, process_exited=exit_code is not None,
+                                     slurmd_reachable=reachable.get(node), heartbeat_stale=False,
+                                     slurm_node_state=states.get(node), now=now))
     if not faults and exit_code not in (None, 0):
         fault = classify_fault(rank=None, node=compress_hostlist(nodes), process_exited=True,
                                slurmd_reachable=True, heartbeat_stale=False, slurm_node_state=None, now=now)

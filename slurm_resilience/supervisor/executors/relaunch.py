@@ -62,7 +62,7 @@ from ...zygote_protocol import warm_entry
 from ...slurm.options import srun_args
 from ...slurm.steps import srun_argv
 from . import loop, relaunch_preempt
-from ..decide.classify import find_faults, node_unhealthy
+from ..decide.classify import find_faults, lost_nodes, node_unhealthy
 from ..adapters.isolate import Isolator
 from ..adapters.launcher import CleansContainers
 from ..decide.messages import (
@@ -189,7 +189,7 @@ class RelaunchExecutor:
         self.trained = False  # its first progress line was reported
         self.out_pos = self.log_start = 0  # step-NNN.log: searched for run.step_pattern to here; this step's from
         self.step_pattern = re.compile(config.run.step_pattern) if config.run.step_pattern else None
-        self.lost: set[str] = set()  # unreachable at the last probe: a warm kill does not wait on them
+        self.lost: set[str] = set()  # unreachable or unhealthy at the last look: a warm kill does not wait on them
         self.pace: ProgressTail | None = None  # an MPI step's progress lines (a hang ends nothing)
         self.zygotes: ZygotePool | None = None
         self.preempted = threading.Event()  # job.preempt_signal reached the supervisor (relaunch_preempt.py)
@@ -252,7 +252,7 @@ class RelaunchExecutor:
                                     hard_s=self.cfg.detect.progress_hard_s, factor=self.cfg.detect.progress_factor)
                 faults = [hung] if hung else []
             if code is not None or faults:
-                self.lost = {n for n, ok in reachable.items() if ok is False}
+                self.lost = set(lost_nodes(nodes, reachable, states))  # unreachable, or frozen (Slurm says)
                 if not faults:
                     return [AllDone()]
                 if code is not None:  # srun's last lines name the task that ended it
