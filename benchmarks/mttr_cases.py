@@ -87,8 +87,10 @@ def _block_main(st: Status) -> float:
     return t
 
 
-register(Case("kill-node", inject=lambda st: lab.kill_node(st["ranks"][1]["node"]), expect="node-replacement"))
-register(Case("rank0-node", inject=lambda st: lab.kill_node(st["ranks"][0]["node"]), expect="node-replacement"))
+register(Case("kill-node", inject=lambda st: lab.kill_node(st["ranks"][1]["node"]), expect="node-replacement",
+              standbys=True))
+register(Case("rank0-node", inject=lambda st: lab.kill_node(st["ranks"][0]["node"]), expect="node-replacement",
+              standbys=True))
 register(Case("kill-rank", inject=lambda st: _kill_pid(_last(st)["pid"]), expect="online", standbys=True,
               fault="rank-kill"))
 # the same without recovery.local_standbys: the restart in place starts a new process (cold import)

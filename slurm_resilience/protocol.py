@@ -115,6 +115,10 @@ class StoreKey(_Named):
     PG_PREFIX = "gen{}/"
     """prefix of generation g's process-group rendezvous (gloo/NCCL own the keys below it);
     fresh per generation: reusing one breaks gloo's full-mesh connect."""
+    GATHER_ROW = "rows/{}/{}"
+    """below a generation's ``PG_PREFIX``: rank r's part of its n-th exchange through the
+    store in a small world (``reconnect.Generation``: a gather's row, a small state's
+    bytes; the store, not a ring of hops or an all-to-all)."""
 
     def of(self, *parts: object) -> str:
         """The key of a family member; raises ValueError on a fixed key or a wrong arity."""

@@ -30,6 +30,15 @@ from ..protocol import StoreKey
 __all__ = ["NODE_ADDR_ENV", "choose_backend", "Generation", "wait_slice", "Parked", "gloo_group", "set_gloo_interface"]
 
 
+STORE_GATHER_MAX = 64
+"""Up to this many ranks a gather of small rows goes through the store: each rank sets
+its row and reads them all (three round trips, whatever the world), where gloo's ring
+all-reduce takes 2(N-1) hops one after another (8 ranks on 2 cores: ~15 ms against
+~1 ms, docs/performance.md). Beyond it the store would serve N reads of N rows."""
+
+GATHER_PAUSE_S = (0.0005, 0.004)
+"""A store gather's first and longest pause between two looks at the rows."""
+
 NODE_ADDR_ENV = "SR_NODE_ADDR"
 """The node's own address for gloo pairs (set per node by the local cluster's TaskProlog)."""
 
@@ -78,6 +87,8 @@ class Generation:
         # A channel is a second group of the same generation (e.g. checkpoint
         # transfers on a background thread), so it needs its own store prefix.
         prefixed = dist.PrefixStore(StoreKey.PG_PREFIX.of(self.generation) + channel, store)
+        self._rows_store = prefixed if self.world_size <= STORE_GATHER_MAX else None
+        self._gathers = 0  # gathers so far: every rank makes them in the same order
         timeout = timedelta(seconds=timeout_s)
         if self.backend == "nccl":
             self.device = torch.device("cuda", table.slots[rank].local_rank)
@@ -146,13 +157,65 @@ class Generation:
 
     def all_gather_rows(self, values: list[int]) -> list[list[int]]:
         """Collective: every rank's row of integers (the same length on every rank), in
-        rank order: several small gathers for the price of one all-reduce."""
+        rank order: several small gathers for the price of one all-reduce, or, in a world
+        of at most ``STORE_GATHER_MAX`` ranks, of three store round trips."""
+        if self._rows_store is not None:
+            return self._store_gather(values)
         k = len(values)
         buf = torch.zeros(self.world_size * k, dtype=torch.int64, device=self.device)
         buf[self.rank * k:(self.rank + 1) * k] = torch.tensor(values, dtype=torch.int64)
         self.all_reduce_sum(buf)
         flat = [int(v) for v in buf.cpu().tolist()]
         return [flat[r * k:(r + 1) * k] for r in range(self.world_size)]
+
+    def _store_gather(self, values: list[int]) -> list[list[int]]:
+        """Set this rank's row, wait for every rank's, read them all."""
+        self._gathers += 1
+        keys = [StoreKey.GATHER_ROW.of(self._gathers, r) for r in range(self.world_size)]
+        raw = self._through_store(keys[self.rank], ",".join(str(int(v)) for v in values).encode(), keys, "gather")
+        return [[int(x) for x in bytes(v).decode().split(",")] for v in raw]
+
+    @property
+    def small(self) -> bool:
+        """A world of at most ``STORE_GATHER_MAX`` ranks: small exchanges go through the store."""
+        return self._rows_store is not None
+
+    def store_round(self, send: bytes | None, src: int | None) -> bytes | None:
+        """Collective of a small world (``small``): one point-to-point round through the
+        store. A rank with receivers sets ``send`` once (the same bytes for each of them);
+        a receiver gets its source ``src``'s; a rank that is neither returns at once."""
+        self._gathers += 1
+        mine = StoreKey.GATHER_ROW.of(self._gathers, self.rank) if send is not None else None
+        keys = [] if src is None else [StoreKey.GATHER_ROW.of(self._gathers, src)]
+        got = self._through_store(mine, send, keys, "transfer")
+        return bytes(got[0]) if got else None
+
+    def _through_store(self, key: str | None, value: bytes | None, keys: list[str], what: str) -> list:
+        """Set ``key`` (if any), look (with a short back-off) until every one of ``keys`` is
+        there, read them. A newer plan or ``pg_timeout_s`` abandons it (StepAborted), looked
+        at every ``poll_interval_ms`` as a collective's wait does. (A store ``wait`` with a
+        timeout would do the same, but torch logs two warnings at every expired one.)"""
+        store, poll_s = self._rows_store, self._poll.total_seconds()
+        deadline = time.monotonic() + self._timeout_s
+        with self._waiting():
+            try:
+                if key is not None:
+                    store.set(key, value)
+                pause, look = GATHER_PAUSE_S[0], time.monotonic() + poll_s
+                while keys and not store.check(keys):
+                    now = time.monotonic()
+                    if now >= look:
+                        look = now + poll_s
+                        if self._interrupted():
+                            raise StepAborted(f"{what} abandoned: a new generation was published")
+                        if now > deadline:
+                            raise StepAborted(f"{what} did not complete within "
+                                              f"reconnect.pg_timeout_s={self._timeout_s:g} s")
+                    time.sleep(pause)
+                    pause = min(2 * pause, GATHER_PAUSE_S[1])
+                return store.multi_get(keys) if keys else []
+            except dist.DistError as exc:  # the store itself failed
+                raise StepAborted(f"{what} failed: {_short(exc)}") from exc
 
     def barrier(self) -> None:
         """Collective: returns when every rank of the generation has arrived."""
@@ -163,6 +226,8 @@ class Generation:
             return self._wait(start, what, tensor)
 
     def _wait(self, start: Callable[[], object], what: str, tensor: torch.Tensor) -> torch.Tensor:
+        if self._interrupted():  # a rank that comes out of its compute after the plan: no slice to wait out
+            raise StepAborted(f"{what} not started: a new generation was published")
         try:
             work = start()
         except RuntimeError as exc:

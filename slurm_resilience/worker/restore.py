@@ -16,7 +16,10 @@ with an index of the tensors (name, dtype, shape) and the first chunk of the ten
 bytes, then the rest in chunks of ``chunk_bytes`` (:func:`chunk_plan`) through one
 send and one receive buffer; what each rank must know of the sources first (header
 length, rounds, first chunk) comes with the offers' gather (:func:`outgoing`), so a
-state under ``chunk_bytes`` moves in one all-to-all. A receiver writes each chunk
+state under ``chunk_bytes`` moves in one all-to-all — or, in a small world
+(``reconnect.STORE_GATHER_MAX`` ranks) and under ``STORE_BYTES``, through the store:
+each source sets its bytes once, each receiver gets its source's, the other ranks go
+on at once (``Generation.store_round``). A receiver writes each chunk
 straight into its destination tensors: its own
 tensors of the same name, dtype and shape when it has them (a survivor or warm
 standby receives in place), else freshly allocated ones — the state itself, not a
@@ -40,12 +43,13 @@ from ..checkpoint.state_tree import flatten_state, unflatten_state
 
 
 __all__ = [
-    "CHUNK_BYTES", "RestorePlan", "choose_source", "assign_sources", "TensorSpec", "Piece", "chunk_plan",
+    "CHUNK_BYTES", "STORE_BYTES", "RestorePlan", "choose_source", "assign_sources", "TensorSpec", "Piece", "chunk_plan",
     "chunk_length", "Outgoing", "outgoing", "stream_state", "serialize", "deserialize", "broadcast_state"
 ]
 
 
 CHUNK_BYTES = 16 << 20  # bytes per chunk round: the size of the send and the receive buffer
+STORE_BYTES = 1 << 20  # a state in one round of at most this much goes through the store in a small world
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,7 +202,11 @@ def stream_state(gen, sources: Mapping[int, int], state: dict[str, Any] | None, 
             views.pack(plan[0], first[h:h + n0], n0, 1)
         for i in range(1, len(mine)):
             first[i * (h + n0):(i + 1) * (h + n0)].copy_(first[:h + n0])
-    got = _round(gen, mine, src, h + n0, recv0, first)
+    if rounds == 1 and gen.small and max(metas[s][0] + metas[s][2] for s in senders) <= STORE_BYTES:
+        raw = gen.store_round(first[:h + n0].cpu().numpy().tobytes() if mine else None, src)
+        got = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(gen.device) if raw is not None else first[:0]
+    else:
+        got = _round(gen, mine, src, h + n0, recv0, first)
     if src is not None:  # a receiver: the index tells what to allocate (or adopt) and the plan
         hl = metas[src][0]
         skeleton, index = pickle.loads(got[:hl].cpu().numpy().tobytes())

@@ -99,6 +99,14 @@ class _Stalling(Generation):
         return super().all_to_all(*a, **kw)
 
 
+def small_state(seed: int) -> dict:
+    """A few KB (an MLP's weights and optimizer state): one round, under ``STORE_BYTES``."""
+    g = torch.Generator().manual_seed(seed)
+    return {"step": 7, "objects": {"model": collections.OrderedDict(w=torch.randn(32, 64, generator=g),
+                                                                   b=torch.randn(64, generator=g).double())},
+            "meta": ("a", 1, None)}
+
+
 def _rank(rank: int, world: int, port: int, offers: list[int], mode: str, out: str, newer, done) -> None:
     try:
         store = dist.TCPStore("127.0.0.1", port, None, False, timedelta(seconds=30))
@@ -109,12 +117,14 @@ def _rank(rank: int, world: int, port: int, offers: list[int], mode: str, out: s
         at_best = offers[rank] == max(offers)
         gen = (_Stalling(store, table, rank, newer=newer, **kw) if mode == "stall" and at_best
                else _Counting(store, table, rank, **kw))
-        mine = receiver_state()
+        make = small_state if mode == "small" else source_state
+        mine = {"objects": {"model": collections.OrderedDict(w=torch.zeros(32, 64), b=torch.zeros(64).double())}} \
+            if mode == "small" else receiver_state()
         into = {f"objects/objects/model/{k}": v for k, v in mine["objects"]["model"].items()}
         ptr = mine["objects"]["model"]["w"].data_ptr()
-        state = source_state(100 + rank) if at_best else None
+        state = make(100 + rank) if at_best else None
         ahead = {}
-        if mode == "ahead":  # the sources' side prepared and its meta gathered with the offers
+        if mode in ("ahead", "small"):  # the sources' side prepared and its meta gathered with the offers
             ready = outgoing(state, CHUNK) if at_best else None
             metas = gen.all_gather_rows(ready.meta if ready else [-1, -1, -1])
             ahead = {"ready": ready, "metas": metas}
@@ -123,7 +133,7 @@ def _rank(rank: int, world: int, port: int, offers: list[int], mode: str, out: s
         except StepAborted as exc:
             result = {"aborted": str(exc)}
         else:
-            want = source_state(100 + sources.get(rank, rank))
+            want = make(100 + sources.get(rank, rank))
             result = {"same": _same(got, want), "diff": [k for k in want if not _same(got.get(k), want[k])],
                       "in_place": got["objects"]["model"]["w"].data_ptr() == ptr,
                       "calls": dict(_Counting.calls)}
@@ -191,4 +201,18 @@ def test_with_the_sources_meta_gathered_ahead_the_transfer_is_its_chunk_rounds_a
 def test_stalled_source_and_newer_plan_abort_the_transfer(tmp_path):
     res = _run(tmp_path, [9, -1], mode="stall")
     assert "stalled" in res[0]["aborted"]
-    assert "abandoned" in res[1]["aborted"], res[1]  # the receiver saw the newer plan
+    # the receiver saw the newer plan: in its wait, or before its next round started
+    assert "a new generation was published" in res[1]["aborted"], res[1]
+
+
+def test_a_small_state_in_a_small_world_moves_through_the_store_with_no_all_to_all(tmp_path):
+    """Under ``STORE_BYTES`` and in a world of at most ``STORE_GATHER_MAX`` ranks, each
+    source sets its bytes once and each receiver gets its source's: the same exact state,
+    received in place, and no all-to-all on any rank (rank 3 neither sends nor receives)."""
+    offers = [4, 9, 9, 9, -1]
+    assert assign_sources(offers) == {0: 1, 4: 2}
+    res = _run(tmp_path, offers, mode="small")
+    for r in (0, 4):
+        assert res[r]["same"] and res[r]["in_place"], res[r]
+    for r in range(5):
+        assert res[r]["calls"] == {"gather": 1}, (r, res[r])

@@ -587,3 +587,25 @@ def test_a_pulse_whose_link_lost_packets_moves_to_a_fresh_connection_once_the_li
             subprocess.run([IPTABLES, "-w", "-D", *rule], check=False)
         _end(rank)
         listener.close()
+
+
+def test_the_close_of_a_node_s_pulse_connection_is_reported_once_and_a_replaced_link_s_is_not(server):
+    """A pulse dies in a millisecond where a rank's teardown takes tens (``probe.pulse_gone``
+    then asks the node's slurmd): its connection's close is a sighting of its node. The
+    close of a link its pulse already replaced (``pulse_link.py``) is not."""
+    srv, out = server
+    hello = json.dumps({"token": TOKEN, "worker_id": "pulse@n", "node": "n", "pid": 1, "agent": True}).encode()
+    old = socket.create_connection(("127.0.0.1", srv.port))
+    old.sendall(hello + b'\n{"t":1,"ranks":{"w2":[1,3,0,3,"S",5]},"gone":{}}\n')
+    _until(lambda: _conn_is(srv, "n", old))
+    new = socket.create_connection(("127.0.0.1", srv.port))
+    new.sendall(hello + b'\n{"t":2,"ranks":{"w2":[1,4,0,4,"S",5]},"gone":{}}\n')
+    _until(lambda: _conn_is(srv, "n", new))
+    old.close()
+    time.sleep(0.2)
+    assert not [o for o in _drain(out) if o.kind == "pulse_closed"]  # the replaced link: no news
+    new.close()
+    seen = _until(lambda: [o for o in _drain(out) if o.kind == "pulse_closed"])
+    assert [(o.node, o.worker_id) for o in seen] == [("n", None)]
+    with srv._lock:
+        assert "n" not in srv._conns  # nothing is told to a closed connection

@@ -182,11 +182,12 @@ def test_probe_slurmd(monkeypatch, stat, names, want):
 
 # -- the watch holds a silent node's suspects until the verdict ----------------------
 class Launcher:
-    def __init__(self, answered):
-        self.answered, self.asked = answered, []
+    def __init__(self, answered, reachable=True):
+        self.answered, self.asked, self.reachable, self.connects = answered, [], reachable, []
 
     def node_reachable(self, node, timeout_s):
-        return True
+        self.connects.append(node)
+        return self.reachable
 
     def probe_slurmd(self, node, names, deadline_s):
         self.asked.append((node, tuple(names)))
@@ -389,3 +390,37 @@ def test_a_stopped_rank_whose_pulse_still_speaks_is_hung_not_cut_from_the_superv
     assert not s.peers_cut and s.slurmd_answers is True and link.asked == []
     state2, _ = decide(state, obs, 2.0, p)
     assert state2.recovery.level == "online"
+
+
+@pytest.mark.parametrize("reachable", [False, True])
+def test_a_node_pulse_s_close_asks_its_slurmd_at_once_and_a_refusal_loses_the_node(reachable):
+    """The pulse's connection closed (a node's processes killed: the small pulse is torn
+    down first). slurmd refuses too: every worker of the node is a suspect now, before
+    their own connections close, and decide replaces the node. slurmd answers: the pulse
+    ended alone (its ranks start a new one), nothing is suspected."""
+    import queue
+
+    from slurm_resilience.supervisor.observe.detect import Sighting, SightingKind
+
+    p = policy()
+    state, _ = started(p)
+    gone = state.table.slots[1]
+    seen = queue.Queue()
+    launcher = Launcher(True, reachable=reachable)
+    w = Watch(cfg=load_config({}), store=Store(), seen=seen, launcher=launcher, handles={}, events=None,
+              preempted=lambda: False)
+    seen.put(Sighting(SightingKind.PULSE_CLOSED, None, gone.node, 1.0))
+    suspects = {}
+    assert w._drain(state, suspects, 0.0) == []
+    assert launcher.connects == [gone.node]
+    on_node = {wid for wid, x in state.workers.items() if x.node == gone.node and state.watched(wid)}
+    if reachable:
+        assert suspects == {}
+        return
+    assert set(suspects) == on_node and gone.worker_id in on_node
+    obs = w._probe(state, suspects)
+    assert {s.slurmd_reachable for s in obs.items} == {False} and not any(s.process_exited for s in obs.items)
+    state2, acts = decide(state, obs, 2.0, p)
+    assert state2.recovery.level == "node-replacement"
+    ev = [a for a in of(acts, m.Emit) if a.kind is EventKind.FAULT_DETECTED][0]
+    assert ev.fields["fault"]["kind"] == FaultKind.NODE_LOST.value

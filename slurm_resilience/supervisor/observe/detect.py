@@ -44,6 +44,7 @@ class SightingKind(str, enum.Enum):
     CONNECTED = "connected"  # a worker's liveness connection came up
     CLOSED = "closed"  # it closed, or the node's pulse reported the process gone
     NODE_STATE = "node_state"  # the resource manager says the node is unhealthy
+    PULSE_CLOSED = "pulse_closed"  # the node's pulse connection closed (not one its pulse replaced)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,9 +151,13 @@ class LivenessServer:
         if not data:
             self._sel.unregister(conn)
             conn.close()
-            if state["who"] is not None and not state.get("pulse"):  # a pulse's end is not the rank's
+            if state["who"] is not None and not state.get("pulse"):
                 wid, node, pid = state["who"]
                 self._out.put(Sighting(SightingKind.CLOSED, wid, node, time.time(), pid))
+            elif state.get("pulse") and self._forget_pulse(state["who"][1], conn):
+                # A pulse's end is not its ranks', but a small process dies in a millisecond
+                # where a rank's teardown takes tens: the watch asks the node's slurmd at once.
+                self._out.put(Sighting(SightingKind.PULSE_CLOSED, None, state["who"][1], time.time()))
             return
         if state["who"] is not None and not state.get("pulse"):
             return  # nothing is expected from a rank after the hello
@@ -225,6 +230,15 @@ class LivenessServer:
                 answers[reach[0]] = reach[1]
                 for old in sorted(answers)[:-4]:
                     del answers[old]
+
+    def _forget_pulse(self, node: str, conn: socket.socket) -> bool:
+        """Drop the node's pulse connection if ``conn`` is it (True); a link its pulse has
+        already replaced (``pulse_link.py``) is no news (False)."""
+        with self._lock:
+            if self._conns.get(node) is not conn:
+                return False
+            del self._conns[node]
+            return True
 
     def heard(self) -> dict[str, float]:
         """When each node's pulse last sent a line (a snapshot, one entry per node)."""

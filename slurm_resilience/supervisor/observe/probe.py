@@ -28,7 +28,7 @@ import threading
 import time
 from typing import Any, Callable, Collection, Mapping, Sequence
 
-__all__ = ["HOLD_GRACE_S", "ASK_MIN_S", "NodeProbed", "NodeProber", "silent_nodes"]
+__all__ = ["HOLD_GRACE_S", "ASK_MIN_S", "NodeProbed", "NodeProber", "silent_nodes", "pulse_gone"]
 
 HOLD_GRACE_S = 1.0  # a probe thread past its deadline by this much is given up on
 ASK_MIN_S = 0.25  # the Slurm request's time at least, after the connect
@@ -121,3 +121,15 @@ class NodeProber:
                 out.append(self._results.get_nowait())
             except queue.Empty:
                 return out
+
+
+def pulse_gone(node: str, t: float, watched: Sequence[str], reachable: Callable[[], bool],
+               suspects: dict[str, dict[str, Any]]) -> None:
+    """The node's pulse connection closed: when its slurmd refuses too (``reachable``,
+    asked only if the node has ``watched`` workers), the node is gone: its workers are
+    suspects now, before their own connections close (a rank's process takes tens of
+    milliseconds to be torn down, the pulse one). A pulse that ended on a live node (the
+    job's end, a crash of its own) is nobody's fault: its ranks start a new one."""
+    if watched and not reachable():
+        for wid in watched:
+            suspects.setdefault(wid, {"t": t})

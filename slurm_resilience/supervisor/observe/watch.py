@@ -1,11 +1,11 @@
 """Online executor, eyes: turn what the adapters show into observations for ``decide``.
 
 Sources, each polled from the loop (none blocks longer than the 20 ms queue wait):
-liveness socket and Slurm node-state thread (``detect.py``, through a queue), the
-workers' job steps, heartbeats in the store and the ranks' pulses, weighed by the
-watchdog (``progress.py``: hung → suspect, starved → reported; compute time →
-stragglers), the workers' events in the store (logged; recovery marks), done keys,
-the preemption request, and excluded nodes that may have come back.
+liveness sockets (a node pulse's close: its slurmd asked at once, ``probe.pulse_gone``)
+and the Slurm node-state thread (``detect.py``, through a queue), the workers' job steps,
+heartbeats and pulses weighed by the watchdog (``progress.py``: hung → suspect, starved
+→ reported; compute time → stragglers), the workers' events (logged; recovery marks),
+done keys, the preemption request, and excluded nodes that may have come back.
 
 Suspects of a silent node (every worker there heartbeat-stale, ``probe.silent_nodes``)
 are held while a probe thread asks that node's slurmd a Slurm request (``probe.NodeProber``,
@@ -32,13 +32,11 @@ from ..decide.classify import node_unhealthy
 from .detect import Sighting, SightingKind
 from .heartbeats import present_keys, read_heartbeats, stale_workers
 from ..adapters.launcher import Launcher, StepHandle
-from .probe import NodeProbed, NodeProber, silent_nodes
+from .probe import NodeProbed, NodeProber, pulse_gone, silent_nodes
 from .silence import silence
 from . import partition
-from ..decide.messages import (
-    AllDone, Connected, LivenessChange, NodeBack, Observation, Preempted, Straggler, Suspect, Suspects, Tick,
-    WorkerMark, WorkerMarks,
-)
+from ..decide.messages import (AllDone, Connected, LivenessChange, NodeBack, Observation, Preempted, Straggler,
+                               Suspect, Suspects, Tick, WorkerMark, WorkerMarks)
 from .watchdog import ACTED_ON, ProgressWatch, progress_in
 from ..decide import standbys
 from ..decide.recover import returning_candidates
@@ -139,7 +137,6 @@ class Watch:
             self._done_keys = (state.table, [StoreKey.DONE.of(s.rank) for s in state.table.slots])
         return self._done_keys[1]
 
-    # -- sources --------------------------------------------------------------------
     def _drain(self, state: SupervisorState, suspects: dict, timeout: float) -> list[Observation]:
         out: list[Observation] = []
         try:
@@ -152,10 +149,13 @@ class Watch:
                 out.append(Connected(seen.worker_id, seen.pid, seen.time))
             elif seen.kind is SightingKind.CLOSED and state.watched(seen.worker_id):
                 suspects.setdefault(seen.worker_id, {"t": seen.time})["process_exited"] = True
-            elif seen.kind is SightingKind.NODE_STATE and seen.node not in state.excluded:
-                for w in state.workers.values():
-                    if w.node == seen.node and state.watched(w.worker_id):
-                        suspects.setdefault(w.worker_id, {"t": seen.time})["node_state"] = seen.detail
+            elif seen.kind in (SightingKind.PULSE_CLOSED, SightingKind.NODE_STATE) and seen.node not in state.excluded:
+                on = [w.worker_id for w in state.workers.values() if w.node == seen.node and state.watched(w.worker_id)]
+                if seen.kind is SightingKind.PULSE_CLOSED:
+                    pulse_gone(seen.node, seen.time, on, lambda n=seen.node: self.launcher.node_reachable(
+                        n, self.cfg.detect.probe_timeout_s), suspects)
+                for wid in on if seen.kind is SightingKind.NODE_STATE else ():
+                    suspects.setdefault(wid, {"t": seen.time})["node_state"] = seen.detail
             try:
                 seen = self.seen.get_nowait()
             except queue.Empty:
