@@ -342,3 +342,19 @@ def test_a_lost_nodes_standby_is_never_adopted_by_the_process_restart():
     assert plan.table.nodes == ("n2", "n5", "n4") and warm["n3"] not in {s.worker_id for s in plan.table.slots}
     assert not of(acts, m.Launch)  # every slot warm: the former spare brought its extra standby
     assert [s.worker_id for s in plan.table.slots] == [warm["n2"], warm["n5"], warm["n4"]]
+
+
+def test_a_lost_node_s_rank_and_its_own_standby_seen_together_isolate_the_node_once():
+    """A node's pulse closed and its slurmd refused: its rank and its own standby are
+    suspects of one incident. The rank's node fault drops the standby with its node; the
+    standby is not judged again, so the node is isolated once and replaced once."""
+    p = policy()
+    state, _ = started(p)
+    rank1 = state.table.slots[1]
+    sb = one(state, rank1.node)
+    assert sb is not None
+    obs = m.Suspects(tuple(m.Suspect(worker_id=w, t=1.0, slurmd_reachable=False) for w in (rank1.worker_id, sb)))
+    state, acts = decide(state, obs, 1.0, p)
+    assert [a.node for a in of(acts, m.Isolate)] == [rank1.node]
+    assert kinds(acts).count(EventKind.FAULT_DETECTED) == 1
+    assert state.recovery.level == "node-replacement" and rank1.node in state.excluded

@@ -424,3 +424,5 @@ def test_a_node_pulse_s_close_asks_its_slurmd_at_once_and_a_refusal_loses_the_no
     assert state2.recovery.level == "node-replacement"
     ev = [a for a in of(acts, m.Emit) if a.kind is EventKind.FAULT_DETECTED][0]
     assert ev.fields["fault"]["kind"] == FaultKind.NODE_LOST.value
+    # the node's rank and its own standby came in together: the node is isolated once
+    assert [a.node for a in of(acts, m.Isolate)] == [gone.node]

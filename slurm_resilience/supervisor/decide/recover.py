@@ -42,6 +42,8 @@ def on_suspects(state: SupervisorState, obs: Suspects, now: float, policy: Polic
         return state, []
     detected = min(s.t for s in items)
     for s in items:
+        if not state.watched(s.worker_id):  # lost with an earlier suspect's node: its ranks, its standbys
+            continue
         w = state.workers[s.worker_id]
         state = state.with_dead(s.worker_id)
         if s.finished:  # a rank that reported done may exit
