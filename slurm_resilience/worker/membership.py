@@ -109,6 +109,7 @@ class Membership:
         self._plans = PlanWatch(store, heartbeat.progress, heartbeat.period_s)  # the training thread's
         self.plan: Plan | None = None
         self.group: Generation | None = None
+        self._leftovers: tuple = ()  # exchange keys of left generations (Generation.leftovers)
 
     def where(self) -> tuple[int | None, int | None]:
         """(generation, rank) for events: the last plan's, the rank only while in a group."""
@@ -123,6 +124,7 @@ class Membership:
         """Detach from the current group; it is parked, never destroyed here (it may block)."""
         default_group.release(self._parking)  # library code can no longer use the broken group
         if self.group is not None:
+            self._leftovers = self.group.leftovers()
             self._parking.park(self.group.close())
             self.group = None
 
@@ -194,7 +196,9 @@ class Membership:
             client, plan.table, slot.rank, backend=self._cfg.backend,
             timeout_s=self._cfg.pg_timeout_s, poll_ms=self._cfg.poll_interval_ms,
             interrupted=lambda: self._plans.out(nxt), waiting=self._hb.progress.waiting,
+            stale=self._leftovers,
         )
+        self._leftovers = ()  # the new group removes them, or hands them on
         # torch.distributed's default group wraps the same backend (default_group.py); its
         # store is the group's own plain client (the training thread's may be guarded)
         default_group.install(self.group, client, self._cfg.pg_timeout_s, self._parking)

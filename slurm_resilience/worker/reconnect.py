@@ -17,7 +17,7 @@ import os
 import threading
 import time
 from datetime import timedelta
-from typing import Callable, ContextManager
+from typing import Callable, ContextManager, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -27,7 +27,7 @@ from ..model import RankTable
 from ..protocol import StoreKey
 
 
-__all__ = ["NODE_ADDR_ENV", "choose_backend", "Generation", "wait_slice", "Parked", "gloo_group", "set_gloo_interface"]
+__all__ = ["NODE_ADDR_ENV", "GLOO_LAZY_ENV", "choose_backend", "Generation", "Leftovers", "wait_slice", "Parked", "gloo_group", "set_gloo_interface"]
 
 
 STORE_GATHER_MAX = 64
@@ -41,8 +41,18 @@ GATHER_PAUSE_S = (0.0005, 0.004)
 
 NODE_ADDR_ENV = "SR_NODE_ADDR"
 """The node's own address for gloo pairs (set per node by the local cluster's TaskProlog)."""
+GLOO_LAZY_ENV = "TORCH_GLOO_LAZY_INIT"
+"""torch's switch for gloo pairs connected on first use (``reconnect.gloo_lazy_init``)."""
 
 log = logging.getLogger(__name__)
+
+
+class Leftovers(NamedTuple):
+    """The store keys a rank set in a generation's last exchanges, not yet removed: the
+    next generation removes them once its first gather shows every rank has left."""
+
+    prefix: str
+    keys: tuple[str, ...]
 
 
 def choose_backend(requested: str) -> str:
@@ -71,9 +81,12 @@ class Generation:
         interrupted: Callable[[], bool],
         channel: str = "",
         waiting: Callable[[], ContextManager] = contextlib.nullcontext,
+        stale: tuple[Leftovers, ...] = (),
     ) -> None:
         """``waiting``: entered around every wait on the peers (the join, each collective),
-        so the watchdog can tell a rank blocked by a peer from the one that blocks it."""
+        so the watchdog can tell a rank blocked by a peer from the one that blocks it.
+        ``stale``: the previous generations' ``leftovers()``, removed after this one's
+        first gather through the store (handed on again if it never makes one)."""
         self.table = table
         self.generation = table.generation
         self.rank = rank
@@ -86,8 +99,11 @@ class Generation:
         self._parked: list[object] = []
         # A channel is a second group of the same generation (e.g. checkpoint
         # transfers on a background thread), so it needs its own store prefix.
-        prefixed = dist.PrefixStore(StoreKey.PG_PREFIX.of(self.generation) + channel, store)
+        self._prefix = StoreKey.PG_PREFIX.of(self.generation) + channel
+        prefixed = dist.PrefixStore(self._prefix, store)
         self._rows_store = prefixed if self.world_size <= STORE_GATHER_MAX else None
+        self._base, self._stale = store, stale
+        self._mine: list[str] = []  # keys this rank set through the store, not removed yet
         self._gathers = 0  # gathers so far: every rank makes them in the same order
         timeout = timedelta(seconds=timeout_s)
         if self.backend == "nccl":
@@ -173,6 +189,13 @@ class Generation:
         self._gathers += 1
         keys = [StoreKey.GATHER_ROW.of(self._gathers, r) for r in range(self.world_size)]
         raw = self._through_store(keys[self.rank], ",".join(str(int(v)) for v in values).encode(), keys, "gather")
+        # Every rank set its row of this gather after reading all it needed of the
+        # exchanges before it, so the keys this rank set then are read: remove them.
+        done, self._mine = self._mine[:-1], self._mine[-1:]
+        _drop(self._rows_store, done)
+        for old in self._stale:  # and every rank of this generation has left the ones before
+            _drop(dist.PrefixStore(old.prefix, self._base), old.keys)
+        self._stale = ()
         return [[int(x) for x in bytes(v).decode().split(",")] for v in raw]
 
     @property
@@ -201,6 +224,7 @@ class Generation:
             try:
                 if key is not None:
                     store.set(key, value)
+                    self._mine.append(key)
                 pause, look = GATHER_PAUSE_S[0], time.monotonic() + poll_s
                 while keys and not store.check(keys):
                     now = time.monotonic()
@@ -216,6 +240,10 @@ class Generation:
                 return store.multi_get(keys) if keys else []
             except dist.DistError as exc:  # the store itself failed
                 raise StepAborted(f"{what} failed: {_short(exc)}") from exc
+
+    def leftovers(self) -> tuple[Leftovers, ...]:
+        """What this rank set through the store and has not removed (for the next generation)."""
+        return self._stale + ((Leftovers(self._prefix, tuple(self._mine)),) if self._mine else ())
 
     def barrier(self) -> None:
         """Collective: returns when every rank of the generation has arrived."""
@@ -258,6 +286,16 @@ class Generation:
             except RuntimeError as exc:
                 log.warning("NCCL abort failed: %s", _short(exc))
         return Parked(self.pg, self._parked, time.monotonic())
+
+
+def _drop(store, keys) -> None:
+    """Remove exchange keys whose readers are done; a store that fails here only leaves
+    them behind (the next exchange, not this clean-up, reports a lost store)."""
+    try:
+        for key in keys:
+            store.delete_key(key)
+    except (dist.DistError, RuntimeError) as exc:
+        log.debug("exchange keys left in the store: %s", _short(exc))
 
 
 def wait_slice(work, slice_: timedelta) -> bool:
@@ -310,7 +348,11 @@ def gloo_group(store: dist.Store, rank: int, world_size: int, timeout: timedelta
     return dist.ProcessGroupGloo(store, rank, world_size, opts)
 
 
-def set_gloo_interface(ifname: str | None) -> None:
-    """Pin gloo to an interface (``lo`` on a one-host cluster) before any group exists."""
+def set_gloo_interface(ifname: str | None, lazy_init: bool = True) -> None:
+    """Pin gloo to an interface (``lo`` on a one-host cluster) and choose lazy or full-mesh
+    connections, before any group exists. Both are process-wide settings of torch's
+    (``GLOO_SOCKET_IFNAME``, ``TORCH_GLOO_LAZY_INIT``, read when a group is built), so a
+    library's own ``dist.new_group`` follows them too."""
     if ifname:
         os.environ["GLOO_SOCKET_IFNAME"] = ifname
+    os.environ[GLOO_LAZY_ENV] = "1" if lazy_init else "0"

@@ -118,7 +118,7 @@ class Session(StateFacade):
         """Connect, start heartbeats and join the first generation that has a slot for
         this worker (a warm standby blocks here until it is adopted)."""
         env, cfg = self._env, self.config
-        set_gloo_interface(cfg.reconnect.gloo_ifname)
+        set_gloo_interface(cfg.reconnect.gloo_ifname, cfg.reconnect.gloo_lazy_init)
         # A store that stops answering (the batch host is lost) ends the rank headless:
         # guarded clients note it, and a check raises HeadlessEnded after the timeout.
         watch = self._watch = StoreWatch(cfg.detect.headless_timeout_s)

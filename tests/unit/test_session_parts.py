@@ -223,7 +223,8 @@ def _pair(store, interrupted=lambda: False, timeout_s=5.0):
 
 def test_real_gloo_wait_outlasts_many_slices_then_completes():
     """A late peer: rank 0's slices expire (plain RuntimeError in torch's gloo) and it keeps waiting."""
-    gens = _pair(_store())
+    server = _store()  # kept: a lazily built gloo group reads its peers' addresses at first use
+    gens = _pair(server)
     out = {}
 
     def rank(r):
@@ -242,7 +243,8 @@ def test_real_gloo_wait_outlasts_many_slices_then_completes():
 
 def test_real_gloo_wait_abandoned_when_a_newer_plan_appears():
     flag = threading.Event()
-    gens = _pair(_store(), interrupted=flag.is_set, timeout_s=2.0)
+    server = _store()
+    gens = _pair(server, interrupted=flag.is_set, timeout_s=2.0)
     threading.Timer(0.1, flag.set).start()
     t0 = time.monotonic()
     with pytest.raises(StepAborted, match="abandoned"):
