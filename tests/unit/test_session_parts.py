@@ -367,3 +367,40 @@ def test_torchrun_environ_for_two_ranks_per_node():
     t = initial_table(["a", "b"], ["w0", "w1", "w2", "w3"], {"a": "1", "b": "2"}, device="cuda", tasks_per_node=2)
     assert torchrun_environ(t, 3) == {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
                                       "GROUP_RANK": "1", "SR_DEVICE": "cuda:1"}
+
+
+def test_next_client_is_opened_ahead_once_and_taken_without_a_connect():
+    from slurm_resilience.worker.membership import NextClient
+    opened = []
+
+    def open_client():
+        opened.append(object())
+        return opened[-1]
+
+    nc = NextClient(open_client)
+    first = nc.take()  # nothing ready: opened now
+    assert first is opened[0] and len(opened) == 1
+    nc.prepare()
+    nc._filling.join(5)
+    nc.prepare()  # one is ready: no second thread, no second connect
+    assert nc._filling is None or not nc._filling.is_alive()
+    assert len(opened) == 2
+    assert nc.take() is opened[1] and len(opened) == 2  # taken without a connect
+    assert nc.take() is opened[2]  # and the next one is opened at the join again
+
+
+def test_next_client_that_fails_to_open_ahead_is_opened_at_the_join():
+    import torch.distributed as dist
+    from slurm_resilience.worker.membership import NextClient
+    calls = []
+
+    def open_client():
+        calls.append(1)
+        if len(calls) == 1:
+            raise dist.DistNetworkError("connection refused")
+        return "client"
+
+    nc = NextClient(open_client)
+    nc.prepare()
+    nc._filling.join(5)
+    assert nc.take() == "client" and len(calls) == 2
