@@ -122,6 +122,12 @@ class Membership:
         """A plan after the current one exists: stop at this safe point and re-form."""
         return self._plans.out(self.plan.generation + 1)
 
+    def stepped(self) -> None:
+        """A step of this generation completed: open the next generation's store client now,
+        off the recovery's path (not at the join, where it would queue at the store with
+        the restore's exchanges)."""
+        self._next_client.prepare()
+
     def leave(self) -> None:
         """Detach from the current group; it is parked, never destroyed here (it may block)."""
         default_group.release(self._parking)  # library code can no longer use the broken group
@@ -209,7 +215,6 @@ class Membership:
                                transfer=self._transfer_factory(plan, slot.rank), park=self._parking.park)
         self._hb.update(generation=plan.generation, rank=slot.rank)
         self._emit(WorkerEvent.RECONNECTED, start=t0, joining=slot.rank in plan.joining)
-        self._next_client.prepare()  # the next generation's, off its critical path
 
     def _transfer_factory(self, plan: Plan, rank: int) -> Callable[[], Generation]:
         """The checkpoint writer's own gloo group for this generation (built lazily, in its thread)."""
@@ -231,7 +236,7 @@ class Membership:
 
 
 class NextClient:
-    """The next generation's store client, opened ahead in a thread after each join.
+    """The next generation's store client, opened ahead in a thread once a generation steps.
 
     Every generation joins through a client of its own (an abandoned join may hold its
     client in a store wait). Opened at the join, that connection was on the recovery's

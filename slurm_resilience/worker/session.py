@@ -274,6 +274,8 @@ class Session(StateFacade):
                 continue
             if newer:  # safe point: stop here and re-form (fencing included)
                 self._recover(StepAborted("stopped at a safe point for a new generation"))
+            else:
+                p.members.stepped()
         self._phase = ProgramPhase.FINISH
         with p.heartbeat.progress.busy():
             p.endings.finish(self._group)
