@@ -28,6 +28,8 @@ from slurm_resilience.model import RankSlot, RankTable
 from slurm_resilience.worker import reconnect
 from slurm_resilience.worker.reconnect import Generation
 
+from .spawned import run_ranks
+
 pytestmark = pytest.mark.timeout(120)
 
 
@@ -87,21 +89,7 @@ def _run(tmp_path, world: int, limit: int, mode: str = "ok") -> list[dict]:
     ctx = mp.get_context("spawn")
     newer = ctx.Event()
     outs = [str(tmp_path / f"{mode}-{limit}-r{r}.pkl") for r in range(world)]
-    procs = [ctx.Process(target=_rank, args=(r, world, store.port, limit, mode, outs[r], newer))
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(90)
-        if p.is_alive():
-            p.kill()
-    results = []
-    for r, o in enumerate(outs):
-        assert os.path.exists(o), f"rank {r} left no result"
-        with open(o, "rb") as f:
-            results.append(pickle.load(f))
-    assert not any("error" in r for r in results), results
-    return results
+    return run_ranks(ctx, _rank, [(r, world, store.port, limit, mode, outs[r], newer) for r in range(world)], outs)
 
 
 @pytest.mark.parametrize("limit,all_reduces", [(64, 0), (1, 2)])
@@ -175,28 +163,14 @@ def _run_lazy(tmp_path, world: int, present: int, timeout_s: float) -> list[dict
     ctx = mp.get_context("spawn")
     built = ctx.Queue()
     outs = [str(tmp_path / f"lazy-{world}-{present}-r{r}.pkl") for r in range(present)]
-    procs = [ctx.Process(target=_lazy_rank, args=(r, world, store.port, outs[r], built, timeout_s))
-             for r in range(present)]
-    for p in procs:
-        p.start()
-    try:
+
+    def all_built() -> None:
         # A full-mesh group would hold every constructor until the missing rank came
         # (or the 60 s timeout): here each returns without it.
-        joined = sorted(built.get(timeout=45) for _ in range(present))
-        assert joined == list(range(present))
-        for p in procs:
-            p.join(60)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-    results = []
-    for r, o in enumerate(outs):
-        assert os.path.exists(o), f"rank {r} left no result"
-        with open(o, "rb") as f:
-            results.append(pickle.load(f))
-    assert not any("error" in r for r in results), results
-    return results
+        assert sorted(built.get(timeout=45) for _ in range(present)) == list(range(present))
+
+    return run_ranks(ctx, _lazy_rank, [(r, world, store.port, outs[r], built, timeout_s) for r in range(present)],
+                     outs, started=all_built, join_s=60)
 
 
 def test_a_lazy_gloo_group_reduces_like_a_full_mesh_one(tmp_path):

@@ -10,7 +10,6 @@ stalls mid-transfer while a newer plan appears makes the receiver raise StepAbor
 from __future__ import annotations
 
 import collections
-import os
 import pickle
 import traceback
 from datetime import timedelta
@@ -25,6 +24,8 @@ from slurm_resilience.errors import StepAborted
 from slurm_resilience.model import RankSlot, RankTable
 from slurm_resilience.worker.reconnect import Generation
 from slurm_resilience.worker.restore import assign_sources, outgoing, stream_state
+
+from .spawned import run_ranks
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -153,21 +154,8 @@ def _run(tmp_path, offers, mode="ok") -> list[dict]:
     ctx = mp.get_context("spawn")
     newer, done = ctx.Event(), ctx.Event()
     outs = [str(tmp_path / f"r{r}.pkl") for r in range(len(offers))]
-    procs = [ctx.Process(target=_rank, args=(r, len(offers), store.port, offers, mode, outs[r], newer, done))
-             for r in range(len(offers))]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(90)
-        if p.is_alive():
-            p.kill()
-    results = []
-    for r, o in enumerate(outs):
-        assert os.path.exists(o), f"rank {r} left no result"
-        with open(o, "rb") as f:
-            results.append(pickle.load(f))
-    assert not any("error" in r for r in results), results
-    return results
+    return run_ranks(ctx, _rank, [(r, len(offers), store.port, offers, mode, outs[r], newer, done)
+                                  for r in range(len(offers))], outs)
 
 
 def test_two_sources_stream_to_their_receivers_exactly(tmp_path):
