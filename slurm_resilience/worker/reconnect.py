@@ -115,6 +115,21 @@ class Generation:
         else:
             self.device = torch.device("cpu")
             self.pg = self._join(lambda: gloo_group(prefixed, rank, self.world_size, timeout))
+        self._warm = self._connect_ahead(channel)
+
+    def _connect_ahead(self, channel: str) -> object | None:
+        """A lazy gloo group connects a pair at its first collective: start a one-element
+        all-reduce now, unwaited, so the ring's pairs connect while the rank restores and
+        computes its first step, not inside that step's gradient all-reduce. Every rank of
+        the generation issues it first, so its tag is the same everywhere; the first
+        collective waits for it (``_run``)."""
+        if self.backend != "gloo" or channel or self.world_size < 2 or os.environ.get(GLOO_LAZY_ENV) != "1":
+            return None
+        try:
+            return self.pg.allreduce([torch.zeros(1)])
+        except RuntimeError as exc:  # reported by the first collective instead
+            log.debug("connect-ahead not started: %s", _short(exc))
+            return None
 
     def _join(self, build: Callable[[], object]) -> object:
         """Build the group in a thread and wait in slices: a peer that dies while the
@@ -251,6 +266,9 @@ class Generation:
 
     def _run(self, start: Callable[[], object], what: str, tensor: torch.Tensor) -> torch.Tensor:
         with self._waiting():
+            if self._warm is not None:  # the pairs' connect-ahead first (a fault there aborts the same way)
+                warm, self._warm = self._warm, None
+                self._wait(lambda: warm, what, torch.zeros(0))
             return self._wait(start, what, tensor)
 
     def _wait(self, start: Callable[[], object], what: str, tensor: torch.Tensor) -> torch.Tensor:
@@ -285,6 +303,8 @@ class Generation:
                 self.pg.abort()  # NCCL can abort a hung communicator, gloo cannot
             except RuntimeError as exc:
                 log.warning("NCCL abort failed: %s", _short(exc))
+        if self._warm is not None:  # never waited for: it may still hang on a departed peer
+            self._parked.append(self._warm)
         return Parked(self.pg, self._parked, time.monotonic())
 
 

@@ -11,6 +11,7 @@ weights, the batches' base seeds and one draw of each generator to ``--out/rank-
 """
 
 import argparse
+import faulthandler
 import os
 import random
 import signal
@@ -83,6 +84,7 @@ def main() -> None:
     ap.add_argument("--die-at", type=int, default=0)
     args = ap.parse_args()
 
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test asks for stacks if a rank hangs
     torch.set_num_threads(1)
     rank = int(os.environ["NODE_RANK"])
     pl.seed_everything(0, verbose=False)

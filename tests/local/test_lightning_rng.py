@@ -54,15 +54,31 @@ def _launch(root: Path, out: Path, accumulate: int, die_at: int = 0, tag: str = 
     return procs
 
 
+def _logs(root: Path) -> str:
+    return "".join(f"--- {p.name}\n" + p.read_text()[-4000:] for p in sorted(root.glob("log-*.txt")))
+
+
+def _wait(procs: list[subprocess.Popen], which: list[int], root: Path) -> list[int]:
+    """The exit codes of ``procs[i]`` for ``i`` in ``which``; a rank still running after
+    180 s fails the test with every rank's Python stacks (the job dumps them on SIGUSR1)."""
+    try:
+        return [procs[i].wait(timeout=180) for i in which]
+    except subprocess.TimeoutExpired:
+        live = [p for p in procs if p.poll() is None]
+        for p in live:
+            p.send_signal(signal.SIGUSR1)
+        time.sleep(2)  # let faulthandler write
+        pytest.fail(f"a rank ran past 180 s; stacks and logs:\n{_logs(root)}")
+
+
 def _finish(procs: list[subprocess.Popen], root: Path) -> None:
     try:
-        codes = [p.wait(timeout=180) for p in procs]
+        codes = _wait(procs, [0, 1], root)
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
-    logs = "".join(p.read_text()[-3000:] for p in sorted(root.glob("log-*.txt")))
-    assert codes == [0, 0], logs
+    assert codes == [0, 0], _logs(root)
 
 
 def _crash(root: Path, accumulate: int, die_at: int, tag: str) -> None:
@@ -70,7 +86,7 @@ def _crash(root: Path, accumulate: int, die_at: int, tag: str) -> None:
     is then killed; the lost node's snapshots go with it."""
     procs = _launch(root, root / "crashed", accumulate, die_at, tag)
     try:
-        assert procs[1].wait(timeout=180) == -signal.SIGKILL
+        assert _wait(procs, [1], root) == [-signal.SIGKILL], _logs(root)
         time.sleep(0.5)
     finally:
         for p in procs:
