@@ -108,6 +108,7 @@ class Membership:
         self._progress = progress
         self._on_abort = on_abort
         self._writer_checks: PlanWatch | None = None  # the writer thread's plan checks (own client)
+        self._channel: Generation | None = None  # the writer thread's last checkpoint-channel group
         self._plans = PlanWatch(store, heartbeat.progress, heartbeat.period_s)  # the training thread's
         self.plan: Plan | None = None
         self.group: Generation | None = None
@@ -228,9 +229,13 @@ class Membership:
             if self._writer_checks is None:  # used by the writer thread only
                 self._writer_checks = PlanWatch(self._open_client(), self._hb.progress, self._hb.period_s)
             checks = self._writer_checks
-            return Generation(self._open_client(), plan.table, rank, backend="gloo",
-                              timeout_s=cfg.pg_timeout_s, poll_ms=cfg.poll_interval_ms,
-                              interrupted=lambda: checks.out(nxt), channel="ckpt/")
+            # The last channel group's exchange keys go after this one's first gather, as
+            # the training groups' do: every rank's writer has moved on from it by then.
+            stale = self._channel.leftovers() if self._channel is not None else ()
+            self._channel = Generation(self._open_client(), plan.table, rank, backend="gloo",
+                                       timeout_s=cfg.pg_timeout_s, poll_ms=cfg.poll_interval_ms,
+                                       interrupted=lambda: checks.out(nxt), channel="ckpt/", stale=stale)
+            return self._channel
 
         return build
 

@@ -115,21 +115,25 @@ class Generation:
         else:
             self.device = torch.device("cpu")
             self.pg = self._join(lambda: gloo_group(prefixed, rank, self.world_size, timeout))
-        self._warm = self._connect_ahead(channel)
+        self._warm: object | None = None  # the connect-ahead's work, until a collective waits for it
+        self._ahead = self.backend == "gloo" and not channel and self.world_size > 1 \
+            and os.environ.get(GLOO_LAZY_ENV) == "1"
 
-    def _connect_ahead(self, channel: str) -> object | None:
-        """A lazy gloo group connects a pair at its first collective: start a one-element
-        all-reduce now, unwaited, so the ring's pairs connect while the rank restores and
-        computes its first step, not inside that step's gradient all-reduce. Every rank of
-        the generation issues it first, so its tag is the same everywhere; the first
-        collective waits for it (``_run``)."""
-        if self.backend != "gloo" or channel or self.world_size < 2 or os.environ.get(GLOO_LAZY_ENV) != "1":
-            return None
+    def connect_ahead(self) -> None:
+        """Collective, unwaited (every rank calls it at the same point, e.g. as its first
+        step of the generation begins; only the first call does anything): a lazy gloo
+        group connects a pair at its first collective, so start a one-element all-reduce
+        now and the ring's pairs connect while the step computes, not inside its gradient
+        all-reduce. The next collective through this object waits for it first (``_run``).
+        Started at the join instead, it ran alongside the restore's exchanges and slowed
+        them as much as it saved (docs/scale.md)."""
+        if not self._ahead:
+            return
+        self._ahead = False
         try:
-            return self.pg.allreduce([torch.zeros(1)])
-        except RuntimeError as exc:  # reported by the first collective instead
+            self._warm = self.pg.allreduce([torch.zeros(1)])
+        except RuntimeError as exc:  # reported by the next collective instead
             log.debug("connect-ahead not started: %s", _short(exc))
-            return None
 
     def _join(self, build: Callable[[], object]) -> object:
         """Build the group in a thread and wait in slices: a peer that dies while the

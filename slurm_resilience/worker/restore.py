@@ -194,15 +194,18 @@ def stream_state(gen, sources: Mapping[int, int], state: dict[str, Any] | None, 
     # Round 0: the header and the first chunk together (a state under chunk_bytes: one round).
     h, n0 = len(header), out.meta[2]
     recv0 = metas[src][0] + metas[src][2] if src is not None else 0
-    first = torch.empty(max((h + n0) * len(mine), recv0), dtype=torch.uint8, device=gen.device)
+    # A small world's one-round transfer goes through the store: one copy for every receiver.
+    via_store = rounds == 1 and gen.small and max(metas[s][0] + metas[s][2] for s in senders) <= STORE_BYTES
+    copies = min(len(mine), 1) if via_store else len(mine)
+    first = torch.empty(max((h + n0) * copies, recv0), dtype=torch.uint8, device=gen.device)
     views = _ByteViews(tensors)
     if mine:
         first[:h].copy_(torch.frombuffer(bytearray(header), dtype=torch.uint8))
         if n0:
             views.pack(plan[0], first[h:h + n0], n0, 1)
-        for i in range(1, len(mine)):
+        for i in range(1, copies):
             first[i * (h + n0):(i + 1) * (h + n0)].copy_(first[:h + n0])
-    if rounds == 1 and gen.small and max(metas[s][0] + metas[s][2] for s in senders) <= STORE_BYTES:
+    if via_store:
         raw = gen.store_round(first[:h + n0].cpu().numpy().tobytes() if mine else None, src)
         got = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(gen.device) if raw is not None else first[:0]
     else:

@@ -135,8 +135,8 @@ def test_a_collective_is_not_started_once_a_newer_plan_is_out(tmp_path):
 
 def _lazy_rank(rank: int, world: int, port: int, out: str, built, timeout_s: float, ahead: bool) -> None:
     """A rank of a gloo group built with ``reconnect.gloo_lazy_init`` (the default).
-    ``ahead``: before its all-reduce, wait (up to 30 s) for the group's connect-ahead to
-    complete on its own: every pair of the ring connected before any collective."""
+    ``ahead``: before its all-reduce, start the group's connect-ahead and wait (up to 30 s)
+    for it to complete on its own: every pair of the ring connected before any collective."""
     try:
         reconnect.set_gloo_interface(None, lazy_init=True)
         store = dist.TCPStore("127.0.0.1", port, None, False, timedelta(seconds=30))
@@ -147,6 +147,7 @@ def _lazy_rank(rank: int, world: int, port: int, out: str, built, timeout_s: flo
         built.put(rank)
         result: dict = {}
         if ahead:
+            gen.connect_ahead()
             until = time.monotonic() + 30
             while gen._warm is not None and not gen._warm.is_completed() and time.monotonic() < until:
                 time.sleep(0.01)
@@ -183,8 +184,8 @@ def _run_lazy(tmp_path, world: int, present: int, timeout_s: float, ahead: bool 
 
 
 def test_a_lazy_gloo_group_reduces_like_a_full_mesh_one(tmp_path):
-    """... and connects its ring ahead: the one-element all-reduce each rank starts when
-    the group is built completes before any collective is called."""
+    """... and connects its ring ahead: the one-element all-reduce each rank starts with
+    ``connect_ahead`` completes before any collective is called."""
     for res in _run_lazy(tmp_path, world=3, present=3, timeout_s=60.0, ahead=True):
         assert res == {"ahead": True, "sum": [6.0, 6.0, 6.0]}
 

@@ -404,3 +404,25 @@ def test_next_client_that_fails_to_open_ahead_is_opened_at_the_join():
     nc.prepare()
     nc._filling.join(5)
     assert nc.take() == "client" and len(calls) == 2
+
+
+def test_membership_checkpoint_channel_removes_the_last_channel_keys_after_its_first_gather():
+    """The checkpoint writer's per-generation group hands its last exchange's keys on: the
+    next generation's channel removes them after its own first gather."""
+    store = _store()
+    store.set(StoreKey.PLAN.of(0), _plan(0, "w0").to_json())
+    m, rec = _membership(store, "w0")
+    m.enter(0)
+    first = rec.bound[0]["transfer"]()
+    assert first.all_gather_ints(5) == [5] and first.all_gather_ints(6) == [6]
+    rows = dist.PrefixStore(StoreKey.PG_PREFIX.of(0) + "ckpt/", store)  # as the channel names its keys
+    old = [StoreKey.GATHER_ROW.of(n, 0) for n in (1, 2)]
+    assert not rows.check(old[:1]) and rows.check(old[1:])  # the first gather's row went at the second
+    store.set(StoreKey.PLAN.of(1), _plan(1, "w0").to_json())
+    m.leave()
+    m.enter(1)
+    second = rec.bound[1]["transfer"]()
+    assert rows.check(old[1:])  # kept until the new channel's first gather
+    assert second.all_gather_ints(7) == [7]
+    assert not rows.check(old[1:])
+    m._parking.close()
