@@ -115,25 +115,6 @@ class Generation:
         else:
             self.device = torch.device("cpu")
             self.pg = self._join(lambda: gloo_group(prefixed, rank, self.world_size, timeout))
-        self._warm: object | None = None  # the connect-ahead's work, until a collective waits for it
-        self._ahead = self.backend == "gloo" and not channel and self.world_size > 1 \
-            and os.environ.get(GLOO_LAZY_ENV) == "1"
-
-    def connect_ahead(self) -> None:
-        """Collective, unwaited (every rank calls it at the same point, e.g. as its first
-        step of the generation begins; only the first call does anything): a lazy gloo
-        group connects a pair at its first collective, so start a one-element all-reduce
-        now and the ring's pairs connect while the step computes, not inside its gradient
-        all-reduce. The next collective through this object waits for it first (``_run``).
-        Started at the join instead, it ran alongside the restore's exchanges and slowed
-        them as much as it saved (docs/scale.md)."""
-        if not self._ahead:
-            return
-        self._ahead = False
-        try:
-            self._warm = self.pg.allreduce([torch.zeros(1)])
-        except RuntimeError as exc:  # reported by the next collective instead
-            log.debug("connect-ahead not started: %s", _short(exc))
 
     def _join(self, build: Callable[[], object]) -> object:
         """Build the group in a thread and wait in slices: a peer that dies while the
@@ -270,9 +251,6 @@ class Generation:
 
     def _run(self, start: Callable[[], object], what: str, tensor: torch.Tensor) -> torch.Tensor:
         with self._waiting():
-            if self._warm is not None:  # the pairs' connect-ahead first (a fault there aborts the same way)
-                warm, self._warm = self._warm, None
-                self._wait(lambda: warm, what, torch.zeros(0))
             return self._wait(start, what, tensor)
 
     def _wait(self, start: Callable[[], object], what: str, tensor: torch.Tensor) -> torch.Tensor:
@@ -307,8 +285,6 @@ class Generation:
                 self.pg.abort()  # NCCL can abort a hung communicator, gloo cannot
             except RuntimeError as exc:
                 log.warning("NCCL abort failed: %s", _short(exc))
-        if self._warm is not None:  # never waited for: it may still hang on a departed peer
-            self._parked.append(self._warm)
         return Parked(self.pg, self._parked, time.monotonic())
 
 

@@ -253,7 +253,6 @@ class Session(StateFacade):
             except StepAborted as exc:
                 self._recover(exc)
                 continue
-            self._group.connect_ahead()  # the generation's first step: its ring connects while it computes
             st = self._state
             st.mark()  # an aborted step gives back what it drew from the RNGs
             step = self._current = Step(self, st.step, replay=is_replay(st.step, st.high_water),

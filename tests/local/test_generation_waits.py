@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 import pickle
-import time
 import traceback
 from datetime import timedelta
 
@@ -133,10 +132,8 @@ def test_a_collective_is_not_started_once_a_newer_plan_is_out(tmp_path):
     assert started == []
 
 
-def _lazy_rank(rank: int, world: int, port: int, out: str, built, timeout_s: float, ahead: bool) -> None:
-    """A rank of a gloo group built with ``reconnect.gloo_lazy_init`` (the default).
-    ``ahead``: before its all-reduce, start the group's connect-ahead and wait (up to 30 s)
-    for it to complete on its own: every pair of the ring connected before any collective."""
+def _lazy_rank(rank: int, world: int, port: int, out: str, built, timeout_s: float) -> None:
+    """A rank of a gloo group built with ``reconnect.gloo_lazy_init`` (the default)."""
     try:
         reconnect.set_gloo_interface(None, lazy_init=True)
         store = dist.TCPStore("127.0.0.1", port, None, False, timedelta(seconds=30))
@@ -145,19 +142,12 @@ def _lazy_rank(rank: int, world: int, port: int, out: str, built, timeout_s: flo
         gen = Generation(store, table, rank, backend="gloo", timeout_s=timeout_s, poll_ms=20,
                          interrupted=lambda: False)
         built.put(rank)
-        result: dict = {}
-        if ahead:
-            gen.connect_ahead()
-            until = time.monotonic() + 30
-            while gen._warm is not None and not gen._warm.is_completed() and time.monotonic() < until:
-                time.sleep(0.01)
-            result["ahead"] = gen._warm is not None and gen._warm.is_completed()
         t = torch.full((3,), float(rank + 1))
         try:
             gen.all_reduce_sum(t)
-            result["sum"] = t.tolist()
+            result = {"sum": t.tolist()}
         except StepAborted as exc:
-            result["aborted"] = str(exc)
+            result = {"aborted": str(exc)}
         with open(out, "wb") as f:
             pickle.dump(result, f)
     except BaseException:
@@ -166,7 +156,7 @@ def _lazy_rank(rank: int, world: int, port: int, out: str, built, timeout_s: flo
     os._exit(0)  # a group with a pending collective would hold the exit until its timeout
 
 
-def _run_lazy(tmp_path, world: int, present: int, timeout_s: float, ahead: bool = False) -> list[dict]:
+def _run_lazy(tmp_path, world: int, present: int, timeout_s: float) -> list[dict]:
     """``present`` of the ``world`` ranks start, each with ``timeout_s`` as its group's
     timeout (``reconnect.pg_timeout_s``)."""
     store = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=30), wait_for_workers=False)
@@ -179,15 +169,13 @@ def _run_lazy(tmp_path, world: int, present: int, timeout_s: float, ahead: bool 
         # (or the 60 s timeout): here each returns without it.
         assert sorted(built.get(timeout=45) for _ in range(present)) == list(range(present))
 
-    return run_ranks(ctx, _lazy_rank, [(r, world, store.port, outs[r], built, timeout_s, ahead) for r in range(present)],
+    return run_ranks(ctx, _lazy_rank, [(r, world, store.port, outs[r], built, timeout_s) for r in range(present)],
                      outs, started=all_built, join_s=60)
 
 
 def test_a_lazy_gloo_group_reduces_like_a_full_mesh_one(tmp_path):
-    """... and connects its ring ahead: the one-element all-reduce each rank starts with
-    ``connect_ahead`` completes before any collective is called."""
-    for res in _run_lazy(tmp_path, world=3, present=3, timeout_s=60.0, ahead=True):
-        assert res == {"ahead": True, "sum": [6.0, 6.0, 6.0]}
+    for res in _run_lazy(tmp_path, world=3, present=3, timeout_s=60.0):
+        assert res == {"sum": [6.0, 6.0, 6.0]}
 
 
 def test_a_lazy_gloo_group_forms_without_a_missing_rank_whose_first_collective_waits_for_it(tmp_path):
