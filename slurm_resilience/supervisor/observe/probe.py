@@ -28,7 +28,8 @@ import threading
 import time
 from typing import Any, Callable, Collection, Mapping, Sequence
 
-__all__ = ["HOLD_GRACE_S", "ASK_MIN_S", "NodeProbed", "NodeProber", "silent_nodes", "pulse_gone"]
+__all__ = ["HOLD_GRACE_S", "ASK_MIN_S", "NodeProbed", "NodeProber", "silent_nodes", "pulse_gone", "PulseCloses",
+           "PULSE_RECHECK_S"]
 
 HOLD_GRACE_S = 1.0  # a probe thread past its deadline by this much is given up on
 ASK_MIN_S = 0.25  # the Slurm request's time at least, after the connect
@@ -124,12 +125,53 @@ class NodeProber:
 
 
 def pulse_gone(node: str, t: float, watched: Sequence[str], reachable: Callable[[], bool],
-               suspects: dict[str, dict[str, Any]]) -> None:
+               suspects: dict[str, dict[str, Any]]) -> bool:
     """The node's pulse connection closed: when its slurmd refuses too (``reachable``,
     asked only if the node has ``watched`` workers), the node is gone: its workers are
     suspects now, before their own connections close (a rank's process takes tens of
     milliseconds to be torn down, the pulse one). A pulse that ended on a live node (the
-    job's end, a crash of its own) is nobody's fault: its ranks start a new one."""
+    job's end, a crash of its own) is nobody's fault: its ranks start a new one. False
+    when slurmd still took the connection (``PulseCloses`` asks again)."""
     if watched and not reachable():
         for wid in watched:
             suspects.setdefault(wid, {"t": t})
+        return True
+    return not watched
+
+
+PULSE_RECHECK_S = (0.02, 0.06, 0.15)
+"""After a pulse's close that slurmd outlived, its slurmd is asked again this long after
+the close: a node whose processes are all being killed (a reboot, a kill of the whole
+node) closes their sockets in no set order, and its slurmd's listening one can still
+take a connection just after the pulse's has closed."""
+
+
+class PulseCloses:
+    """The pulse closes whose node's slurmd still took a connection, asked again at
+    ``PULSE_RECHECK_S`` after the close (each loop turn ``look``s; one connect a node
+    each time, and only after a pulse has closed). ``reachable(node)``: the connect."""
+
+    def __init__(self, reachable: Callable[[str], bool], delays: Sequence[float] = PULSE_RECHECK_S) -> None:
+        self._reachable, self._delays = reachable, tuple(delays)
+        self._due: dict[str, tuple[float, int]] = {}  # node -> (its pulse's close, next delay's index)
+
+    def closed(self, node: str, t: float, watched: Sequence[str], suspects: dict[str, dict[str, Any]]) -> None:
+        """A pulse of ``node`` closed at ``t``: its workers are suspects when slurmd refuses now."""
+        if pulse_gone(node, t, watched, lambda: self._reachable(node), suspects):
+            self._due.pop(node, None)
+        elif self._delays:
+            self._due[node] = (t, 0)
+
+    def look(self, now: float, state: Any, suspects: dict[str, dict[str, Any]]) -> None:
+        """Ask again about the nodes whose next delay has passed (``state``: the
+        supervisor's; a node excluded since, or with no watched worker, is let go)."""
+        for node, (t, i) in list(self._due.items()):
+            if now < t + self._delays[i]:
+                continue
+            watched = [] if node in state.excluded else [
+                w.worker_id for w in state.workers.values() if w.node == node and state.watched(w.worker_id)]
+            if pulse_gone(node, t, watched, lambda n=node: self._reachable(n), suspects) \
+                    or i + 1 == len(self._delays):
+                del self._due[node]
+            else:
+                self._due[node] = (t, i + 1)

@@ -1,7 +1,7 @@
 """Online executor, eyes: turn what the adapters show into observations for ``decide``.
 
 Sources, each polled from the loop (none blocks longer than the 20 ms queue wait):
-liveness sockets (a node pulse's close: its slurmd asked at once, ``probe.pulse_gone``)
+liveness sockets (a node pulse's close: its slurmd asked at once, then again: ``probe.PulseCloses``)
 and the Slurm node-state thread (``detect.py``, through a queue), the workers' job steps,
 heartbeats and pulses weighed by the watchdog (``progress.py``: hung → suspect, starved
 → reported; compute time → stragglers), the workers' events (logged; recovery marks),
@@ -11,9 +11,8 @@ Suspects of a silent node (every worker there heartbeat-stale, ``probe.silent_no
 are held while a probe thread asks that node's slurmd a Slurm request (``probe.NodeProber``,
 bounded by ``detect.slurmd_probe_deadline_s``), and, if it answered, while its peers say
 whether they reach it (``partition.held_for_peers``); then they go to ``decide``, so the
-loop never waits on the node. The probe starts early (every rank on the node quiet for
-``heartbeat_timeout_s - slurmd_probe_deadline_s - heartbeat_period_s``), and a verdict
-counts only if its probe started after the node's newest heartbeat.
+loop never waits on the node. A verdict counts only if its probe started after the
+node's newest sign of life (when probes start: ``silence.py``, ``probe.py``).
 """
 
 from __future__ import annotations
@@ -32,7 +31,7 @@ from ..decide.classify import node_unhealthy
 from .detect import Sighting, SightingKind
 from .heartbeats import present_keys, read_heartbeats, stale_workers
 from ..adapters.launcher import Launcher, StepHandle
-from .probe import NodeProbed, NodeProber, pulse_gone, silent_nodes
+from .probe import NodeProbed, NodeProber, PulseCloses, silent_nodes
 from .silence import silence
 from . import partition
 from ..decide.messages import (AllDone, Connected, LivenessChange, NodeBack, Observation, Preempted, Straggler,
@@ -87,6 +86,7 @@ class Watch:
         self._hole, self._late = None, {}  # (event number, since) not yet written; skipped holes (number → since)
         self._last_hb, self._last_return, self._last_silence, self._preempt_sent = 0.0, 0.0, 0.0, False
         self.prober = NodeProber(launcher.node_reachable, launcher.probe_slurmd, cfg.detect.slurmd_probe_deadline_s)
+        self.closes = PulseCloses(lambda n: launcher.node_reachable(n, cfg.detect.probe_timeout_s))
         self._held: dict[str, dict[str, dict[str, Any]]] = {}  # silent node → its suspects, probe running
         self._verdicts: dict[str, NodeProbed] = {}  # newest probe result per node
         self._beats: dict[str, float] = {}  # newest heartbeat time per worker
@@ -102,6 +102,7 @@ class Watch:
         suspects: dict[str, dict[str, Any]] = {}
         out += self._drain(state, suspects, 0.02)
         now = time.time()
+        self.closes.look(now, state, suspects)  # a pulse's close that its node's slurmd outlived, asked again
         polled = now - self._last_hb >= self.cfg.detect.heartbeat_period_s * max(1.0, len(state.workers) / POLL_WORKERS)
         if polled:  # the O(N) sources, once a heartbeat period (a death is seen at once by its socket)
             self._last_hb = now
@@ -152,8 +153,7 @@ class Watch:
             elif seen.kind in (SightingKind.PULSE_CLOSED, SightingKind.NODE_STATE) and seen.node not in state.excluded:
                 on = [w.worker_id for w in state.workers.values() if w.node == seen.node and state.watched(w.worker_id)]
                 if seen.kind is SightingKind.PULSE_CLOSED:
-                    pulse_gone(seen.node, seen.time, on, lambda n=seen.node: self.launcher.node_reachable(
-                        n, self.cfg.detect.probe_timeout_s), suspects)
+                    self.closes.closed(seen.node, seen.time, on, suspects)
                 for wid in on if seen.kind is SightingKind.NODE_STATE else ():
                     suspects.setdefault(wid, {"t": seen.time})["node_state"] = seen.detail
             try:
