@@ -149,7 +149,9 @@ take a connection just after the pulse's has closed."""
 class PulseCloses:
     """The pulse closes whose node's slurmd still took a connection, asked again at
     ``PULSE_RECHECK_S`` after the close (each loop turn ``look``s; one connect a node
-    each time, and only after a pulse has closed). ``reachable(node)``: the connect."""
+    each time, and only after a pulse has closed). ``reachable(node)``: the connect,
+    bounded by ``detect.probe_timeout_s`` like the first ask; a re-ask follows a first
+    connect that succeeded, so the node's network answered a moment before."""
 
     def __init__(self, reachable: Callable[[str], bool], delays: Sequence[float] = PULSE_RECHECK_S) -> None:
         self._reachable, self._delays = reachable, tuple(delays)
