@@ -13,9 +13,9 @@ from slurm_resilience.supervisor.observe.probe import PULSE_RECHECK_S, PulseClos
 
 
 def _state(workers: dict[str, str], excluded=()):
-    return types.SimpleNamespace(
-        workers={w: types.SimpleNamespace(worker_id=w, node=n) for w, n in workers.items()},
-        excluded=set(excluded), watched=lambda wid: True)
+    """A supervisor state whose workers are all watched."""
+    return types.SimpleNamespace(excluded=set(excluded),
+                                 watched_on=lambda node: [w for w, n in workers.items() if n == node])
 
 
 class _Slurmd:

@@ -173,6 +173,10 @@ class SupervisorState:
         return (self.slot_of(worker_id) is not None or worker_id in self.standbys.get(w.node, ())
                 or worker_id in self.local_standbys.get(w.node, ()))
 
+    def watched_on(self, node: str) -> list[str]:
+        """The watched workers of ``node`` (see ``watched``)."""
+        return [wid for wid, w in self.workers.items() if w.node == node and self.watched(wid)]
+
     def watched_nodes(self) -> list[str]:
         """The nodes whose silence matters: the table's and the spares' with standbys, not the excluded."""
         return sorted(n for n in set(self.table.nodes) | set(self.standbys) if n not in self.excluded)

@@ -197,6 +197,5 @@ def look(watch: Any, state: Any, suspects: dict[str, dict[str, Any]], now: float
     if found is None:
         return
     node, why = found
-    for wid, w in state.workers.items():
-        if w.node == node and state.watched(wid):
-            suspects.setdefault(wid, {"t": now})["peers_cut"] = why
+    for wid in state.watched_on(node):
+        suspects.setdefault(wid, {"t": now})["peers_cut"] = why

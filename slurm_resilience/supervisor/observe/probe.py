@@ -170,8 +170,7 @@ class PulseCloses:
         for node, (t, i) in list(self._due.items()):
             if now < t + self._delays[i]:
                 continue
-            watched = [] if node in state.excluded else [
-                w.worker_id for w in state.workers.values() if w.node == node and state.watched(w.worker_id)]
+            watched = [] if node in state.excluded else state.watched_on(node)
             if pulse_gone(node, t, watched, lambda n=node: self._reachable(n), suspects) \
                     or i + 1 == len(self._delays):
                 del self._due[node]

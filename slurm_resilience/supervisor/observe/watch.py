@@ -151,7 +151,7 @@ class Watch:
             elif seen.kind is SightingKind.CLOSED and state.watched(seen.worker_id):
                 suspects.setdefault(seen.worker_id, {"t": seen.time})["process_exited"] = True
             elif seen.kind in (SightingKind.PULSE_CLOSED, SightingKind.NODE_STATE) and seen.node not in state.excluded:
-                on = [w.worker_id for w in state.workers.values() if w.node == seen.node and state.watched(w.worker_id)]
+                on = state.watched_on(seen.node)
                 if seen.kind is SightingKind.PULSE_CLOSED:
                     self.closes.closed(seen.node, seen.time, on, suspects)
                 for wid in on if seen.kind is SightingKind.NODE_STATE else ():
